@@ -1,0 +1,6 @@
+"""`python -m hpcml` (also what torchrun runs with `-m hpcml`)."""
+
+from hpcml.cli.app import main
+
+if __name__ == "__main__":
+    main()

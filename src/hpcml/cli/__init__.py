@@ -1,0 +1,1 @@
+"""The `hpcml` command: one typer module per verb group."""

@@ -1,0 +1,23 @@
+"""Shared CLI pieces: console, JSON output, and turning user errors into one line + exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def fail(message: str, exit_code: int = 2) -> None:
+    """Print one sentence for the user and exit; never a traceback."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise SystemExit(exit_code)

@@ -1,0 +1,77 @@
+"""`hpcml model list|info`: the model zoo."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from hpcml.cli.common import console, print_json
+
+app = typer.Typer(help="The model zoo: list models and show their size and FLOPs.", no_args_is_help=True)
+
+
+@app.command("list")
+def list_cmd(json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """List the models in the zoo."""
+    from hpcml.models.zoo import list_models
+
+    specs = list_models()
+    if json_out:
+        print_json([{"name": s.name, "input_shape": list(s.input_shape), "description": s.description} for s in specs])
+        return
+    table = Table(title="hpcml model zoo")
+    table.add_column("name")
+    table.add_column("input (per sample)")
+    table.add_column("description")
+    for s in specs:
+        table.add_row(s.name, "x".join(map(str, s.input_shape)), s.description)
+    console.print(table)
+
+
+def model_info(name: str, args: dict) -> dict:
+    from hpcml.models.zoo import build_model, count_parameters, forward_flops_per_sample, get_spec
+
+    spec = get_spec(name)
+    model = build_model(name, args)
+    shape = spec.shape_for(args)
+    info = {
+        "name": name,
+        "parameters": count_parameters(model),
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "input_shape": list(shape),
+        "input_dtype": spec.input_dtype,
+        "forward_flops_per_sample": forward_flops_per_sample(model, shape, spec.input_dtype),
+        "param_bytes_fp32": sum(p.numel() * 4 for p in model.parameters()),
+    }
+    info["train_flops_per_sample"] = 3 * info["forward_flops_per_sample"]
+    return info
+
+
+@app.command("info")
+def info_cmd(
+    name: str = typer.Argument(..., help="Zoo name or import path mypkg.models:build."),
+    args: str = typer.Option("{}", "--args", help="Builder arguments as JSON, e.g. '{\"num_classes\": 100}'."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Parameters and forward FLOPs per sample (counted with torch's FlopCounterMode)."""
+    from hpcml.errors import ConfigError
+
+    try:
+        parsed = json.loads(args)
+    except json.JSONDecodeError:
+        raise ConfigError(f"--args {args!r} is not valid JSON; pass an object like '{{\"num_classes\": 100}}'.") from None
+    info = model_info(name, parsed)
+    if json_out:
+        print_json(info)
+        return
+    table = Table(title=f"model {name}", show_header=False)
+    table.add_column("key")
+    table.add_column("value", justify="right")
+    table.add_row("parameters", f"{info['parameters']:,}")
+    table.add_row("input shape (per sample)", "x".join(map(str, info["input_shape"])))
+    table.add_row("forward FLOPs / sample", f"{info['forward_flops_per_sample']:,}")
+    table.add_row("training FLOPs / sample (3x fwd)", f"{info['train_flops_per_sample']:,}")
+    table.add_row("fp32 parameter bytes", f"{info['param_bytes_fp32']:,}")
+    console.print(table)

@@ -1,0 +1,232 @@
+"""The one `RunConfig` tree: pydantic schemas, YAML loading and dotted command-line overrides.
+
+Unknown keys, wrong types and bad values become a `ConfigError` with one sentence naming the
+key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hpcml.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = "simple_cnn"
+    """A zoo name (`hpcml model list`) or an import path `mypkg.models:build`."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to the model builder."""
+
+
+class DataConfig(_Section):
+    source: str = "digits"
+    """`digits`, `cifar10`, `synthetic` (and sources later issues add)."""
+    path: str | None = None
+    """Folder for file-backed sources (cifar10: the `cifar-10-batches-py` folder or its parent)."""
+    batch_size: int = Field(64, gt=0)
+    """Samples per process per micro-batch."""
+    val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+    """Share held out for validation when the source has no official split."""
+    num_workers: int = Field(0, ge=0)
+    pin_memory: bool = True
+    persistent_workers: bool = True
+    prefetch_factor: int | None = Field(None, gt=0)
+    shuffle: bool = True
+    synthetic_samples: int = Field(4096, gt=0)
+    synthetic_shape: list[int] = Field(default_factory=lambda: [3, 32, 32])
+    synthetic_classes: int = Field(10, gt=1)
+    augment: bool = False
+    """Random crop + horizontal flip on image training data."""
+    limit_train: int | None = Field(None, gt=0)
+    """Use only the first N training samples (smoke tests)."""
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(None, gt=0)
+    """Clip the global gradient norm to this value; null turns clipping off."""
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    decay_steps: int | None = Field(None, gt=0)
+    """Steps over which the LR decays; null means train.max_steps."""
+    scale_lr_with_world: bool = False
+    """Linear scaling rule: multiply lr by the world size (Goyal et al. 2017)."""
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(300, gt=0)
+    eval_every: int = Field(100, ge=0)
+    """Evaluate every N steps (and at the end); 0 evaluates at the end only."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (and at the end); 0 checkpoints at the end only."""
+    keep_last: int = Field(3, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    seed: int = 0
+    deterministic: bool = False
+    log_every: int = Field(10, gt=0)
+    """Flush step records (and the progress line) every N steps; each step still gets a record."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    channels_last: bool = False
+
+
+class ParallelConfig(_Section):
+    strategy: Literal["ddp"] = "ddp"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    find_unused_parameters: bool = False
+    bucket_cap_mb: float = Field(25.0, gt=0)
+    sync_batchnorm: bool = False
+    timeout_s: float = Field(600.0, gt=0)
+    """Collective timeout; a rank that stops answering fails the job after this long."""
+
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.train.eval_every and self.train.eval_every > self.train.max_steps:
+            # Harmless, but say nothing: evaluation still happens at the end.
+            pass
+        return self
+
+
+def _describe_allowed(model_cls: type[BaseModel]) -> str:
+    return ", ".join(model_cls.model_fields)
+
+
+def _section_class(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    cls: type[BaseModel] = RunConfig
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:
+            return None
+    return cls
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    e = err.errors()[0]
+    loc = tuple(p for p in e["loc"] if not isinstance(p, int) or True)
+    key = ".".join(str(p) for p in loc)
+    value = e.get("input")
+    if e["type"] == "extra_forbidden":
+        parent = _section_class(loc[:-1])
+        allowed = _describe_allowed(parent) if parent else "see the schema"
+        where = ".".join(str(p) for p in loc[:-1]) or "the top level"
+        return (
+            f"config key '{key}' (from {origin}) is not known; keys allowed under {where} are: "
+            f"{allowed}."
+        )
+    msg = e["msg"]
+    if e["type"] == "literal_error":
+        msg = msg.replace("Input should be", "allowed values are")
+    return f"config key '{key}' has value {value!r} (from {origin}), which is not allowed: {msg}."
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`optim.lr=3e-4` -> (["optim", "lr"], 0.0003). Values are parsed as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(
+            f"override '{text}' has no '='; write overrides as dotted.key=value, "
+            "e.g. optim.lr=0.01."
+        )
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override '{text}' has an empty key; write it as dotted.key=value.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = {}
+                node[part] = child
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override '{text}' goes inside '{part}', which holds a value, not a section."
+                )
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist; pass the path of a YAML config.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}; fix its syntax.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections at the top level.")
+    return data
+
+
+def build_config(data: dict[str, Any], origin: str = "the config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, origin)) from None
+
+
+def load_config(path: Path | str | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (or the embedded defaults when `path` is None) plus dotted overrides."""
+    data: dict[str, Any] = load_yaml(Path(path)) if path is not None else {}
+    overrides = overrides or []
+    origin = str(path) if path is not None else "the defaults"
+    if overrides:
+        origin += " with overrides " + " ".join(overrides)
+    return build_config(apply_overrides(data, overrides), origin)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(cfg: RunConfig) -> dict[str, Any]:
+    """Dotted key -> value, e.g. for tracking params."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = obj
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

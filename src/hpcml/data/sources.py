@@ -1,0 +1,191 @@
+"""Data sources by name: each returns a train and a validation `Dataset` of (input, label).
+
+`digits` is scikit-learn's bundled handwritten digits (real data, offline), upsampled to
+3x32x32 so the CIFAR-shaped CNNs take it unchanged. `cifar10` reads the official
+python-pickle batches from a local folder. `synthetic` is random tensors of a given shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from hpcml.config import DataConfig
+from hpcml.errors import DataError
+
+# The validation split must not move when the training seed changes: fixed split seed.
+SPLIT_SEED = 1234
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+@dataclass
+class Splits:
+    train: Dataset
+    val: Dataset
+    input_shape: tuple[int, ...]
+    num_classes: int
+    fingerprint: str
+    """sha256 over the bytes read, so a run can be traced to exactly the data it saw."""
+
+
+def _split(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SPLIT_SEED)
+    perm = torch.randperm(n, generator=g)
+    n_val = int(round(n * val_fraction))
+    return perm[n_val:], perm[:n_val]
+
+
+def _hash_arrays(*arrays: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def load_digits(cfg: DataConfig) -> Splits:
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+    except ImportError:
+        raise DataError(
+            "data source 'digits' needs scikit-learn; install it with pip install scikit-learn."
+        ) from None
+    bunch = sk_load_digits()
+    images = np.asarray(bunch.images, dtype=np.float32)  # (1797, 8, 8), values 0..16
+    labels = np.asarray(bunch.target, dtype=np.int64)
+    x = torch.from_numpy(images).unsqueeze(1) / 16.0
+    x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False)
+    x = ((x - 0.5) / 0.5).expand(-1, 3, -1, -1).contiguous()
+    y = torch.from_numpy(labels)
+    train_idx, val_idx = _split(len(y), cfg.val_fraction)
+    return Splits(
+        TensorDataset(x[train_idx], y[train_idx]),
+        TensorDataset(x[val_idx], y[val_idx]),
+        (3, 32, 32),
+        10,
+        _hash_arrays(images, labels),
+    )
+
+
+class AugmentedImages(Dataset):
+    """Random crop (pad 4) + horizontal flip, the standard CIFAR augmentation.
+
+    Randomness comes from torch's global generator, which the DataLoader seeds per worker from
+    its own generator, so a run is reproducible for a given seed and worker count.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        img = self.x[i]
+        padded = F.pad(img, (4, 4, 4, 4), mode="reflect")
+        dx, dy = torch.randint(0, 9, (2,)).tolist()
+        img = padded[:, dy : dy + 32, dx : dx + 32]
+        if torch.rand(()) < 0.5:
+            img = img.flip(-1)
+        return img, self.y[i]
+
+
+def _cifar_dir(cfg: DataConfig) -> Path:
+    if cfg.path is None:
+        raise DataError(
+            "data source 'cifar10' needs data.path: the folder holding cifar-10-batches-py "
+            "(download cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html "
+            "and unpack it there)."
+        )
+    root = Path(cfg.path).expanduser()
+    for candidate in (root, root / "cifar-10-batches-py"):
+        if (candidate / "data_batch_1").exists():
+            return candidate
+    raise DataError(
+        f"data.path {root} holds no CIFAR-10 batches (data_batch_1..5, test_batch); unpack "
+        "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html into that folder."
+    )
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with open(path, "rb") as f:
+            d = pickle.load(f, encoding="bytes")
+        data = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        labels = np.asarray(d[b"labels"], dtype=np.int64)
+    except FileNotFoundError:
+        raise DataError(
+            f"CIFAR-10 file {path} is missing; the folder needs data_batch_1..5 and test_batch."
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - any unreadable pickle is the same user problem
+        raise DataError(
+            f"CIFAR-10 file {path} cannot be read as a python-pickle batch ({type(exc).__name__}); "
+            "re-download cifar-10-python.tar.gz."
+        ) from None
+    return data, labels
+
+
+def load_cifar10(cfg: DataConfig) -> Splits:
+    root = _cifar_dir(cfg)
+    parts = [_read_cifar_batch(root / f"data_batch_{i}") for i in range(1, 6)]
+    xtr = np.concatenate([p[0] for p in parts])
+    ytr = np.concatenate([p[1] for p in parts])
+    xte, yte = _read_cifar_batch(root / "test_batch")
+    mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+
+    def norm(a: np.ndarray) -> torch.Tensor:
+        return (torch.from_numpy(a).float() / 255.0 - mean) / std
+
+    xt, yt = norm(xtr), torch.from_numpy(ytr)
+    train: Dataset = AugmentedImages(xt, yt) if cfg.augment else TensorDataset(xt, yt)
+    return Splits(
+        train,
+        TensorDataset(norm(xte), torch.from_numpy(yte)),
+        (3, 32, 32),
+        10,
+        _hash_arrays(xtr, ytr, xte, yte),
+    )
+
+
+def load_synthetic(cfg: DataConfig) -> Splits:
+    g = torch.Generator().manual_seed(SPLIT_SEED)
+    shape = tuple(cfg.synthetic_shape)
+    n = cfg.synthetic_samples
+    x = torch.randn((n, *shape), generator=g)
+    y = torch.randint(0, cfg.synthetic_classes, (n,), generator=g)
+    train_idx, val_idx = _split(n, cfg.val_fraction if cfg.val_fraction > 0 else 0.1)
+    return Splits(
+        TensorDataset(x[train_idx], y[train_idx]),
+        TensorDataset(x[val_idx], y[val_idx]),
+        shape,
+        cfg.synthetic_classes,
+        f"synthetic:{SPLIT_SEED}:{n}:{shape}:{cfg.synthetic_classes}",
+    )
+
+
+SOURCES: dict[str, Callable[[DataConfig], Splits]] = {
+    "digits": load_digits,
+    "cifar10": load_cifar10,
+    "synthetic": load_synthetic,
+}
+
+
+def load_source(cfg: DataConfig) -> Splits:
+    loader = SOURCES.get(cfg.source)
+    if loader is None:
+        raise DataError(
+            f"data.source '{cfg.source}' is not known; known sources are: {', '.join(sorted(SOURCES))}."
+        )
+    splits = loader(cfg)
+    if cfg.limit_train is not None and cfg.limit_train < len(splits.train):  # type: ignore[arg-type]
+        splits.train = torch.utils.data.Subset(splits.train, range(cfg.limit_train))
+    return splits

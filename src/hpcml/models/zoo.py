@@ -1,0 +1,151 @@
+"""Registry of model builders by name, plus user models by import path (`mypkg.models:build`).
+
+A spec knows its input shape so that `model info` can count FLOPs by running one forward pass
+under torch's FlopCounterMode (counted, not guessed) and so that exports carry an input spec.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpcml.errors import ModelError
+from hpcml.models.cnn import MLP, SimpleCNN
+from hpcml.models.resnet import resnet18
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    builder: Callable[..., nn.Module]
+    input_shape: tuple[int, ...]
+    """Per-sample input shape, e.g. (3, 32, 32)."""
+    task: str = "classification"
+    input_dtype: str = "float32"
+    description: str = ""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    input_shape_fn: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
+
+    def shape_for(self, args: dict[str, Any]) -> tuple[int, ...]:
+        return self.input_shape_fn(args) if self.input_shape_fn else self.input_shape
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _mlp_shape(args: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(args.get("input_shape", (3, 32, 32)))
+
+
+def _build_mlp(input_shape: tuple[int, ...] | list[int] = (3, 32, 32), **kw: Any) -> nn.Module:
+    n = 1
+    for d in input_shape:
+        n *= int(d)
+    return MLP(in_features=n, **kw)
+
+
+register(
+    ModelSpec(
+        "simple_cnn",
+        SimpleCNN,
+        (3, 32, 32),
+        description="CIFAR-10 workshop SimpleCNN: 3 conv stages (64/128/256) + 2 linear layers",
+    )
+)
+register(ModelSpec("resnet18", resnet18, (3, 32, 32), description="ResNet-18, CIFAR stem"))
+register(
+    ModelSpec(
+        "mlp",
+        _build_mlp,
+        (3, 32, 32),
+        description="multi-layer perceptron (no BatchNorm: data parallel is exact)",
+        input_shape_fn=_mlp_shape,
+    )
+)
+
+
+def list_models() -> list[ModelSpec]:
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def _import_builder(path: str) -> Callable[..., nn.Module]:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(
+            f"model '{path}': module '{module_name}' cannot be imported ({exc}); "
+            "check model.name and that the package is on PYTHONPATH."
+        ) from None
+    builder = getattr(module, attr, None)
+    if builder is None or not callable(builder):
+        raise ModelError(
+            f"model '{path}': module '{module_name}' has no callable '{attr}'; "
+            "point model.name at a function that returns an nn.Module."
+        )
+    return builder  # type: ignore[no-any-return]
+
+
+def get_spec(name: str) -> ModelSpec:
+    if ":" in name:
+        builder = _import_builder(name)
+        shape = tuple(getattr(builder, "input_shape", (3, 32, 32)))
+        return ModelSpec(name, builder, shape, description="user model")
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        known = ", ".join(sorted(_REGISTRY))
+        raise ModelError(
+            f"model '{name}' is not in the zoo; known models are: {known} "
+            "(or give an import path like mypkg.models:build)."
+        )
+    return spec
+
+
+def build_model(name: str, args: dict[str, Any] | None = None) -> nn.Module:
+    spec = get_spec(name)
+    kwargs = {**spec.defaults, **(args or {})}
+    try:
+        model = spec.builder(**kwargs)
+    except TypeError as exc:
+        raise ModelError(
+            f"model '{name}' cannot be built with arguments {kwargs} ({exc}); "
+            "check model.args against the builder's parameters."
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model '{name}': the builder returned {type(model).__name__}, not nn.Module.")
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def forward_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...], dtype: str = "float32") -> int:
+    """FLOPs of one forward pass for one sample, counted by torch's FlopCounterMode.
+
+    Convention: a multiply-add counts as 2 FLOPs (as in torch.utils.flop_counter and the
+    Megatron/PaLM accounting); elementwise ops are not counted.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = model.training
+    model.eval()
+    if dtype.startswith("int"):
+        x = torch.zeros((2, *input_shape), dtype=getattr(torch, dtype))
+    else:
+        x = torch.randn((2, *input_shape))
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(x)
+    model.train(was_training)
+    return int(counter.get_total_flops()) // 2

@@ -1,0 +1,1 @@
+"""Observation: Prometheus metrics, GPU readings, profiles."""

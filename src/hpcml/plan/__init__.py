@@ -1,0 +1,1 @@
+"""Planning: pure functions over dataclasses predicting memory, communication, time and cost."""

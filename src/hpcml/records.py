@@ -1,0 +1,105 @@
+"""Run-record I/O: the JSONL step log, summary.json and atomic JSON writes.
+
+A run folder is the contract between training, planning (`plan check`), tracking and serving,
+so its files are written here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+RUN_LOG = "run.jsonl"
+SUMMARY = "summary.json"
+CONFIG = "config.yaml"
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class RunLog:
+    """Append-only JSONL log, one object per line, flushed per write so a crash loses at most a line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, default=float) + "\n")
+
+    def write_many(self, records: list[dict[str, Any]]) -> None:
+        self._f.write("".join(json.dumps(r, default=float) + "\n" for r in records))
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_run_log(path: Path) -> list[dict[str, Any]]:
+    """Read a run.jsonl; a torn last line (crash mid-write) is skipped, not an error."""
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def iter_step_records(path: Path) -> Iterator[dict[str, Any]]:
+    for r in read_run_log(path):
+        if r.get("kind", "step") == "step":
+            yield r
+
+
+def truncate_run_log_after(path: Path, step: int) -> None:
+    """On resume, drop records past the checkpoint's step so the log reads as one clean run."""
+    if not path.exists():
+        return
+    kept = [r for r in read_run_log(path) if int(r.get("step", 0)) <= step]
+    write_text_atomic(path, "".join(json.dumps(r, default=float) + "\n" for r in kept))
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    with open(run_dir / SUMMARY) as f:
+        data: dict[str, Any] = json.load(f)
+    return data

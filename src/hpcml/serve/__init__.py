@@ -1,0 +1,1 @@
+"""Serving: Open Inference Protocol server, dynamic batching, versions and traffic."""

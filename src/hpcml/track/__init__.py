@@ -1,0 +1,1 @@
+"""Tracking: MLflow runs and registry, provenance."""

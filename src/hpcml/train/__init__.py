@@ -1,0 +1,1 @@
+"""hpcml.train."""
