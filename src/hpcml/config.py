@@ -93,6 +93,18 @@ class ParallelConfig(_Section):
     """Collective timeout; a rank that stops answering fails the job after this long."""
 
 
+class TrackingConfig(_Section):
+    backend: Literal["none", "mlflow"] = "none"
+    uri: str | None = None
+    """MLflow tracking URI; null means a SQLite store `mlruns.db` in the working folder."""
+    experiment: str = "hpcml"
+    run_name: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Free tags such as team, project, cost_center."""
+    log_every: int = Field(10, gt=0)
+    """Send step metrics to the tracker every N steps (batched)."""
+
+
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -100,6 +112,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
