@@ -25,10 +25,21 @@ class Runtime:
     local_world_size: int
     device: torch.device
     backend: str | None
+    tp: int = 1
+    """Tensor-parallel degree: ranks r and r+1 .. r+tp-1 share one model replica and one batch."""
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data-parallel replica (the mesh is (dp, tp), tp innermost)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
 
     @property
     def is_main(self) -> bool:
@@ -53,11 +64,20 @@ def choose_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> Runtime:
+def init_runtime(
+    device: str = "auto", backend: str = "auto", timeout_s: float = 600.0, tp: int = 1
+) -> Runtime:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world % tp:
+        from hpcml.errors import ConfigError
+
+        raise ConfigError(
+            f"parallel.tp {tp} does not divide the {world} processes; start a multiple of "
+            f"{tp} processes (--nproc) or lower parallel.tp."
+        )
     dev = choose_device(device, local_rank)
     chosen: str | None = None
     if world > 1:
@@ -73,7 +93,7 @@ def init_runtime(device: str = "auto", backend: str = "auto", timeout_s: float =
     if dev.type == "cpu" and local_world > 1:
         # Several ranks on one CPU: split the cores instead of letting each grab all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    return Runtime(rank, local_rank, world, local_world, dev, chosen)
+    return Runtime(rank, local_rank, world, local_world, dev, chosen, tp)
 
 
 def shutdown(rt: Runtime) -> None:

@@ -27,12 +27,8 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
+from hpcml.dist.parallel import checkpoint_state, load_checkpoint_state
 from hpcml.dist.runtime import Runtime, barrier, broadcast_object
 from hpcml.errors import CheckpointError
 
@@ -172,7 +168,7 @@ def save(
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
     barrier(rt)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = checkpoint_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
     if rt.is_main:
@@ -201,7 +197,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Run
     problem = broadcast_object(rt, problem)
     if problem is not None:
         raise CheckpointError(f"{problem}; choose another checkpoint or use --resume auto.")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = checkpoint_state(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -210,13 +206,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Run
             f"checkpoint {path} does not fit this model or optimizer ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200]}); resume with the config that wrote it."
         ) from None
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=StateDictOptions(strict=True),
-    )
+    load_checkpoint_state(model, optimizer, state["model"], state["optim"])
     trainer = torch.load(path / "trainer.pt", weights_only=False)
     rank_file = path / f"rank-{rt.rank}.pt"
     rank_state = None
