@@ -202,7 +202,11 @@ def checkpoint_state(
     groups = []
     for i, group in enumerate(local["param_groups"]):
         names = {n for rank_groups in owned for n in rank_groups[i]}
-        groups.append({**group, "params": sorted(names, key=lambda n: order.get(n, len(order)))})
+        # The wrapper's groups hold the current lr (schedulers set it there; the local
+        # optimizer sees it only at its next step).
+        current = {k: v for k, v in optimizer.param_groups[i].items() if k != "params"}
+        ordered = sorted(names, key=lambda n: order.get(n, len(order)))
+        groups.append({**group, **current, "params": ordered})
     return get_model_state_dict(model), {"state": local["state"], "param_groups": groups}
 
 

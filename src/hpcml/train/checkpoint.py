@@ -172,7 +172,10 @@ def save(
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
     if rt.is_main:
-        torch.save({**trainer_state, "step": step, "world_size": rt.world_size}, tmp / "trainer.pt")
+        torch.save(
+            {**trainer_state, "step": step, "world_size": rt.world_size, "tp": rt.tp},
+            tmp / "trainer.pt",
+        )
     barrier(rt)
     if rt.is_main:
         _fsync_tree(tmp)
@@ -210,6 +213,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Run
     trainer = torch.load(path / "trainer.pt", weights_only=False)
     rank_file = path / f"rank-{rt.rank}.pt"
     rank_state = None
-    if trainer.get("world_size") == rt.world_size and rank_file.exists():
+    same_layout = trainer.get("world_size") == rt.world_size and trainer.get("tp", 1) == rt.tp
+    if same_layout and rank_file.exists():
         rank_state = torch.load(rank_file, weights_only=False)
     return Loaded(path, int(trainer["step"]), trainer, rank_state)
