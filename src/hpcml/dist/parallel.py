@@ -95,6 +95,12 @@ def parallelize(
                 "processes is not supported; combine tensor parallelism with zero2, zero3 or "
                 f"fsdp, or run {rt.tp} processes."
             )
+        if precision == "fp16":
+            # Loss scaling would have to check plain and DTensor gradients on two meshes at once.
+            raise ConfigError(
+                "precision fp16 with parallel.tp > 1 is not supported; use precision=bf16, "
+                "which needs no loss scaling."
+            )
         mesh = build_mesh(rt)
         plan(model, mesh["tp"], cfg.sequence_parallel)
     elif cfg.sequence_parallel:
