@@ -56,7 +56,7 @@ def test_cli_prepare(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["tokens"]["train"] > 50_000
     bad = subprocess.run(
-        [*cmd[:4], "wikipedia", "--out", str(tmp_path)], env=env, capture_output=True, text=True
+        [*cmd[:5], "wikipedia", "--out", str(tmp_path)], env=env, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "not known" in bad.stderr
 
