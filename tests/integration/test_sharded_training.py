@@ -52,7 +52,9 @@ def train(
         cmd += ["--resume", resume]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, (
+        f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    )
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -125,7 +127,9 @@ def test_zero3_holds_half_the_model_states_of_ddp(runs: dict[str, Path]) -> None
     z1 = summary(runs["zero1"])["memory"]["per_rank"]
     dd = summary(runs["ddp"])["memory"]["per_rank"]
     assert z1[0]["params_bytes"] == dd[0]["params_bytes"]
-    assert sum(r["optimizer_bytes"] for r in z1) == pytest.approx(dd[0]["optimizer_bytes"], rel=0.01)
+    assert sum(r["optimizer_bytes"] for r in z1) == pytest.approx(
+        dd[0]["optimizer_bytes"], rel=0.01
+    )
 
 
 def test_zero3_checkpoint_resumes_under_ddp(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -84,9 +84,7 @@ def test_tp_with_ddp_replicas_is_refused() -> None:
 
 def test_fp16_with_tp_is_refused() -> None:
     with pytest.raises(ConfigError, match="bf16"):
-        parallelize(
-            build_model("gpt-tiny", {}), _rt(2, 2), ParallelConfig(tp=2), precision="fp16"
-        )
+        parallelize(build_model("gpt-tiny", {}), _rt(2, 2), ParallelConfig(tp=2), precision="fp16")
 
 
 def test_sequence_parallel_needs_tp() -> None:

@@ -51,7 +51,10 @@ def test_cli_prepare(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     cmd = [sys.executable, "-m", "hpcml", "data", "prepare", "pystdlib", "--out", str(tmp_path)]
     out = subprocess.run(
-        [*cmd, "--max-bytes", "300000", "--val-fraction", "0.3", "--json"], env=env, capture_output=True, text=True
+        [*cmd, "--max-bytes", "300000", "--val-fraction", "0.3", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["tokens"]["train"] > 50_000
@@ -75,7 +78,10 @@ def test_windows_are_next_token_pairs(corpus: Path) -> None:
 
 def test_single_file_holds_out_a_tail(corpus: Path) -> None:
     cfg = DataConfig(
-        source="tokens", path=str(corpus / "train.bin"), seq_len=16, val_fraction=0.1,
+        source="tokens",
+        path=str(corpus / "train.bin"),
+        seq_len=16,
+        val_fraction=0.1,
         eval_windows=None,
     )
     splits = load_source(cfg)

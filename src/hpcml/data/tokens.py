@@ -70,7 +70,9 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def make_sampler(self, rank: int, world_size: int, seed: int) -> RandomWindowSampler:
         """Used by `EpochLoader` in place of a DistributedSampler."""
-        return RandomWindowSampler(self.n_starts, self.n_tokens // self.seq_len, rank, world_size, seed)
+        return RandomWindowSampler(
+            self.n_starts, self.n_tokens // self.seq_len, rank, world_size, seed
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None}
@@ -239,9 +241,7 @@ def prepare_pystdlib(
         if max_bytes is not None and read >= max_bytes:
             break
     if not parts["val"] or not parts["train"]:
-        raise DataError(
-            "the corpus is too small to split; raise --max-bytes or --val-fraction."
-        )
+        raise DataError("the corpus is too small to split; raise --max-bytes or --val-fraction.")
     out.mkdir(parents=True, exist_ok=True)
     sha: dict[str, str] = {}
     tokens: dict[str, int] = {}

@@ -79,7 +79,6 @@ register(
 )
 
 
-
 def _gpt_spec(size: str) -> ModelSpec:
     defaults = gpt.SIZES[size]
 
