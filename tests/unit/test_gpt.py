@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from hpcml.config import load_config
 from hpcml.errors import ModelError
 from hpcml.models import gpt
 from hpcml.models.zoo import build_model, complete_args, count_parameters, get_spec
@@ -78,3 +81,12 @@ def test_bad_arguments_are_model_errors() -> None:
         gpt.build_gpt(n_heads=4)
     with pytest.raises(ModelError, match="not divisible"):
         gpt.build_gpt(d_model=65, n_head=4)
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[2] / "examples").glob("gpt*.yaml"))
+)
+def test_example_configs_are_valid(path: Path) -> None:
+    cfg = load_config(path)
+    assert get_spec(cfg.model.name).task == "language_modeling"
+    assert cfg.data.source == "tokens"
