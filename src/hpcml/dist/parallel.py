@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -180,9 +180,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole, unsharded model on CPU under its plain parameter names, on rank 0 (other
     ranks get an empty dict). Every rank must call it: gathering shards is a collective."""
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
 
 def _fqn_order(model: nn.Module) -> list[str]:
@@ -201,7 +200,7 @@ def checkpoint_state(
     """
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return get_state_dict(model, optimizer)
-    local = get_optimizer_state_dict(model, optimizer.optim)
+    local = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer.optim))
     owned: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(owned, [g["params"] for g in local["param_groups"]])
     order = {name: i for i, name in enumerate(_fqn_order(model))}
@@ -230,14 +229,14 @@ def load_checkpoint_state(
         )
         return
     set_model_state_dict(model, model_sd, options=options)
-    local_groups = get_optimizer_state_dict(model, optimizer.optim)["param_groups"]
+    local = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer.optim))
+    local_groups = local["param_groups"]
     groups = [
         {**loaded, "params": mine["params"]}
         for loaded, mine in zip(optim_sd["param_groups"], local_groups, strict=True)
     ]
-    set_optimizer_state_dict(
-        model, optimizer.optim, {"state": optim_sd["state"], "param_groups": groups}
-    )
+    loaded_sd: Any = {"state": optim_sd["state"], "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer.optim, loaded_sd)
     # The wrapper keeps its own copy of the param groups (lr, betas); refresh it.
     for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
         outer.update({k: v for k, v in inner.items() if k != "params"})
