@@ -13,22 +13,20 @@ One module fixture runs each training once; the tests read their run folders.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from tests.conftest import hpcml_env, summary
+from tests.conftest import step_losses as losses
 
 from hpcml.data.tokens import prepare_pystdlib
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp"]
 REL = 1e-4
 
@@ -50,20 +48,10 @@ def train(
     cmd += [*overrides, "--run-dir", str(run_dir), "--quiet"]
     if resume:
         cmd += ["--resume", resume]
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (
         f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     )
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "run.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r.get("kind") == "step"}
-
-
-def summary(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
