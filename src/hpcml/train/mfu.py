@@ -36,7 +36,7 @@ def peak_flops_per_s(device_name: str, precision: str) -> float | None:
         found = catalog_peak(device_name, precision)
         if found:
             return float(found)
-    except (ImportError, AttributeError, KeyError, ValueError):
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
         pass
     matches = [key for key in PEAK_FLOPS if key.lower() in device_name.lower()]
     if not matches:
