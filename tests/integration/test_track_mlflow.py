@@ -159,6 +159,19 @@ def test_partial_window_is_flushed_at_finish(store: str, client: Any, tmp_path: 
     assert [s for s, _ in _history(client, tracker.run_id, "loss")] == [10, 13]
 
 
+def test_step_points_are_sent_in_time_batches(store: str, client: Any, tmp_path: Path) -> None:
+    tracker = MlflowTracker(_cfg(store, flush_every_s=3600), tmp_path / "batched")
+    tracker.start({"a": 1}, {})
+    tracker.log_steps(_steps(1, 20))  # the first call sends at once: the UI shows the run early
+    tracker.log_steps(_steps(21, 40))  # held: the interval has not passed
+    tracker._wait()
+    assert [s for s, _ in _history(client, tracker.run_id, "loss")] == [10, 20]
+    tracker.log_eval({"step": 40, "val_loss": 0.3})  # evaluation sends everything queued
+    tracker._wait()
+    assert [s for s, _ in _history(client, tracker.run_id, "loss")] == [10, 20, 30, 40]
+    tracker.finish({"steps": 40}, "finished", tmp_path / "batched")
+
+
 @pytest.mark.parametrize(("status", "expected"), [("failed", "FAILED"), ("preempted", "KILLED")])
 def test_failed_and_preempted_runs_are_marked(
     store: str, client: Any, tmp_path: Path, status: str, expected: str

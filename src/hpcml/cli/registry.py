@@ -68,9 +68,13 @@ def _versions_table(title: str, rows: list[dict[str, Any]]) -> Table:
     ),
 )
 def register_cmd(
-    run_dir: Path = typer.Argument(..., help="A finished run folder (holding export/ and summary.json)."),
+    run_dir: Path = typer.Argument(
+        ..., help="A finished run folder (holding export/ and summary.json)."
+    ),
     name: str = typer.Option(..., "--name", help="Registered model name, e.g. digits-cnn."),
-    alias: str | None = typer.Option(None, "--alias", help="Also point this alias at the new version: staging or production."),
+    alias: str | None = typer.Option(
+        None, "--alias", help="Also point this alias at the new version: staging or production."
+    ),
     description: str | None = typer.Option(None, "--description", help="Version description."),
     tracking_uri: str | None = _uri_option(),
     json_out: bool = _json_option(),
@@ -78,12 +82,16 @@ def register_cmd(
     """Register a run's export as a new model version."""
     from hpcml.track.registry import register_run
 
-    info = register_run(run_dir, name, tracking_uri=tracking_uri, alias=alias, description=description)
+    info = register_run(
+        run_dir, name, tracking_uri=tracking_uri, alias=alias, description=description
+    )
     if json_out:
         print_json(info)
         return
     console.print(_versions_table(f"registered {name} version {info['version']}", [info]))
-    console.print(f"load it with [bold]models:/{name}/{info['version']}[/]  (store {info['tracking_uri']})")
+    console.print(
+        f"load it with [bold]models:/{name}/{info['version']}[/]  (store {info['tracking_uri']})"
+    )
 
 
 @app.command("list")
@@ -113,11 +121,25 @@ def list_cmd(
 )
 def promote_cmd(
     name: str = typer.Argument(..., help="Registered model name."),
-    version: int | None = typer.Option(None, "--version", help="Version to promote (with --if-better: the candidate; default the newest)."),
+    version: int | None = typer.Option(
+        None,
+        "--version",
+        help="Version to promote (with --if-better: the candidate; default the newest).",
+    ),
     to: str = typer.Option("production", "--to", help="Alias to move: staging or production."),
-    if_better: str | None = typer.Option(None, "--if-better", help="Promote only when this metric beats the alias holder's, e.g. val_accuracy."),
-    mode: str | None = typer.Option(None, "--mode", help="max or min: which way METRIC improves (default: min for names with loss/error, else max)."),
-    min_delta: float = typer.Option(0.0, "--min-delta", help="Required improvement over the current holder."),
+    if_better: str | None = typer.Option(
+        None,
+        "--if-better",
+        help="Promote only when this metric beats the alias holder's, e.g. val_accuracy.",
+    ),
+    mode: str | None = typer.Option(
+        None,
+        "--mode",
+        help="max or min: which way METRIC improves (default: min for names with loss/error, else max).",
+    ),
+    min_delta: float = typer.Option(
+        0.0, "--min-delta", help="Required improvement over the current holder."
+    ),
     tracking_uri: str | None = _uri_option(),
     json_out: bool = _json_option(),
 ) -> None:
@@ -157,13 +179,22 @@ def promote_cmd(
         table = Table(title=f"promotion gate: {name} -> {to}", show_header=False)
         table.add_column("key")
         table.add_column("value")
-        table.add_row("candidate", f"version {decision.candidate_version}: {decision.metric} = {_fmt(decision.candidate_value)}")
-        inc = "none" if decision.incumbent_version is None else (
-            f"version {decision.incumbent_version}: {decision.metric} = {_fmt(decision.incumbent_value)}"
+        table.add_row(
+            "candidate",
+            f"version {decision.candidate_version}: {decision.metric} = {_fmt(decision.candidate_value)}",
+        )
+        inc = (
+            "none"
+            if decision.incumbent_version is None
+            else (
+                f"version {decision.incumbent_version}: {decision.metric} = {_fmt(decision.incumbent_value)}"
+            )
         )
         table.add_row(f"current {to}", inc)
         table.add_row("better is", decision.mode)
-        table.add_row("decision", "[green]promoted[/]" if decision.promoted else "[yellow]not promoted[/]")
+        table.add_row(
+            "decision", "[green]promoted[/]" if decision.promoted else "[yellow]not promoted[/]"
+        )
         table.add_row("why", decision.reason)
         console.print(table)
     if not decision.promoted:

@@ -1,8 +1,9 @@
 """The training run's MLflow tracker: one MLflow run per run folder, talked to by rank 0 only.
 
 The engine calls `start`, `log_steps`, `log_eval` and `finish`. Step metrics are reduced over
-windows of `tracking.log_every` steps and sent with MLflow's asynchronous `log_batch`, so the
-training loop never waits on the store. `run_dir/tracking.json` remembers the MLflow run, so a
+windows of `tracking.log_every` steps, queued, and sent at most every `tracking.flush_every_s`
+with MLflow's asynchronous `log_batch`: the loop never waits on the store, and the store's
+background thread (about 10 ms per write on SQLite) rarely competes with it. `run_dir/tracking.json` remembers the MLflow run, so a
 resumed training run continues the same MLflow run. Tracking failures after `start` are warned
 about, never raised: an unreachable store must not kill a training run.
 """
@@ -30,6 +31,7 @@ EXPORT_DIR = "export"
 STATUS_TO_MLFLOW = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 # Fields of a step record that are coordinates or labels, not measurements.
 _NOT_METRICS = frozenset({"step", "kind", "epoch", "time", "timestamp", "wall_time", "rank"})
+_MAX_QUEUED = 5000  # metric points; bounds memory and the size of one store write
 _PARAM_LIMIT = 6000
 _TAG_LIMIT = 8000
 
@@ -114,6 +116,8 @@ class MlflowTracker:
         self.resumed = False
         self._client: MlflowClient | None = None
         self._window: list[dict[str, Any]] = []
+        self._queue: list[Metric] = []
+        self._last_flush: float | None = None  # never: the first points go out at once
         self._pending: list[Any] = []
         self._failed = False
 
@@ -165,21 +169,25 @@ class MlflowTracker:
         """Queue step records; each full window of `log_every` steps becomes one metric point."""
         if self._client is None or self._failed:
             return
-        metrics: list[Metric] = []
         for record in records:
             if record.get("kind", "step") != "step":
                 continue
             self._window.append(record)
             step = int(record.get("step", 0))
             if step % self.cfg.log_every == 0:
-                metrics += self._window_metrics()
-        self._send(metrics)
+                self._queue += self._window_metrics()
+        last = self._last_flush
+        due = last is None or time.monotonic() - last >= self.cfg.flush_every_s
+        if due or len(self._queue) >= _MAX_QUEUED:
+            self._flush()
 
     def log_eval(self, record: dict[str, Any]) -> None:
+        """Evaluation points are rare and watched: sent now, with any queued step points."""
         if self._client is None or self._failed:
             return
         step = int(record.get("step", 0))
-        self._send(self._metrics(numeric_items(record), step))
+        self._queue += self._metrics(numeric_items(record), step)
+        self._flush()
 
     def finish(self, summary: dict[str, Any], status: str, run_dir: Path) -> None:
         """Flush metrics, log the summary's numbers, attach artifacts and close the run with
@@ -189,10 +197,10 @@ class MlflowTracker:
         client, run_id = self._client, self.run_id
         run_dir = Path(run_dir)
         try:
-            self._send(self._window_metrics())
-            summary_metrics = _summary_metrics(summary)
+            self._queue += self._window_metrics()
             step = int(summary.get("steps") or 0)
-            self._send(self._metrics(summary_metrics, step))
+            self._queue += self._metrics(_summary_metrics(summary), step)
+            self._flush()
             self._set_tags(_summary_tags(summary, status))
             self._wait()
             for name in (SUMMARY, CONFIG, RUN_LOG):
@@ -261,7 +269,9 @@ class MlflowTracker:
         now_ms = int(time.time() * 1000)
         return [Metric(k, v, now_ms, step) for k, v in values.items()]
 
-    def _send(self, metrics: list[Metric]) -> None:
+    def _flush(self) -> None:
+        metrics, self._queue = self._queue, []
+        self._last_flush = time.monotonic()
         if not metrics or self._client is None or self.run_id is None or self._failed:
             return
         try:

@@ -83,7 +83,9 @@ def check_alias(alias: str) -> str:
 def metric_mode(metric: str) -> Literal["max", "min"]:
     """Losses, errors and perplexities improve downwards; everything else (accuracy, F1) upwards."""
     lowered = metric.lower()
-    return "min" if any(w in lowered for w in ("loss", "error", "perplexity", "mse", "mae")) else "max"
+    return (
+        "min" if any(w in lowered for w in ("loss", "error", "perplexity", "mse", "mae")) else "max"
+    )
 
 
 # -- registering ---------------------------------------------------------------------------
@@ -167,13 +169,15 @@ def _log_untracked_run(
 ) -> tuple[str, str]:
     config = summary.get("config") or {}
     tracking = config.get("tracking") or {}
-    cfg = TrackingConfig(
-        backend="mlflow",
-        uri=uri,
-        experiment=tracking.get("experiment") or "hpcml",
-        run_name=tracking.get("run_name"),
-        tags=tracking.get("tags") or {},
-        log_every=tracking.get("log_every") or 10,
+    cfg = TrackingConfig.model_validate(
+        {
+            "backend": "mlflow",
+            "uri": uri,
+            "experiment": tracking.get("experiment") or "hpcml",
+            "run_name": tracking.get("run_name"),
+            "tags": tracking.get("tags") or {},
+            "log_every": tracking.get("log_every") or 10,
+        }
     )
     tracker = MlflowTracker(cfg, run_dir, remember=remember)
     tags = to_tags(summary.get("provenance") or {})
