@@ -286,7 +286,9 @@ def test_cli_register_list_and_gate_exit_codes(
     code, out, _ = cli(
         monkeypatch, capsys, "registry", "resolve", "models:/cli@production", "--json"
     )
-    assert Path(json.loads(out)["path"], "model.json").is_file()
+    resolved = json.loads(out)
+    assert Path(resolved["path"], "model.json").is_file()
+    assert (resolved["version"], resolved["aliases"]) == (3, ["production"])
 
     code, _, err = cli(
         monkeypatch, capsys, "registry", "promote", "nope", "--if-better", "val_accuracy"

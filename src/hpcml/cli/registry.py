@@ -208,10 +208,19 @@ def resolve_cmd(
     json_out: bool = _json_option(),
 ) -> None:
     """Print the local export folder a registry URI points at (what `hpcml serve` loads)."""
-    from hpcml.track.registry import resolve_model_uri
+    from hpcml.track.registry import resolve_model
 
-    path = resolve_model_uri(uri, tracking_uri=tracking_uri)
+    found = resolve_model(uri, tracking_uri=tracking_uri)
     if json_out:
-        print_json({"uri": uri, "path": str(path)})
+        print_json(
+            {
+                "uri": uri,
+                "name": found.name,
+                "version": found.version,
+                "aliases": list(found.aliases),
+                "run_id": found.run_id,
+                "path": str(found.path),
+            }
+        )
         return
-    console.print(str(path), highlight=False, soft_wrap=True)
+    console.print(str(found.path), highlight=False, soft_wrap=True)

@@ -413,10 +413,21 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
     )
 
 
-def resolve_model_uri(
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A registry URI pinned down: which version it meant, and where its export lies."""
+
+    name: str
+    version: int
+    path: Path
+    aliases: tuple[str, ...]
+    run_id: str | None
+
+
+def resolve_model(
     uri: str, tracking_uri: str | None = None, dst_dir: Path | None = None
-) -> Path:
-    """The local export folder (holding model.json) of a registered model version.
+) -> ResolvedModel:
+    """Resolve `models:/NAME@ALIAS`, `models:/NAME/VERSION` or `models:/NAME/latest`.
 
     Local artifact stores are read in place; remote ones are downloaded into `dst_dir` (a fresh
     temporary folder when None).
@@ -438,7 +449,7 @@ def resolve_model_uri(
             raise RegistryError(f"model {name!r} has no versions; register a run first.")
         version = str(versions[0].version)
     assert version is not None
-    _get_version(client, name, version)
+    mv = _get_version(client, name, version)
     source = client.get_model_version_download_uri(name, version)
     local = local_path_of(source)
     if local is None or not local.exists():
@@ -453,7 +464,15 @@ def resolve_model_uri(
             f"{uri} (version {version}) points at {source}, which holds no {EXPORT_META}; "
             "the artifacts were moved or deleted, register the run again."
         )
-    return local
+    aliases = tuple(sorted(a for a, v in rm.aliases.items() if str(v) == str(version)))
+    return ResolvedModel(name, int(version), local, aliases, mv.run_id)
+
+
+def resolve_model_uri(
+    uri: str, tracking_uri: str | None = None, dst_dir: Path | None = None
+) -> Path:
+    """The local export folder (holding model.json) a registry URI points at; for serving."""
+    return resolve_model(uri, tracking_uri=tracking_uri, dst_dir=dst_dir).path
 
 
 # -- helpers -------------------------------------------------------------------------------
