@@ -87,7 +87,7 @@ class NullTracker:
     enabled = False
     run_id: str | None = None
 
-    def start(self, params: dict[str, Any], tags: dict[str, str]) -> None:
+    def start(self, params: dict[str, Any], tags: dict[str, str], resume: bool = True) -> None:
         pass
 
     def log_steps(self, records: list[dict[str, Any]]) -> None:
@@ -123,14 +123,15 @@ class MlflowTracker:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, params: dict[str, Any], tags: dict[str, str]) -> None:
-        """Open the MLflow run (or reopen the one tracking.json names) and log params and tags.
+    def start(self, params: dict[str, Any], tags: dict[str, str], resume: bool = True) -> None:
+        """Open the MLflow run and log params and tags. With `resume` (a training run resumed
+        from a checkpoint) the run tracking.json names is reopened; otherwise a new one is made.
 
         Raises TrackingError when the store cannot be opened: better before training than after.
         """
         client, uri = open_client(self.cfg.uri)
         self._client, self.uri = client, uri
-        state = read_tracking_state(self.run_dir)
+        state = read_tracking_state(self.run_dir) if resume else None
         run = None
         if state is not None and state.get("tracking_uri") == uri:
             run = self._existing_run(state["run_id"])
@@ -190,8 +191,9 @@ class MlflowTracker:
         self._flush()
 
     def finish(self, summary: dict[str, Any], status: str, run_dir: Path) -> None:
-        """Flush metrics, log the summary's numbers, attach artifacts and close the run with
-        FINISHED, FAILED or KILLED (for finished, failed, preempted)."""
+        """Flush metrics, log the summary's numbers, attach artifacts (summary.json from `summary`,
+        config.yaml and run.jsonl from `run_dir`, and export/ for a finished run) and close the
+        run with FINISHED, FAILED or KILLED (for finished, failed, preempted)."""
         if self._client is None or self.run_id is None:
             return
         client, run_id = self._client, self.run_id
@@ -203,7 +205,9 @@ class MlflowTracker:
             self._flush()
             self._set_tags(_summary_tags(summary, status))
             self._wait()
-            for name in (SUMMARY, CONFIG, RUN_LOG):
+            # From the dict: the engine calls finish before it writes summary.json.
+            client.log_dict(run_id, summary, SUMMARY)
+            for name in (CONFIG, RUN_LOG):
                 if (run_dir / name).is_file():
                     client.log_artifact(run_id, str(run_dir / name))
             if status == "finished" and (run_dir / EXPORT_DIR).is_dir():
@@ -327,6 +331,8 @@ def _first_rank(memory: Any) -> dict[str, Any]:
 
 def _summary_tags(summary: dict[str, Any], status: str) -> dict[str, str]:
     tags = {"hpcml.status": status}
+    if summary.get("error"):
+        tags["hpcml.error"] = str(summary["error"])
     for key in ("world_size", "precision", "steps"):
         if summary.get(key) is not None:
             tags[f"hpcml.{key}"] = str(summary[key])
