@@ -6,6 +6,7 @@ The engine is not involved: synthetic step records stand in for a training loop.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,21 @@ from hpcml.track.store import TrackingError, open_client, resolve_tracking_uri
 pytestmark = pytest.mark.timeout(120)
 
 
+def _fresh_store(factory: pytest.TempPathFactory, name: str) -> str:
+    """A migrated SQLite store of its own: MLflow's schema migrations (seconds) run once per
+    session into a template that each test module copies."""
+    template = factory.getbasetemp() / "mlflow-template" / "mlruns.db"
+    if not template.exists():
+        template.parent.mkdir(exist_ok=True)
+        open_client(f"sqlite:///{template}")
+    db = factory.mktemp(name) / "mlruns.db"
+    shutil.copyfile(template, db)
+    return open_client(f"sqlite:///{db}")[1]
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One SQLite store per module: MLflow's schema migrations take seconds per new database."""
-    db = tmp_path_factory.mktemp("store") / "mlruns.db"
-    _, uri = open_client(f"sqlite:///{db}")
-    return uri
+    return _fresh_store(tmp_path_factory, "store")
 
 
 @pytest.fixture(scope="module")

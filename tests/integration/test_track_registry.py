@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +38,21 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 MLP_ARGS = {"input_shape": [1, 8, 8], "hidden": 16, "depth": 1, "num_classes": 10}
 
 
+def _fresh_store(factory: pytest.TempPathFactory, name: str) -> str:
+    """A migrated SQLite store of its own: MLflow's schema migrations (seconds) run once per
+    session into a template that each test module copies."""
+    template = factory.getbasetemp() / "mlflow-template" / "mlruns.db"
+    if not template.exists():
+        template.parent.mkdir(exist_ok=True)
+        open_client(f"sqlite:///{template}")
+    db = factory.mktemp(name) / "mlruns.db"
+    shutil.copyfile(template, db)
+    return open_client(f"sqlite:///{db}")[1]
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    db = tmp_path_factory.mktemp("registry") / "mlruns.db"
-    _, uri = open_client(f"sqlite:///{db}")
-    return uri
+    return _fresh_store(tmp_path_factory, "registry")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +102,7 @@ def make_run(
 
 def hpcml(*args: str, store: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(SRC), "MLFLOW_TRACKING_URI": store}
+    env.pop("RANK", None)
     return subprocess.run(
         [sys.executable, "-m", "hpcml", *args], capture_output=True, text=True, env=env, timeout=120
     )

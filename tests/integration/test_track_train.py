@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ EXAMPLE = ROOT / "examples" / "digits_cnn.yaml"
 
 # A user model (import path) that raises in its Nth training forward when asked to: a real
 # crash inside the training loop, after a checkpoint, without touching the engine.
-CRASHY_MODEL = '''
+CRASHY_MODEL = """
 import os
 from torch import nn
 
@@ -41,14 +42,24 @@ class Crashy(nn.Module):
 
 def build(num_classes=10, in_channels=3):
     return Crashy(num_classes, in_channels)
-'''
+"""
+
+
+def _fresh_store(factory: pytest.TempPathFactory, name: str) -> str:
+    """A migrated SQLite store of its own: MLflow's schema migrations (seconds) run once per
+    session into a template that each test module copies."""
+    template = factory.getbasetemp() / "mlflow-template" / "mlruns.db"
+    if not template.exists():
+        template.parent.mkdir(exist_ok=True)
+        open_client(f"sqlite:///{template}")
+    db = factory.mktemp(name) / "mlruns.db"
+    shutil.copyfile(template, db)
+    return open_client(f"sqlite:///{db}")[1]
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    db = tmp_path_factory.mktemp("train-store") / "mlruns.db"
-    _, uri = open_client(f"sqlite:///{db}")
-    return uri
+    return _fresh_store(tmp_path_factory, "train-store")
 
 
 @pytest.fixture(scope="module")
@@ -58,19 +69,30 @@ def client(store: str) -> Any:
     return MlflowClient(tracking_uri=store, registry_uri=store)
 
 
+def _clean_env() -> dict[str, str]:
+    # A test process inside torchrun must not make the child think it is a worker.
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
 def train(
     *args: str, store: str, cwd: Path, extra_path: Path | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join(str(p) for p in (ROOT / "src", extra_path) if p is not None)
     return subprocess.run(
         [
-            sys.executable, "-m", "hpcml", "train", *args,
-            "tracking.backend=mlflow", f"tracking.uri={store}", "--quiet",
+            sys.executable,
+            "-m",
+            "hpcml",
+            "train",
+            *args,
+            "tracking.backend=mlflow",
+            f"tracking.uri={store}",
+            "--quiet",
         ],  # fmt: skip
         capture_output=True,
         text=True,
         cwd=cwd,
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        env={**_clean_env(), "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})},
         timeout=400,
     )
 
@@ -94,9 +116,7 @@ def test_train_run_is_tracked_and_registrable(store: str, client: Any, tmp_path:
     assert run.data.params["model.name"] == "simple_cnn"
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [10, 20]
     assert [m.step for m in client.get_metric_history(run_id, "val_accuracy")] == [10, 20]
-    assert run.data.metrics["final/val_accuracy"] == pytest.approx(
-        summary["final"]["val_accuracy"]
-    )
+    assert run.data.metrics["final/val_accuracy"] == pytest.approx(summary["final"]["val_accuracy"])
     assert run.data.metrics["memory/model_states_bytes"] > 0
     assert run.data.metrics["samples_per_s"] > 0
 
