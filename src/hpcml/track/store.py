@@ -94,8 +94,14 @@ def open_client(uri: str | None) -> tuple[MlflowClient, str]:
     # MLflow announces each schema migration at INFO; a CLI user needs none of it.
     for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
+    try:
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+    except ImportError:
+        raise TrackingError(
+            "tracking with MLflow needs the mlflow package, which is not installed; install it "
+            "with pip install 'hpcml[track]' or set tracking.backend=none."
+        ) from None
 
     try:
         client = MlflowClient(tracking_uri=uri, registry_uri=uri)
