@@ -38,6 +38,11 @@ def peak_flops_per_s(device_name: str, precision: str) -> float | None:
             return float(found)
     except (ImportError, AttributeError, KeyError, TypeError, ValueError):
         pass
+    return table_peak_flops_per_s(device_name, precision)
+
+
+def table_peak_flops_per_s(device_name: str, precision: str) -> float | None:
+    """This module's own table: the longest key contained in the device name wins."""
     matches = [key for key in PEAK_FLOPS if key.lower() in device_name.lower()]
     if not matches:
         return None
