@@ -64,12 +64,14 @@ def run_cost(
     mfu: float | None = None,
     price_usd_per_gpu_hour: float | None = None,
     provider: str | None = None,
+    recompute: str = "none",
 ) -> list[RunCost]:
     """GPU-hours and cost of a run on each accelerator, at an MFU (default: the catalog's
-    efficiency for that accelerator; better: the MFU `plan step` or a measured run gives)."""
+    efficiency for that accelerator; better: the MFU `plan step` or a measured run gives).
+    With recomputation the FLOPs are hardware FLOPs and `mfu` is read as HFU."""
     if devices < 1:
         raise PlanError(f"--devices is {devices}; it must be at least 1.")
-    flops, _ = training_flops(model, tokens, samples)
+    flops, _ = training_flops(model, tokens, samples, recompute)
     out = []
     for acc in accelerators:
         eff = mfu if mfu is not None else acc.default_efficiency
