@@ -267,7 +267,7 @@ def memory_cmd(
     if json_out:
         print_json(out)
         return
-    t = Table(title=f"{shape.name} ({shape.params / 1e9:.2f}B params) per device: {devices} x "
+    t = Table(title=f"{shape.name} ({_short(shape.params)} params) per device: {devices} x "
               f"{cluster.accelerator.key}, dp={dp} tp={tp} pp={pp} ZeRO-{zero}, "
               f"{tr.precision}/{tr.weight_mode} {tr.optimizer}")
     t.add_column("part")
@@ -598,17 +598,20 @@ def cost_run_cmd(
     what = f"{tokens:.3g} tokens" if tokens else f"{steps} steps x {global_batch} samples"
     t = Table(title=f"cost of training {shape.name} on {what} with {devices} devices "
               f"({rows[0].total_flops:.3g} FLOPs, {precision})")
-    for col in ("hardware", "MFU", "GPU-hours", "wall time", "$/GPU-h (provider, as of)",
-                "cost", "energy MWh"):
+    for col in ("hardware", "MFU", "GPU-hours", "wall time", "$/GPU-h", "cost", "energy MWh"):
         t.add_column(col, justify="left" if col == "hardware" else "right")
     for r in rows:
         t.add_row(r.accelerator, f"{r.mfu:.0%}", f"{r.gpu_hours:,.0f}",
                   human_seconds(r.wall_hours * 3600),
-                  f"{r.usd_per_gpu_hour:.2f} ({r.price_provider}, {r.price_as_of})"
-                  if r.usd_per_gpu_hour is not None else "-",
+                  f"{r.usd_per_gpu_hour:.2f}" if r.usd_per_gpu_hour is not None else "-",
                   f"${r.cost_usd:,.0f}" if r.cost_usd is not None else "-",
                   f"{r.energy_kwh / 1000:,.1f}")
     console.print(t)
+    for r in rows:
+        if r.usd_per_gpu_hour is not None:
+            console.print(f"{r.accelerator}: ${r.usd_per_gpu_hour:.2f}/GPU-h from "
+                          f"{r.price_provider}" + (f" (as of {r.price_as_of})"
+                                                   if r.price_as_of else ""))
 
 
 def _has_precision(acc: Any, precision: str) -> bool:

@@ -144,7 +144,9 @@ def collective_time(
             "use --algorithm ring."
         )
 
-    if algorithm == "ring" or op not in ("allreduce", "broadcast", "reduce"):
+    if op in ("alltoall", "sendrecv"):
+        chosen, (t, lat) = ("pairwise" if op == "alltoall" else "p2p"), ring()
+    elif algorithm == "ring" or op not in ("allreduce", "broadcast", "reduce"):
         chosen, (t, lat) = "ring", ring()
     elif algorithm == "tree":
         chosen, (t, lat) = "tree", tree()

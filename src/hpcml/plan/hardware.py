@@ -64,10 +64,10 @@ class Accelerator:
         )
 
     def price(self, provider: str | None = None, kind: str = "on-demand") -> Price | None:
-        for offer in self.prices:
-            if offer.kind == kind and (provider is None or offer.provider == provider):
-                return offer
-        return None
+        """The offer of `provider`, or the cheapest listed offer of that kind."""
+        offers = [o for o in self.prices
+                  if o.kind == kind and (provider is None or o.provider == provider)]
+        return min(offers, key=lambda o: o.usd_per_gpu_hour) if offers else None
 
 
 @dataclass(frozen=True)
