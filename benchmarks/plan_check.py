@@ -272,6 +272,7 @@ def main() -> None:
     catalog = load_catalog()
     setups: dict[str, Any] = {}
     t_start = time.perf_counter()
+    load_start = list(os.getloadavg())
     groups: dict[str, list[tuple[Any, ...]]] = {}
     for entry in plan:
         groups.setdefault(entry[0], []).append(entry)
@@ -311,7 +312,10 @@ def main() -> None:
     result = {
         "what": "hpcml plan predictions vs measured CPU runs",
         "machine": {"processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
+                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    # Other jobs share this machine; the load says how much they interfered.
+                    "load_average_at_start": load_start,
+                    "load_average_at_end": list(os.getloadavg())},
         "runner": "hpcml train" if use_engine else "benchmarks/plan_check.py reference trainer",
         "command": "PYTHONPATH=src python benchmarks/plan_check.py" + (" --quick" if opts.quick
                                                                        else ""),
@@ -338,8 +342,10 @@ def main() -> None:
     (opts.out / "plan_check.md").write_text(
         f"# plan check: predicted vs measured ({result['runner']})\n\n"
         f"`{result['command']}` on {result['machine']['processor']} "
-        f"({result['machine']['cpu_count']} cores). Step time calibrated per group on its "
-        f"'calibrate' runs (other batch sizes), checked on 'check' runs.\n\n{table}\n\n"
+        f"({result['machine']['cpu_count']} cores, shared: load average "
+        f"{load_start[0]:.1f} at start). Step time calibrated per group on its "
+        f"'calibrate' runs (two other batch sizes, so their ratios are 1 by construction), "
+        f"checked on 'check' runs.\n\n{table}\n\n"
         f"Memory within 10%: {result['memory_within_goal']}; step time within 20% on check "
         f"runs: {result['step_within_goal_on_check_runs']}.\n"
     )

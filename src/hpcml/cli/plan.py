@@ -267,7 +267,9 @@ def memory_cmd(
     if json_out:
         print_json(out)
         return
-    t = Table(title=f"{shape.name} ({_short(shape.params)} params) per device: {devices} x "
+    size = (f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9
+            else f"{shape.params / 1e6:.1f}M")
+    t = Table(title=f"{shape.name} ({size} params) per device: {devices} x "
               f"{cluster.accelerator.key}, dp={dp} tp={tp} pp={pp} ZeRO-{zero}, "
               f"{tr.precision}/{tr.weight_mode} {tr.optimizer}")
     t.add_column("part")

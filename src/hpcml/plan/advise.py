@@ -69,7 +69,8 @@ def _why(best: Candidate, others: Sequence[Candidate], model: ModelShape,
     name, delta = max(deltas, key=lambda x: x[1])
     reason = (f"mostly from {name} (+{delta:.3g} s per step)" if delta > 0 else
               "for no single dominant reason")
-    return (f"{line}; the runner-up ({runner.label()}) is {slower:.1%} slower, {reason}.")
+    tie = " - a tie within the model's accuracy" if slower < 0.02 else ""
+    return (f"{line}; the runner-up ({runner.label()}) is {slower:.1%} slower, {reason}{tie}.")
 
 
 def advise(
