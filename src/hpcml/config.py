@@ -106,13 +106,13 @@ class TrackingConfig(_Section):
 
 
 class RunConfig(_Section):
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    data: DataConfig = Field(default_factory=lambda: DataConfig())
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig())
     precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    parallel: ParallelConfig = Field(default_factory=lambda: ParallelConfig())
+    tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

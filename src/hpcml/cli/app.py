@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -33,6 +34,8 @@ def main() -> None:
     try:
         app()
     except HpcmlError as exc:
+        if os.environ.get("RANK", "0") != "0":  # every rank sees the same error; rank 0 tells it
+            raise SystemExit(exc.exit_code) from None
         fail(exc.message, exc.exit_code)
     except KeyboardInterrupt:
         fail("interrupted.", 130)

@@ -3,32 +3,94 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
 
 def train(
     config: Path = typer.Argument(..., help="YAML config, e.g. examples/digits_cnn.yaml."),
-    overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=0.01 train.max_steps=200."),
-    nproc: int = typer.Option(1, "--nproc", help="Processes on this machine; >1 starts torchrun's elastic agent (DDP)."),
-    run_dir: Path | None = typer.Option(None, "--run-dir", help="Output folder (default runs/<config>-<time>)."),
-    resume: str | None = typer.Option(None, "--resume", help="'auto' (newest complete checkpoint in the run folder) or a checkpoint path."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run folder that already holds a finished run."),
+    overrides: list[str] = typer.Argument(
+        None, help="Dotted overrides, e.g. optim.lr=0.01 train.max_steps=200."
+    ),
+    nproc: int = typer.Option(
+        1, "--nproc", help="Processes on this machine; >1 starts torchrun's elastic agent (DDP)."
+    ),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Output folder (default runs/<config>-<time>)."
+    ),
+    resume: str | None = typer.Option(
+        None,
+        "--resume",
+        help="'auto' (newest complete checkpoint in the run folder) or a checkpoint path.",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a run folder that already holds a finished run."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="Log lines instead of a live progress bar."),
-    max_restarts: int = typer.Option(0, "--max-restarts", help="Elastic restarts of the whole group after a worker failure (--nproc > 1)."),
+    max_restarts: int = typer.Option(
+        0,
+        "--max-restarts",
+        help="Elastic restarts of the whole group after a worker failure (--nproc > 1).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
 ) -> None:
     """Train a model from a YAML config on one process or several (DDP)."""
-    from hpcml.train.entry import train_command
+    from hpcml.config import load_config
+    from hpcml.dist.runtime import launched_by_torchrun
+    from hpcml.errors import WorkFailed
+    from hpcml.launch.local import check_nproc, run_torchrun
+    from hpcml.train.entry import preflight, prepare_for_workers, run_here
 
-    train_command(
-        config=config,
-        overrides=overrides or [],
-        nproc=nproc,
-        run_dir=run_dir,
-        resume=resume,
-        overwrite=overwrite,
-        quiet=quiet,
-        max_restarts=max_restarts,
-        json_out=json_out,
-    )
+    cfg = load_config(config, overrides or [])
+    if launched_by_torchrun():
+        # A worker: torchrun (ours or the user's) chose the world; rank 0 checks the folder.
+        summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
+    else:
+        preflight(cfg)
+        check_nproc(nproc)
+        if nproc == 1:
+            summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
+        else:
+            chosen = prepare_for_workers(config, run_dir, resume, overwrite)
+            args = ["train", str(config), *(overrides or []), "--run-dir", str(chosen)]
+            if resume is not None:
+                args += ["--resume", resume]
+            elif max_restarts > 0:
+                args += ["--resume", "auto"]  # the folder was checked empty; restarts resume
+            args += ["--quiet"] * quiet + ["--json"] * json_out
+            rc = run_torchrun(nproc, args, max_restarts)
+            if rc != 0:
+                raise WorkFailed(
+                    f"training with {nproc} processes failed (exit code {rc}); "
+                    f"see the worker output above and {chosen}."
+                )
+            return
+    if summary:
+        report(summary, json_out)
+
+
+def report(summary: dict[str, Any], json_out: bool) -> None:
+    from rich.table import Table
+
+    from hpcml.cli.common import console, print_json
+
+    if json_out:
+        print_json(summary)
+        return
+    final, thr = summary["final"], summary["throughput"]
+    table = Table(title=f"run {summary['run_dir']}", show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("steps", str(summary["steps"]))
+    table.add_row("processes x device", f"{summary['world_size']} x {summary['device']['type']}")
+    table.add_row("precision", summary["precision"])
+    table.add_row("val_accuracy", f"{final['val_accuracy']:.4f}")
+    table.add_row("val_loss", f"{final['val_loss']:.4f}")
+    if final.get("train_loss") is not None:
+        table.add_row("train_loss (last step)", f"{final['train_loss']:.4f}")
+    if thr.get("samples_per_s"):
+        table.add_row("samples/s (median step)", f"{thr['samples_per_s']:,.0f}")
+        table.add_row("step time (median)", f"{thr['step_time_s'] * 1000:.1f} ms")
+    table.add_row("export", f"{summary['run_dir']}/export/model.safetensors")
+    console.print(table)

@@ -179,6 +179,16 @@ SOURCES: dict[str, Callable[[DataConfig], Splits]] = {
 }
 
 
+def check_source(cfg: DataConfig) -> None:
+    """Cheap checks a launcher runs before starting workers (folders exist, name known)."""
+    if cfg.source not in SOURCES:
+        raise DataError(
+            f"data.source '{cfg.source}' is not known; known sources are: {', '.join(sorted(SOURCES))}."
+        )
+    if cfg.source == "cifar10":
+        _cifar_dir(cfg)
+
+
 def load_source(cfg: DataConfig) -> Splits:
     loader = SOURCES.get(cfg.source)
     if loader is None:

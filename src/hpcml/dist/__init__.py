@@ -1,1 +1,1 @@
-"""hpcml.dist."""
+"""Everything that touches torch.distributed: process groups, devices, wrapping, precision."""

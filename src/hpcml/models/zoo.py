@@ -122,15 +122,44 @@ def build_model(name: str, args: dict[str, Any] | None = None) -> nn.Module:
             "check model.args against the builder's parameters."
         ) from None
     if not isinstance(model, nn.Module):
-        raise ModelError(f"model '{name}': the builder returned {type(model).__name__}, not nn.Module.")
+        raise ModelError(
+            f"model '{name}': the builder returned {type(model).__name__}, not nn.Module."
+        )
     return model
+
+
+def complete_args(
+    name: str, args: dict[str, Any], input_shape: tuple[int, ...], num_classes: int
+) -> dict[str, Any]:
+    """Fill `num_classes` / `input_shape` from the data when the builder takes them and the
+    config does not set them, so one model config works on several data sources."""
+    import inspect
+
+    spec = get_spec(name)
+    try:
+        params = inspect.signature(spec.builder).parameters
+    except (TypeError, ValueError):
+        return dict(args)
+    out = dict(args)
+    if "num_classes" in params and "num_classes" not in out:
+        out["num_classes"] = num_classes
+    if "input_shape" in params and "input_shape" not in out:
+        out["input_shape"] = list(input_shape)
+    if "in_channels" in params and "in_channels" not in out and len(input_shape) == 3:
+        out["in_channels"] = input_shape[0]
+    return out
 
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def forward_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...], dtype: str = "float32") -> int:
+def forward_flops_per_sample(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+) -> int:
     """FLOPs of one forward pass for one sample, counted by torch's FlopCounterMode.
 
     Convention: a multiply-add counts as 2 FLOPs (as in torch.utils.flop_counter and the
@@ -141,9 +170,9 @@ def forward_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...], dty
     was_training = model.training
     model.eval()
     if dtype.startswith("int"):
-        x = torch.zeros((2, *input_shape), dtype=getattr(torch, dtype))
+        x = torch.zeros((2, *input_shape), dtype=getattr(torch, dtype), device=device)
     else:
-        x = torch.randn((2, *input_shape))
+        x = torch.randn((2, *input_shape), device=device)
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), counter:
         model(x)

@@ -1,0 +1,140 @@
+"""Process-group setup, device choice and the few collectives the rest of hpcml needs.
+
+The only place that calls `dist.init_process_group`. Works in three situations: a plain single
+process (no process group), a worker started by torchrun (RANK/WORLD_SIZE/LOCAL_RANK set), and
+any launcher that sets the same variables (SLURM's srun starting torchrun, Kubernetes).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def choose_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if preference == "cuda":
+        from hpcml.errors import LaunchError
+
+        raise LaunchError("train.device is 'cuda' but no CUDA device is visible; use train.device=auto or cpu.")
+    return torch.device("cpu")
+
+
+def init_runtime(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> Runtime:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    dev = choose_device(device, local_rank)
+    chosen: str | None = None
+    if world > 1:
+        chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=chosen,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=dev if dev.type == "cuda" else None,
+            )
+    if dev.type == "cpu" and local_world > 1:
+        # Several ranks on one CPU: split the cores instead of letting each grab all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return Runtime(rank, local_rank, world, local_world, dev, chosen)
+
+
+def shutdown(rt: Runtime) -> None:
+    if rt.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(rt: Runtime) -> None:
+    if rt.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
+    if rt.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_mean(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
+    if rt.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= rt.world_size
+    return t
+
+
+def all_reduce_max(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
+    if rt.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def broadcast_object(rt: Runtime, obj: Any, src: int = 0) -> Any:
+    """Send one picklable object from `src` to every rank (the value on other ranks is ignored)."""
+    if not rt.distributed:
+        return obj
+    box = [obj if rt.rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(rt: Runtime, obj: Any) -> list[Any]:
+    if not rt.distributed:
+        return [obj]
+    out: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def device_info(rt: Runtime) -> dict[str, Any]:
+    if rt.device.type == "cuda":
+        props = torch.cuda.get_device_properties(rt.device)
+        return {
+            "type": "cuda",
+            "name": props.name,
+            "count": torch.cuda.device_count(),
+            "memory_bytes": int(props.total_memory),
+            "capability": f"{props.major}.{props.minor}",
+        }
+    import platform
+
+    return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count() or 1}
+
+
+_ = pickle  # broadcast_object pickles through torch; kept for readers looking for the dependency

@@ -1,0 +1,70 @@
+"""Local multi-process launch: start torchrun's elastic agent (torch.distributed.run) with
+`--nproc-per-node N` running `python -m hpcml train ...` in each worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcml.errors import LaunchError
+
+
+def max_local_procs() -> tuple[int, str]:
+    """How many worker processes this machine can run: one per GPU, else one per CPU core."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), "GPUs"
+    except ImportError:
+        pass
+    return os.cpu_count() or 1, "CPU cores"
+
+
+def check_nproc(nproc: int) -> None:
+    if nproc < 1:
+        raise LaunchError(f"--nproc {nproc} must be at least 1.")
+    limit, unit = max_local_procs()
+    if nproc > limit:
+        raise LaunchError(
+            f"--nproc {nproc} is more than this machine can run ({limit} {unit}); "
+            f"use --nproc {limit} or fewer, or launch on more machines (hpcml launch slurm)."
+        )
+
+
+def torchrun_command(nproc: int, worker_args: list[str], max_restarts: int = 0) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "hpcml",
+        *worker_args,
+    ]
+
+
+def run_torchrun(
+    nproc: int, worker_args: list[str], max_restarts: int = 0, cwd: Path | None = None
+) -> int:
+    """Run the workers to completion; SIGINT/SIGTERM are passed on so workers can stop cleanly."""
+    env = dict(os.environ)
+    # torchrun warns and sets 1 when unset; split the cores between workers instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = torchrun_command(nproc, worker_args, max_restarts)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd)
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,225 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP), visible only when complete.
+
+Layout of `checkpoints/step-N/`:
+  DCP files (model + optimizer, rank-independent keys, so 1 and N ranks read each other's)
+  trainer.pt      shared trainer state from rank 0: step, LR scheduler, grad scaler, world size
+  rank-R.pt       per-rank state: RNG states (python, numpy, torch, CUDA) and data-loader position
+  manifest.json   every file with its size and sha256, written last
+
+All ranks write into `.step-N.tmp/`; rank 0 fsyncs, writes the manifest and renames the folder
+to `step-N` (an atomic rename), so a crash mid-write leaves only a `.tmp` folder that resume
+ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from hpcml.dist.runtime import Runtime, barrier, broadcast_object
+from hpcml.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Loaded:
+    path: Path
+    step: int
+    trainer: dict[str, Any]
+    rank_state: dict[str, Any] | None
+    """None when the checkpoint was written by a different world size (no per-rank match)."""
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(root: Path, step: int) -> None:
+    files = {
+        str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    tmp = root / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"step": step, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(root / MANIFEST)
+
+
+def step_of(path: Path) -> int | None:
+    m = _STEP_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def verify(path: Path, deep: bool = True) -> str | None:
+    """None when the checkpoint is complete and intact, else one sentence saying what is wrong."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        return f"checkpoint {path} has no {MANIFEST}, so it is incomplete"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return f"checkpoint {path} has an unreadable {MANIFEST}"
+    for rel, info in files.items():
+        f = path / rel
+        if not f.exists():
+            return f"checkpoint {path} is missing {rel}"
+        if f.stat().st_size != info["bytes"]:
+            return f"checkpoint {path}: {rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
+        if deep and _sha256(f) != info["sha256"]:
+            return f"checkpoint {path}: {rel} does not match its sha256 in the manifest (corrupt)"
+    return None
+
+
+def list_complete(root: Path) -> list[Path]:
+    """Complete-looking checkpoints (renamed into place, manifest present), newest first."""
+    if not root.exists():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    found = [(s, p) for s, p in found if (p / MANIFEST).exists()]
+    return [p for _, p in sorted(found, key=lambda sp: sp[0] or 0, reverse=True)]
+
+
+def find_latest(root: Path, warn: Any = None) -> Path | None:
+    """Newest checkpoint that verifies; corrupt ones are reported through `warn` and skipped."""
+    for p in list_complete(root):
+        problem = verify(p)
+        if problem is None:
+            return p
+        if warn is not None:
+            warn(f"{problem}; using the previous complete checkpoint.")
+    return None
+
+
+def save(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    rank_state: dict[str, Any],
+    rt: Runtime,
+    keep_last: int,
+) -> Path:
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp"
+    if rt.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        if final.exists():  # re-saving the same step (e.g. after a rollback): replace it whole
+            shutil.rmtree(final)
+        tmp.mkdir(parents=True)
+    barrier(rt)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
+    if rt.is_main:
+        torch.save({**trainer_state, "step": step, "world_size": rt.world_size}, tmp / "trainer.pt")
+    barrier(rt)
+    if rt.is_main:
+        _fsync_tree(tmp)
+        _write_manifest(tmp, step)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        prune(root, keep_last)
+    barrier(rt)
+    return final
+
+
+def prune(root: Path, keep_last: int) -> None:
+    for old in list_complete(root)[keep_last:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime) -> Loaded:
+    """Load model + optimizer in place (any world size) and return trainer and per-rank state."""
+    problem = verify(path) if rt.is_main else None
+    problem = broadcast_object(rt, problem)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; choose another checkpoint or use --resume auto.")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:  # noqa: BLE001 - a checkpoint that does not fit is a user problem
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model or optimizer ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}); resume with the config that wrote it."
+        ) from None
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=True),
+    )
+    trainer = torch.load(path / "trainer.pt", weights_only=False)
+    rank_file = path / f"rank-{rt.rank}.pt"
+    rank_state = None
+    if trainer.get("world_size") == rt.world_size and rank_file.exists():
+        rank_state = torch.load(rank_file, weights_only=False)
+    return Loaded(path, int(trainer["step"]), trainer, rank_state)

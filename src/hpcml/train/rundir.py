@@ -1,0 +1,77 @@
+"""Run-folder rules: what may be written where, and which checkpoint a resume starts from.
+
+A folder that holds a finished or unfinished run is never overwritten silently: the user says
+`--resume` (continue) or `--overwrite` (start again).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from hpcml.errors import CheckpointError, RunDirError
+from hpcml.records import RUN_LOG, SUMMARY
+from hpcml.train import checkpoint as ckpt
+
+
+def default_run_dir(config_path: Path | None) -> Path:
+    stem = config_path.stem if config_path is not None else "run"
+    return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _status(run_dir: Path) -> str | None:
+    path = run_dir / SUMMARY
+    if not path.exists():
+        return None
+    try:
+        return str(json.loads(path.read_text()).get("status", "finished"))
+    except (json.JSONDecodeError, OSError):
+        return "unknown"
+
+
+def holds_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in (SUMMARY, RUN_LOG, "checkpoints"))
+
+
+def resolve(
+    run_dir: Path, resume: str | None, overwrite: bool, dry_run: bool = False, warn: object = None
+) -> Path | None:
+    """Check the folder against the request; return the checkpoint to resume from (or None).
+
+    With `dry_run` nothing is changed (the launcher checks before starting workers).
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"--run-dir {run_dir} is a file, not a folder; choose another path.")
+    if resume is not None and overwrite:
+        raise RunDirError("--resume and --overwrite contradict each other; pass one of them.")
+    if overwrite:
+        if not dry_run and run_dir.exists():
+            for name in (SUMMARY, RUN_LOG, "checkpoints", "export", "config.yaml"):
+                target = run_dir / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+        return None
+    if resume is None:
+        if holds_run(run_dir):
+            status = _status(run_dir)
+            what = "a finished run" if status == "finished" else "an unfinished run"
+            raise RunDirError(
+                f"run folder {run_dir} already holds {what}; pass --resume auto to continue it, "
+                "--overwrite to start again, or choose another --run-dir."
+            )
+        return None
+    if resume == "auto":
+        return ckpt.find_latest(run_dir / "checkpoints", warn=warn)
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(
+            f"--resume {path} does not exist; pass a checkpoints/step-N folder or 'auto'."
+        )
+    problem = ckpt.verify(path)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; pass another checkpoint or --resume auto.")
+    return path

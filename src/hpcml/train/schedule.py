@@ -1,0 +1,48 @@
+"""Learning-rate schedule: linear warmup then cosine / linear decay or constant."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hpcml.config import OptimConfig
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of the base LR after `step` optimizer steps."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    horizon = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / horizon)
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    total = cfg.decay_steps or max_steps
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total))
+
+
+def build_optimizer(params: object, cfg: OptimConfig, world_size: int) -> torch.optim.Optimizer:
+    lr = cfg.lr * (world_size if cfg.scale_lr_with_world else 1)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params,  # type: ignore[arg-type]
+            lr=lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+        )
+    return torch.optim.AdamW(
+        params,  # type: ignore[arg-type]
+        lr=lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )
