@@ -202,10 +202,11 @@ def engine_run(run_dir: Path, model: str, args: dict[str, Any], batch_size: int,
 
     cfg = {
         "model": {"name": model, "args": args},
-        "data": {"source": "synthetic", "batch_size": batch_size, "synthetic_samples": 8 * batch_size
-                 * world, "val_fraction": 0.0},
+        "data": {"source": "synthetic", "batch_size": batch_size,
+                 "synthetic_samples": 8 * batch_size * world + 64, "val_fraction": 0.05},
         "optim": {"name": optimizer},
-        "train": {"max_steps": steps, "seed": seed, "device": "cpu", "eval_every": 0},
+        "train": {"max_steps": steps, "seed": seed, "device": "cpu", "eval_every": 0,
+                  "log_every": steps},
         "precision": "fp32",
     }
     run_dir.parent.mkdir(parents=True, exist_ok=True)

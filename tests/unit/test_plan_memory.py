@@ -119,7 +119,10 @@ def test_ddp_fp32_adamw_model_states_are_16_bytes_per_parameter() -> None:
     mem = per_device_bytes(m, Layout(), Training("fp32", "adamw"), devices=2)
     # params 4 + grads 4 + exp_avg 4 + exp_avg_sq 4, plus torch's 4-byte step per tensor.
     assert mem.model_states_bytes == 16 * m.params + 4 * m.param_tensors
-    assert mem.buffers_bytes == 4 * m.params  # DDP's gradient buckets
+    assert mem.buffers_bytes == 0  # gradients reduced in place (gradient_as_bucket_view)
+    copy = per_device_bytes(m, Layout(), Training("fp32", "adamw"), devices=2,
+                            ddp_bucket_copy=True)
+    assert copy.buffers_bytes == 4 * m.params  # torch DDP's default bucket copy
 
 
 def test_optimizers_and_weight_modes() -> None:

@@ -131,6 +131,14 @@ def _shape_from_run(summary: Mapping[str, Any], config: Mapping[str, Any]) -> Mo
         shape = model_shape(name, args)
     except PlanError:
         shape = ModelShape(name, int(params or 0), source="run summary")
+        try:
+            # The engine fills in default arguments (num_classes, in_channels); the table
+            # entry still describes the model when its parameter count agrees.
+            table = model_shape(name)
+            if not params or table.params == int(params):
+                shape = table
+        except PlanError:
+            pass
     if params:
         shape = replace(shape, params=int(params))
     if fwd:
@@ -144,7 +152,10 @@ def _shape_from_run(summary: Mapping[str, Any], config: Mapping[str, Any]) -> Mo
 
 
 def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
-    """summary.json's memory block, per rank: {"0": {...}}, [{...}], or one flat dict."""
+    """summary.json's memory block, per rank: hpcml train writes rank 0's figures plus a
+    "per_rank" list; also accepted: {"0": {...}}, [{...}], or one flat dict."""
+    if isinstance(memory, Mapping) and isinstance(memory.get("per_rank"), list):
+        return _memory_ranks(memory["per_rank"])
     if isinstance(memory, Mapping):
         if "model_states_bytes" in memory or "params_bytes" in memory:
             return (memory,)

@@ -362,8 +362,14 @@ def per_device_bytes(
     training: Training,
     devices: int,
     device_memory_bytes: int | None = None,
+    ddp_bucket_copy: bool = False,
 ) -> MemoryBreakdown:
-    """Bytes on the busiest device of a training job."""
+    """Bytes on the busiest device of a training job.
+
+    `ddp_bucket_copy`: torch DDP's default (gradient_as_bucket_view=False) keeps a second copy
+    of the gradients in its all-reduce buckets; hpcml train, Megatron-LM and DeepSpeed reduce
+    in place, which is the default here.
+    """
     dp = layout.validate(model, devices)
     notes: list[str] = []
     n_params = params_per_device(model, layout)
@@ -397,7 +403,7 @@ def per_device_bytes(
         notes.append("activations unknown: give --layers/--hidden/--heads/--seq to count them")
 
     buffers = 0.0
-    if layout.zero == 0 and dp > 1:
+    if layout.zero == 0 and dp > 1 and ddp_bucket_copy:
         # torch DDP copies gradients into flat all-reduce buckets unless
         # gradient_as_bucket_view=True ("the saved memory size will be equal to the total
         # gradients size", torch/nn/parallel/distributed.py).
