@@ -170,6 +170,12 @@ def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
 def setup_from_summary(summary: Mapping[str, Any], catalog: Catalog, label: str = "run",
                        include_data_wait: bool = False) -> RunSetup:
     """Turn a run's summary.json (hpcml train's run-folder contract) into a plan."""
+    status = str(summary.get("status", ""))
+    if status and status != "finished" and "model" not in summary:
+        raise PlanError(
+            f"{label}: the run ended '{status}' and its summary.json holds no measurements; "
+            "check needs a run that finished (resume it with hpcml train --resume auto)."
+        )
     config = summary.get("config") or {}
     if not isinstance(config, Mapping):
         raise PlanError(f"{label}: summary.json 'config' is not a mapping; is it a hpcml run?")
