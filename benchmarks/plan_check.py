@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -215,14 +216,51 @@ def engine_run(run_dir: Path, model: str, args: dict[str, Any], batch_size: int,
     # One thread per process, as the engine gives each of several ranks on a 2-core machine:
     # on a shared machine a second thread mostly waits for cores other jobs hold.
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "hpcml", "train", str(cfg_path), "--run-dir",
-                    str(run_dir), "--nproc", str(world), "--quiet", "--overwrite"],
-                   check=True, env=env, capture_output=True, text=True)
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        summary.unlink()
+    cmd = [sys.executable, "-m", "hpcml", "train", str(cfg_path), "--run-dir", str(run_dir),
+           "--nproc", str(world), "--quiet", "--overwrite"]
+    # Its own session, so that the launcher, torchrun and the workers can be stopped together.
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    log_file = open(log_path, "w")  # noqa: SIM115 - closed below, after the process ends
+    proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    finished_at: float | None = None
+    deadline = time.monotonic() + 1800
+    while proc.poll() is None:
+        time.sleep(0.5)
+        if finished_at is None and _finished(summary):
+            finished_at = time.monotonic()
+        # A worker that hangs after the run has finished (seen once with gloo on 2 ranks)
+        # must not hold the benchmark: the measurements are already written.
+        if (finished_at is not None and time.monotonic() - finished_at > 60) or (
+                time.monotonic() > deadline):
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            print(f"  {run_dir.name}: workers still alive 60 s after the run finished; stopped",
+                  flush=True)
+            break
+    log_file.close()
+    if not _finished(summary):
+        raise RuntimeError(f"hpcml train failed for {run_dir}: "
+                           f"{log_path.read_text()[-2000:]}")
     return run_dir
 
 
+def _finished(summary: Path) -> bool:
+    try:
+        return json.loads(summary.read_text()).get("status") == "finished"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def make_runs(runs: list[dict[str, Any]], world: int, use_engine: bool | None = None,
-              repeats: int = 1) -> list[Path]:
+              repeats: int = 1, reuse: bool = False) -> list[Path]:
     """Run folders for `runs` (same world size): `hpcml train` when available, else the
     reference trainer (interleaved). With `repeats` > 1 every run is made that many times, in
     rounds (A B C, A B C), and the repeat with the lowest median step time is kept: the one
@@ -236,6 +274,11 @@ def make_runs(runs: list[dict[str, Any]], world: int, use_engine: bool | None = 
     for rep in range(repeats):
         for k, r in enumerate(runs):
             final = Path(r["run_dir"])
+            if reuse and _finished(final / "summary.json"):
+                step = json.loads((final / "summary.json").read_text())["throughput"][
+                    "step_time_s"]
+                best[k] = (step, final)
+                continue
             target = final if repeats == 1 else final.parent / f"{final.name}.rep{rep}"
             engine_run(target, r["model"], r.get("args", {}), r["batch_size"], world,
                        r["steps"], r.get("optimizer", "adamw"))
@@ -245,6 +288,8 @@ def make_runs(runs: list[dict[str, Any]], world: int, use_engine: bool | None = 
     if repeats > 1:
         for k, r in enumerate(runs):
             final = Path(r["run_dir"])
+            if best[k][1] == final:
+                continue
             if final.exists():
                 shutil.rmtree(final)
             shutil.copytree(best[k][1], final)
@@ -280,6 +325,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--runs", type=Path, default=None, help="Keep run folders here.")
     ap.add_argument("--quick", action="store_true", help="MLP and one-process CNN only.")
+    ap.add_argument("--reuse", action="store_true",
+                    help="Keep finished run folders already under --runs (resume a benchmark).")
     ap.add_argument("--repeats", type=int, default=None,
                     help="Engine runs per configuration, keeping the least disturbed "
                     "(default 2 for the engine, 1 for the interleaved reference trainer).")
@@ -310,7 +357,7 @@ def main() -> None:
         runs = [{"run_dir": runs_root / f"{m}-w{w}-b{b}", "model": m, "args": a,
                  "batch_size": b, "steps": steps} for _, m, a, b, w, steps, _ in entries]
         make_runs(runs, world, use_engine=use_engine,
-                  repeats=opts.repeats or (2 if use_engine else 1))
+                  repeats=opts.repeats or (2 if use_engine else 1), reuse=opts.reuse)
         for (_, m, _, b, w, _, role), run in zip(entries, runs, strict=True):
             label = f"{m}-w{w}-b{b}"
             setups[label] = (group, role, setup_from_summary(read_summary(run["run_dir"]),
@@ -348,8 +395,8 @@ def main() -> None:
         "runner": ("hpcml train, OMP_NUM_THREADS=1, best of "
                    f"{opts.repeats or 2} repeats" if use_engine
                    else "benchmarks/plan_check.py reference trainer, runs interleaved"),
-        "command": "PYTHONPATH=src python benchmarks/plan_check.py --runner " + tag
-        + (" --quick" if opts.quick else ""),
+        "command": "PYTHONPATH=src python " + " ".join(["benchmarks/plan_check.py",
+                                                         *sys.argv[1:]]),
         "goals": {"memory": 0.10, "step_time": 0.20},
         "memory_within_goal": f"{mem_ok}/{len(rows)}",
         "step_within_goal_on_check_runs": f"{step_ok}/{len(checks)}",
