@@ -427,7 +427,7 @@ def main() -> None:
         f"Memory within 10%: {result['memory_within_goal']}; step time within 20% on check "
         f"runs: {result['step_within_goal_on_check_runs']}.\n"
     )
-    _plot(rows, opts.out / f"plan_check_{tag}.png", result["runner"])
+    _plot(rows, opts.out / f"plan_check_{tag}.png", tag)
     print(table)
     print(f"memory within 10%: {result['memory_within_goal']}, step within 20% (check runs): "
           f"{result['step_within_goal_on_check_runs']}, {elapsed:.0f} s")
