@@ -42,11 +42,13 @@ from hpcml.records import (
     write_json_atomic,
     write_text_atomic,
 )
+from hpcml.track.provenance import collect as collect_provenance
 from hpcml.train import checkpoint as ckpt
 from hpcml.train import rundir
 from hpcml.train.hooks import Hooks
 from hpcml.train.metrics import LiveView, StepMeter
 from hpcml.train.schedule import build_optimizer, build_scheduler
+from hpcml.train.tracking import TrackingHook
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -127,7 +129,7 @@ def run(
     hooks: Hooks | None = None,
 ) -> dict[str, Any]:
     rt = init_runtime(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
-    hooks = hooks or Hooks()
+    hooks = hooks or Hooks([TrackingHook(cfg.tracking)])
     log: RunLog | None = None
     view: LiveView | None = None
     summary: dict[str, Any] = {}
@@ -190,8 +192,12 @@ def run(
                 view.message(f"resumed from {resume_from} at step {step}")
         meter = StepMeter(rt, global_batch, log, view)
         ctx = {"cfg": cfg, "rt": rt, "run_dir": out_dir, "resumed_from": resume_from, "step": step}
+        provenance: dict[str, Any] = {}
         if rt.is_main:
-            hooks.start(ctx)
+            provenance = collect_provenance(
+                cfg.model_dump(mode="json"), splits.fingerprint, device_info(rt)
+            )
+            hooks.start({**ctx, "provenance": provenance})
             meter.extra_sinks.append(hooks.steps)
 
         def save_checkpoint(at: int) -> Path:
@@ -304,6 +310,7 @@ def run(
                     "platform": platform.platform(),
                 },
                 "config": cfg.model_dump(mode="json"),
+                "provenance": provenance,
             }
             save_export(
                 out_dir / "export",
