@@ -9,6 +9,7 @@ import typer
 
 from hpcml.cli import data as data_cli
 from hpcml.cli import model as model_cli
+from hpcml.cli import plan as plan_cli
 from hpcml.cli import registry as registry_cli
 from hpcml.cli import train as train_cli
 from hpcml.cli.common import fail
@@ -29,6 +30,7 @@ app.command(
 )(train_cli.train)
 app.add_typer(model_cli.app, name="model")
 app.add_typer(data_cli.app, name="data")
+app.add_typer(plan_cli.app, name="plan")
 app.add_typer(registry_cli.app, name="registry")
 
 

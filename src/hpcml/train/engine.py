@@ -385,4 +385,4 @@ def run(
             view.close()
         if log is not None:
             log.close()
-        shutdown(rt)
+        shutdown(rt, clean=status == "finished")

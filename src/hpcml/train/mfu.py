@@ -2,14 +2,17 @@
 definition: the FLOPs the model needs per sample, not what the hardware executed, over the
 device's dense peak for the precision in use).
 
-Peak FLOP/s come from a small table keyed by a substring of the device name (the longest
-match wins: "H100 PCIe" before "H100"), or from `train.peak_flops` in the config.
+Peak FLOP/s come from `train.peak_flops` in the config, else the planner's hardware catalog
+(`hpcml.plan.hardware`), else a small table here keyed by a substring of the device name (the
+longest match wins: "H100 PCIe" before "H100").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from hpcml.plan.hardware import peak_flops_per_s as catalog_peak_flops_per_s
 
 # Dense (no 2:4 sparsity) peak FLOP/s per device, from the vendors' data sheets.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -29,16 +32,11 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 
 def peak_flops_per_s(device_name: str, precision: str) -> float | None:
-    """Peak of one device for `precision` (fp32 | tf32 | bf16 | fp16), or None if unknown."""
-    try:  # the planner's hardware catalog, when present, is the one source of truth
-        from hpcml.plan.hardware import peak_flops_per_s as catalog_peak  # type: ignore[import-not-found]
-
-        found = catalog_peak(device_name, precision)
-        if found:
-            return float(found)
-    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
-        pass
-    return table_peak_flops_per_s(device_name, precision)
+    """Peak of one device for `precision` (fp32 | tf32 | bf16 | fp16), or None if unknown:
+    the planner's hardware catalog first (one source of truth for plan and measurement),
+    then this module's table for devices the catalog does not list."""
+    found = catalog_peak_flops_per_s(device_name, precision)
+    return found if found else table_peak_flops_per_s(device_name, precision)
 
 
 def table_peak_flops_per_s(device_name: str, precision: str) -> float | None:
