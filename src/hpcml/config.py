@@ -81,6 +81,9 @@ class TrainConfig(_Section):
     """Flush step records (and the progress line) every N steps; each step still gets a record."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     channels_last: bool = False
+    checkpoint_async: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save): training
+    stalls only for the copy to host memory."""
 
 
 class ParallelConfig(_Section):
@@ -91,6 +94,36 @@ class ParallelConfig(_Section):
     sync_batchnorm: bool = False
     timeout_s: float = Field(600.0, gt=0)
     """Collective timeout; a rank that stops answering fails the job after this long."""
+
+
+class FaultConfig(_Section):
+    """Guards of the training loop (hpcml.train.fault): bad steps, stragglers, hangs, preemption."""
+
+    nan_policy: Literal["skip", "rollback", "stop"] = "skip"
+    """A step whose loss is NaN or Inf: drop its update, reload the last checkpoint and skip
+    the batch, or stop the run."""
+    spike_policy: Literal["skip", "rollback", "stop"] = "skip"
+    """The same choice for a loss spike (see spike_zscore)."""
+    spike_zscore: float | None = Field(None, gt=0)
+    """A loss this many standard deviations above the mean of the last spike_window steps is a
+    spike; null turns spike detection off (6 is a cautious value)."""
+    spike_window: int = Field(50, ge=5)
+    max_bad_steps: int = Field(20, gt=0)
+    """Stop after this many bad (NaN/Inf/spike) steps in a row: the model will not recover."""
+    max_rollbacks: int = Field(5, ge=0)
+    """Stop after this many rollbacks in one run."""
+    straggler_every: int = Field(50, ge=0)
+    """Every N steps the ranks compare their local step times; 0 turns it off."""
+    straggler_factor: float = Field(1.5, gt=1)
+    """A rank slower than this many times the (lower) median of all ranks is a straggler."""
+    watchdog_s: float | None = Field(None, ge=0)
+    """A rank without progress for this long ends the job naming the stuck rank and step;
+    null means 0.9 x parallel.timeout_s (so it speaks before the collective times out),
+    0 turns it off."""
+    preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]] = Field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"]
+    )
+    """Signals that ask for checkpoint-and-exit (exit code 75) at the next step boundary."""
 
 
 class TrackingConfig(_Section):
@@ -113,6 +146,7 @@ class RunConfig(_Section):
     precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
     parallel: ParallelConfig = Field(default_factory=lambda: ParallelConfig())
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig())
+    fault: FaultConfig = Field(default_factory=lambda: FaultConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
