@@ -7,6 +7,7 @@ import sys
 
 import typer
 
+from hpcml.cli import launch as launch_cli
 from hpcml.cli import model as model_cli
 from hpcml.cli import train as train_cli
 from hpcml.cli.common import fail
@@ -26,6 +27,7 @@ app.command(
     help=train_cli.__doc__,
 )(train_cli.train)
 app.add_typer(model_cli.app, name="model")
+app.add_typer(launch_cli.app, name="launch")
 
 
 def main() -> None:
