@@ -1,0 +1,40 @@
+# Two commands on a fresh machine: `make demo` (train the demo) and `make test` (the suite).
+# Each creates .venv and installs what it needs. torch is pinned first so that no install step
+# can pull a different (CUDA) build; the project's own range admits the pinned one.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint unit bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,serve,track,onnx]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The demo: 2-process DDP training of SimpleCNN on scikit-learn's digits (>= 97% validation).
+demo: $(STAMP)
+	$(VENV)/bin/hpcml train examples/digits_cnn.yaml --nproc 2 --run-dir runs/demo --overwrite
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src
+	$(VENV)/bin/lint-imports
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+unit: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+bench: $(STAMP)
+	$(PY) benchmarks/engine_overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,133 @@
+"""Engine overhead: hpcml's training engine vs a minimal hand-written PyTorch loop.
+
+Same model, data, batch, optimizer, schedule and precision; runs alternate in one invocation
+(hpcml, plain, hpcml, plain, ...) so machine noise hits both alike. Throughput is measured the
+same way for both: wall-clock between the end of warm-up step W and the end of step N,
+everything in between included (logging, flushes), divided into (N - W) x batch samples.
+
+    python benchmarks/engine_overhead.py [--model simple_cnn] [--steps 60] [--pairs 3]
+
+Writes benchmarks/results/engine_overhead_<device>.json and prints a table. Goal: ratio >= 0.99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hpcml.config import load_config
+from hpcml.data.sources import load_source
+from hpcml.models.zoo import build_model, complete_args
+from hpcml.records import read_run_log
+from hpcml.train.engine import run as hpcml_run
+from hpcml.train.schedule import build_optimizer, build_scheduler
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def hpcml_throughput(overrides: list[str], warmup: int) -> float:
+    cfg = load_config(None, overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        hpcml_run(cfg, run_dir=Path(tmp) / "run", quiet=True)
+        steps = [r for r in read_run_log(Path(tmp) / "run" / "run.jsonl") if r.get("kind") == "step"]
+    t_w = next(r["time"] for r in steps if r["step"] == warmup)
+    t_n = steps[-1]["time"]
+    return (steps[-1]["step"] - warmup) * cfg.data.batch_size / (t_n - t_w)
+
+
+def plain_throughput(overrides: list[str], warmup: int) -> float:
+    """What a user writes by hand: DataLoader, model, AdamW, cosine LR, loss.item() per step."""
+    cfg = load_config(None, overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.train.seed)
+    splits = load_source(cfg.data)
+    args = complete_args(cfg.model.name, cfg.model.args, splits.input_shape, splits.num_classes)
+    model = build_model(cfg.model.name, args).to(device)
+    opt = build_optimizer(model.parameters(), cfg.optim, 1)
+    sched = build_scheduler(opt, cfg.optim, cfg.train.max_steps)
+    loader = torch.utils.data.DataLoader(
+        splits.train, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True,
+        pin_memory=device.type == "cuda",
+    )
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    step, times = 0, {}
+    model.train()
+    while step < cfg.train.max_steps:
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            loss.item()
+            step += 1
+            times[step] = time.time()
+            if step >= cfg.train.max_steps:
+                break
+    return (step - warmup) * cfg.data.batch_size / (times[step] - times[warmup])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="simple_cnn")
+    ap.add_argument("--data", default="digits")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    overrides = [
+        f"model.name={a.model}", f"data.source={a.data}", f"data.batch_size={a.batch}",
+        f"train.max_steps={a.steps}", "train.eval_every=0", "train.checkpoint_every=0",
+        f"precision={a.precision}", "train.log_every=10",
+    ]
+    hp, pl = [], []
+    for i in range(a.pairs):
+        hp.append(hpcml_throughput(overrides, a.warmup))
+        pl.append(plain_throughput(overrides, a.warmup))
+        print(f"pair {i + 1}/{a.pairs}: hpcml {hp[-1]:,.1f}  plain {pl[-1]:,.1f} samples/s", file=sys.stderr)
+    ratios = [h / p for h, p in zip(hp, pl, strict=True)]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {
+        "benchmark": "engine_overhead",
+        "command": "python benchmarks/engine_overhead.py " + " ".join(sys.argv[1:]),
+        "device": device,
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "settings": vars(a),
+        "hpcml_samples_per_s": hp,
+        "plain_samples_per_s": pl,
+        "pair_ratios": ratios,
+        "median_hpcml": statistics.median(hp),
+        "median_plain": statistics.median(pl),
+        "ratio_of_medians": statistics.median(hp) / statistics.median(pl),
+        "median_pair_ratio": statistics.median(ratios),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    tag = "cpu" if device == "cpu" else device.replace(" ", "_")
+    out = Path(a.out) if a.out else RESULTS / f"engine_overhead_{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("| device | model | batch | hpcml samples/s | plain samples/s | ratio (median of pairs) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {device} | {a.model} | {a.batch} | {result['median_hpcml']:,.1f} | "
+          f"{result['median_plain']:,.1f} | {result['median_pair_ratio']:.3f} |")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Shared test helpers: run the real `hpcml` command in a subprocess and read run folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+
+def hpcml_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env.update(extra)
+    return env
+
+
+def run_hpcml(*args: str, cwd: Path | None = None, timeout: float = 300, check: bool = True,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcml", *args],
+        cwd=cwd or ROOT,
+        env=env or hpcml_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"hpcml {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+            f"stderr:\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in (run_dir / "run.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "step":
+            out[int(rec["step"])] = rec["loss"]
+    return out
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture
+def tiny_args() -> list[str]:
+    """Overrides that make a digits run take a few seconds."""
+    return [
+        "data.batch_size=16",
+        "train.eval_every=0",
+        "train.log_every=2",
+        "train.deterministic=true",
+    ]

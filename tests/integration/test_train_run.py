@@ -1,0 +1,116 @@
+"""`hpcml train` end to end in real processes: run folder contents, exact resume, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tests.conftest import run_hpcml, step_losses, summary
+
+from hpcml.models.export import load_export
+
+CONFIG = "examples/digits_cnn.yaml"
+
+
+def test_run_folder_holds_everything(tmp_path, tiny_args):
+    run = tmp_path / "run"
+    proc = run_hpcml("train", CONFIG, *tiny_args, "train.max_steps=6", "train.checkpoint_every=3",
+                     "train.eval_every=3", "--run-dir", str(run), "--quiet", "--json")
+    out = json.loads(proc.stdout)
+    assert out["status"] == "finished" and out["steps"] == 6
+    assert (run / "config.yaml").exists()
+    records = [json.loads(line) for line in (run / "run.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    for key in ("step", "loss", "lr", "samples_per_s", "step_time_s", "data_wait_s"):
+        assert all(key in r for r in steps), key
+    assert [r["step"] for r in evals] == [3, 6]
+    s = summary(run)
+    assert 0.0 <= s["final"]["val_accuracy"] <= 1.0 and s["final"]["val_loss"] > 0
+    assert s["world_size"] == 1 and s["device"]["type"] == "cpu"
+    assert s["model"]["parameters"] == 2_474_506
+    assert s["memory"]["params_bytes"] == 2_474_506 * 4
+    # AdamW: two fp32 moments per parameter plus one fp32 step counter per parameter tensor (16).
+    assert s["memory"]["optimizer_bytes"] == 2 * 2_474_506 * 4 + 16 * 4
+    assert s["throughput"]["samples_per_s"] > 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-3", "step-6"]
+    model, meta = load_export(run / "export")
+    assert meta["architecture"] == "simple_cnn" and meta["input"]["shape"] == [3, 32, 32]
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_resume_in_a_new_process_is_bit_exact(tmp_path, tiny_args):
+    """(a) 2N steps straight == N steps, then a new process resuming to 2N, bit for bit."""
+    n = 5
+    common = [*tiny_args, "optim.decay_steps=10", "optim.warmup_steps=2", "data.limit_train=120"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_hpcml("train", CONFIG, *common, f"train.max_steps={2 * n}", "--run-dir", str(straight), "--quiet")
+    run_hpcml("train", CONFIG, *common, f"train.max_steps={n}", "--run-dir", str(split), "--quiet")
+    run_hpcml("train", CONFIG, *common, f"train.max_steps={2 * n}", "--run-dir", str(split),
+              "--resume", "auto", "--quiet")
+    a, b = step_losses(straight), step_losses(split)
+    assert sorted(a) == sorted(b) == list(range(1, 2 * n + 1))
+    # limit_train=120 with batch 16 is 7 batches an epoch: the resume crosses an epoch boundary.
+    assert all(a[s] == b[s] for s in a), {s: (a[s], b[s]) for s in a if a[s] != b[s]}
+    assert summary(split)["resumed_from"].endswith(f"step-{n}")
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process_with_twice_the_batch(tmp_path):
+    """(b) DDP with per-rank batch B/2 on 2 processes == 1 process with batch B, step by step."""
+    common = ["model.name=mlp", "model.args={hidden: 64}", "train.eval_every=0", "train.log_every=4",
+              "train.max_steps=8", "train.deterministic=true"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_hpcml("train", CONFIG, *common, "data.batch_size=32", "--run-dir", str(one), "--quiet")
+    run_hpcml("train", CONFIG, *common, "data.batch_size=16", "--nproc", "2", "--run-dir", str(two), "--quiet")
+    a, b = step_losses(one), step_losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for s in a:
+        assert a[s] == pytest.approx(b[s], rel=1e-5), (s, a[s], b[s])
+    assert summary(two)["world_size"] == 2
+    assert summary(one)["final"]["val_accuracy"] == pytest.approx(summary(two)["final"]["val_accuracy"], abs=1e-6)
+
+
+def test_grad_accumulation_matches_a_larger_batch(tmp_path):
+    """(c) k micro-batches of B == one batch of kB, step by step."""
+    common = ["model.name=mlp", "model.args={hidden: 64}", "train.eval_every=0", "train.log_every=3",
+              "train.max_steps=6", "train.deterministic=true"]
+    acc, big = tmp_path / "acc", tmp_path / "big"
+    run_hpcml("train", CONFIG, *common, "data.batch_size=8", "train.grad_accum=4", "--run-dir", str(acc), "--quiet")
+    run_hpcml("train", CONFIG, *common, "data.batch_size=32", "--run-dir", str(big), "--quiet")
+    a, b = step_losses(acc), step_losses(big)
+    for s in b:
+        assert a[s] == pytest.approx(b[s], rel=1e-5), (s, a[s], b[s])
+
+
+@pytest.mark.slow
+def test_external_torchrun_launch(tmp_path):
+    """`torchrun --nproc-per-node 2 -m hpcml train ...` works like --nproc 2."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, hpcml_env
+
+    run = tmp_path / "ext"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "hpcml", "train", CONFIG, "model.name=mlp", "train.max_steps=4", "train.eval_every=0",
+         "data.batch_size=16", "--run-dir", str(run), "--quiet"],
+        cwd=ROOT, env=hpcml_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(run)
+    assert s["world_size"] == 2 and s["global_batch"] == 32
+    assert len(s["memory"]["per_rank"]) == 2
+
+
+def test_precisions_run_on_cpu(tmp_path):
+    for precision in ("bf16", "fp16"):
+        run = tmp_path / precision
+        run_hpcml("train", CONFIG, "model.name=mlp", "train.max_steps=3", "train.eval_every=0",
+                  "data.batch_size=16", f"precision={precision}", "optim.grad_clip=1.0",
+                  "--run-dir", str(run), "--quiet")
+        s = summary(run)
+        assert s["precision"] == precision and s["final"]["train_loss"] == s["final"]["train_loss"]

@@ -1,0 +1,67 @@
+import json
+
+import torch
+
+from hpcml.dist.runtime import Runtime
+from hpcml.models.zoo import build_model
+from hpcml.train import checkpoint as ckpt
+
+RT = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None)
+
+
+def _model_opt():
+    torch.manual_seed(0)
+    model = build_model("mlp", {"hidden": 16, "input_shape": [8]})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _save(root, step, model, opt, keep=3):
+    return ckpt.save(root, step, model, opt, {"scheduler": {}, "scaler": {}, "epoch": 0},
+                     {"rng": ckpt.rng_state(), "data": {"epoch": 0, "loader": None}}, RT, keep)
+
+
+def test_round_trip_restores_model_and_optimizer(tmp_path):
+    model, opt = _model_opt()
+    path = _save(tmp_path, 5, model, opt)
+    assert ckpt.verify(path) is None
+    other, opt2 = _model_opt()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    loaded = ckpt.load(path, other, opt2, RT)
+    assert loaded.step == 5
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a, b)
+    s1 = opt.state_dict()["state"][0]["exp_avg"]
+    s2 = opt2.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(s1, s2)
+
+
+def test_partial_and_corrupt_checkpoints_are_skipped(tmp_path):
+    model, opt = _model_opt()
+    _save(tmp_path, 1, model, opt)
+    good = _save(tmp_path, 2, model, opt)
+    # A writer killed mid-save leaves a .tmp folder; a folder without manifest is also partial.
+    (tmp_path / ".step-3.tmp").mkdir()
+    (tmp_path / "step-4").mkdir()
+    assert ckpt.find_latest(tmp_path) == good
+    # Flip bytes in the newest one: it is reported and the previous one is used.
+    bad = _save(tmp_path, 5, model, opt)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    victim = bad / next(iter(manifest["files"]))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    warnings = []
+    assert ckpt.find_latest(tmp_path, warn=warnings.append) == good
+    assert "sha256" in warnings[0]
+
+
+def test_retention_keeps_last_k(tmp_path):
+    model, opt = _model_opt()
+    for s in range(1, 6):
+        _save(tmp_path, s, model, opt, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-5"]
