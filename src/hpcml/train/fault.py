@@ -236,7 +236,8 @@ class FaultInjector:
     {"slow":  {"rank": 1, "seconds": 0.05}}               every training forward on rank 1
     {"stall": {"rank": 1, "step": 5, "seconds": 3600}}    once, at step 5 (a hang)
     {"nan":   {"step": 7, "rank": 0}}                     once: that forward's output becomes NaN
-    {"spike": {"step": 30, "scale": 100.0}}               once: the output is multiplied
+    {"spike": {"step": 30, "scale": 100.0}}               once: output x -scale (confidently
+                                                          wrong logits, a large loss)
 
     Steps are 1-based optimizer steps; "rank" left out means every rank.
     """
@@ -280,7 +281,7 @@ class FaultInjector:
         if self._once("nan", step):
             return output * float("nan")
         if self._once("spike", step):
-            return output * float(self.spec["spike"].get("scale", 100.0))
+            return output * -float(self.spec["spike"].get("scale", 100.0))
         return output
 
 
@@ -388,6 +389,8 @@ class FaultGuard:
     def begin_step(self, step: int, drop_batch: Callable[[], Any]) -> None:
         """Before the step's first micro-batch: after a rollback, skip the offending batch."""
         self.current_step = step + 1
+        if self.watchdog is not None:
+            self.watchdog.step = self.current_step  # the step a stall would be reported at
         for _ in range(self._drop_at.pop(self.current_step, 0)):
             drop_batch()
             self.counts["dropped_batches"] += 1
