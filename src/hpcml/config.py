@@ -96,6 +96,9 @@ class ParallelConfig(_Section):
     """Collective timeout; a rank that stops answering fails the job after this long."""
 
 
+PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
+
+
 class FaultConfig(_Section):
     """Guards of the training loop (hpcml.train.fault): bad steps, stragglers, hangs, preemption."""
 
@@ -120,8 +123,8 @@ class FaultConfig(_Section):
     """A rank without progress for this long ends the job naming the stuck rank and step;
     null means 0.9 x parallel.timeout_s (so it speaks before the collective times out),
     0 turns it off."""
-    preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"]
+    preempt_signals: list[PreemptSignal] = Field(
+        default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGUSR1"])
     )
     """Signals that ask for checkpoint-and-exit (exit code 75) at the next step boundary."""
 

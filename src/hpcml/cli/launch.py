@@ -75,7 +75,8 @@ def slurm(
     """Write an sbatch script for `hpcml train` under torchrun (preemption-safe) and submit it."""
     from hpcml.cli.common import console, print_json
     from hpcml.config import load_config
-    from hpcml.launch.slurm import SlurmJob, submit as sbatch_submit, write_script
+    from hpcml.launch.slurm import SlurmJob, write_script
+    from hpcml.launch.slurm import submit as sbatch_submit
     from hpcml.models.zoo import get_spec
     from hpcml.train import rundir
 

@@ -266,7 +266,8 @@ def save(
             checkpoint_id=str(tmp),
             process_group=checkpoint_group(rt),
         )
-        upload_done: Future[Any] = getattr(upload, "upload_completion", upload)
+        # Newer torch returns an AsyncSaveResponse (staging + upload futures), older a Future.
+        upload_done: Future[Any] = getattr(upload, "upload_completion", upload)  # type: ignore[arg-type]
         done: Future[None] = Future()
 
         def finish(f: Future[Any]) -> None:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -62,7 +62,7 @@ class PreemptionFlag:
     """Signal handlers that only record the signal: saving inside a handler could interrupt the
     loop halfway through an optimizer step or a checkpoint write."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: Sequence[str]) -> None:
         self.signals = [getattr(signal, n) for n in names]
         self.received: int | None = None
         self._old: dict[int, Any] = {}
