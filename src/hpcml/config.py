@@ -132,13 +132,17 @@ class FaultConfig(_Section):
 class TrackingConfig(_Section):
     backend: Literal["none", "mlflow"] = "none"
     uri: str | None = None
-    """MLflow tracking URI; null means a SQLite store `mlruns.db` in the working folder."""
+    """MLflow tracking URI; null means $MLFLOW_TRACKING_URI, else a SQLite store `mlruns.db` in
+    the working folder."""
     experiment: str = "hpcml"
     run_name: str | None = None
     tags: dict[str, str] = Field(default_factory=dict)
     """Free tags such as team, project, cost_center."""
     log_every: int = Field(10, gt=0)
-    """Send step metrics to the tracker every N steps (batched)."""
+    """One point per metric every N steps (the mean over those steps; lr its last value)."""
+    flush_every_s: float = Field(5.0, ge=0)
+    """Send queued points to the store at most this often, in one asynchronous batch (each
+    store write costs ~10 ms of a background thread); the MLflow UI lags by up to this much."""
 
 
 class RunConfig(_Section):

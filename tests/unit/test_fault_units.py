@@ -17,7 +17,7 @@ import torch
 from hpcml.config import RunConfig, load_config
 from hpcml.dist.runtime import Runtime
 from hpcml.dist.sidechannel import HeartBoard
-from hpcml.errors import REQUEUE_EXIT_CODE, ConfigError, LaunchError, Preempted
+from hpcml.errors import REQUEUE_EXIT_CODE, ConfigError, HpcmlError, LaunchError, Preempted
 from hpcml.launch.slurm import SlurmJob, parse_time_s, render_sbatch
 from hpcml.train.fault import (
     FaultInjector,
@@ -25,8 +25,6 @@ from hpcml.train.fault import (
     SpikeDetector,
     Watchdog,
     checkpoint_advice,
-    daly_interval_s,
-    young_interval_s,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,15 +143,14 @@ def test_watchdog_fires_once_without_progress_and_not_while_paused() -> None:
 # --- checkpoint interval -------------------------------------------------------------------
 
 
-def test_young_and_daly_intervals() -> None:
-    # Young: sqrt(2 * 60 s * 24 h) = 3220 s.
-    assert young_interval_s(60, 86_400) == pytest.approx(math.sqrt(2 * 60 * 86_400))
-    # Daly's higher-order estimate is a little below Young for C << M.
-    daly = daly_interval_s(60, 86_400)
-    assert 3150 < daly < young_interval_s(60, 86_400)
-    assert daly_interval_s(500, 200) == 200  # C >= 2M: checkpoint once per MTBF
-    with pytest.raises(ConfigError):
-        young_interval_s(0, 10)
+def test_checkpoint_advice_uses_young_and_daly() -> None:
+    a = checkpoint_advice(checkpoint_s=60, mtbf_s=86_400)
+    # Young: sqrt(2 * 60 s * 24 h) = 3220 s; Daly's higher-order estimate is a little below.
+    assert a["young_interval_s"] == pytest.approx(math.sqrt(2 * 60 * 86_400))
+    assert 3150 < a["daly_interval_s"] < a["young_interval_s"]
+    assert checkpoint_advice(500, 200)["daly_interval_s"] == 200  # C >= 2M: once per MTBF
+    with pytest.raises(HpcmlError):
+        checkpoint_advice(0, 10)
 
 
 def test_checkpoint_advice_converts_to_steps_and_prices_failures() -> None:

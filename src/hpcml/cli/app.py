@@ -9,6 +9,8 @@ import typer
 
 from hpcml.cli import launch as launch_cli
 from hpcml.cli import model as model_cli
+from hpcml.cli import plan as plan_cli
+from hpcml.cli import registry as registry_cli
 from hpcml.cli import train as train_cli
 from hpcml.cli.common import fail
 from hpcml.errors import HpcmlError
@@ -27,6 +29,8 @@ app.command(
     help=train_cli.__doc__,
 )(train_cli.train)
 app.add_typer(model_cli.app, name="model")
+app.add_typer(plan_cli.app, name="plan")
+app.add_typer(registry_cli.app, name="registry")
 app.add_typer(launch_cli.app, name="launch")
 
 

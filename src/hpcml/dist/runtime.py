@@ -95,14 +95,18 @@ def init_runtime(device: str = "auto", backend: str = "auto", timeout_s: float =
                 device_id=dev if dev.type == "cuda" else None,
                 **_elastic_attempt_store(rank, world, timeout_s),
             )
-    if dev.type == "cpu" and local_world > 1:
+    if dev.type == "cpu" and local_world > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Several ranks on one CPU: split the cores instead of letting each grab all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return Runtime(rank, local_rank, world, local_world, dev, chosen)
 
 
-def shutdown(rt: Runtime) -> None:
+def shutdown(rt: Runtime, clean: bool = True) -> None:
+    """Leave the process group. After a clean run all ranks meet first: a rank that tears down
+    gloo while a peer still writes its export can leave that peer waiting forever at exit."""
     if rt.distributed and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -42,12 +42,14 @@ from hpcml.records import (
     write_json_atomic,
     write_text_atomic,
 )
+from hpcml.track.provenance import collect as collect_provenance
 from hpcml.train import checkpoint as ckpt
 from hpcml.train import rundir
 from hpcml.train.fault import FaultGuard
 from hpcml.train.hooks import Hooks
 from hpcml.train.metrics import LiveView, StepMeter
 from hpcml.train.schedule import build_optimizer, build_scheduler
+from hpcml.train.tracking import TrackingHook
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -129,7 +131,7 @@ def run(
 ) -> dict[str, Any]:
     rt = init_runtime(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     guard = FaultGuard(cfg, rt)  # signal handlers first: a preemption during set-up counts too
-    hooks = hooks or Hooks()
+    hooks = hooks or Hooks([TrackingHook(cfg.tracking)])
     log: RunLog | None = None
     view: LiveView | None = None
     summary: dict[str, Any] = {}
@@ -193,8 +195,12 @@ def run(
                 view.message(f"resumed from {resume_from} at step {step}")
         meter = StepMeter(rt, global_batch, log, view)
         ctx = {"cfg": cfg, "rt": rt, "run_dir": out_dir, "resumed_from": resume_from, "step": step}
+        provenance: dict[str, Any] = {}
         if rt.is_main:
-            hooks.start(ctx)
+            provenance = collect_provenance(
+                cfg.model_dump(mode="json"), splits.fingerprint, device_info(rt)
+            )
+            hooks.start({**ctx, "provenance": provenance})
             meter.extra_sinks.append(hooks.steps)
         guard.attach(model, out_dir, log, view.message if view is not None else None)
 
@@ -325,6 +331,7 @@ def run(
                     "platform": platform.platform(),
                 },
                 "config": cfg.model_dump(mode="json"),
+                "provenance": provenance,
             }
             save_export(
                 out_dir / "export",
@@ -362,4 +369,4 @@ def run(
             view.close()
         if log is not None:
             log.close()
-        shutdown(rt)
+        shutdown(rt, clean=status == "finished")

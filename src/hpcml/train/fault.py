@@ -6,8 +6,9 @@ spikes by a z-score over a sliding window: skip | rollback | stop), stragglers (
 their local step times every N steps) and hangs (a watchdog thread per rank that names the
 rank and step that stopped answering, through the rendezvous store, and ends the job).
 
-Also here: the checkpoint-interval formulas of Young (1974) and Daly (2006), and fault
-injection for tests (HPCML_FAULT_INJECT, see `FaultInjector`).
+Also here: checkpoint-interval advice from a measured checkpoint cost (Young 1974 / Daly 2006,
+through the planner's hpcml.plan.cost), and fault injection for tests and drills
+(HPCML_FAULT_INJECT, see `FaultInjector`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ __all__ = [
     "Verdict",
     "Watchdog",
     "checkpoint_advice",
-    "daly_interval_s",
-    "young_interval_s",
 ]
 
 INJECT_ENV = "HPCML_FAULT_INJECT"
@@ -553,28 +552,8 @@ def kind_key(kind: str) -> str:
 
 
 # --- checkpoint interval -------------------------------------------------------------------
-# Kept here in one place until the planner's cost module (hpcml.plan.cost) is on main; then
-# these delegate to it.
-
-
-def young_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
-    """Young 1974: the optimal time between checkpoints is sqrt(2 C M) (C checkpoint cost,
-    M mean time between failures)."""
-    if checkpoint_s <= 0 or mtbf_s <= 0:
-        raise ConfigError("checkpoint time and MTBF must be positive.")
-    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
-
-
-def daly_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
-    """Daly 2006, higher-order estimate: sqrt(2CM)[1 + sqrt(C/2M)/3 + (C/2M)/9] - C for C < 2M,
-    else M."""
-    if checkpoint_s <= 0 or mtbf_s <= 0:
-        raise ConfigError("checkpoint time and MTBF must be positive.")
-    c, m = checkpoint_s, mtbf_s
-    if c >= 2.0 * m:
-        return m
-    x = c / (2.0 * m)
-    return math.sqrt(2.0 * c * m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - c
+# The formulas live in the planner (hpcml.plan.cost, pure functions); here they are applied to a
+# measured checkpoint cost and step time.
 
 
 def checkpoint_advice(
@@ -586,8 +565,10 @@ def checkpoint_advice(
     """Optimal interval and what failures cost at it (first-order model, failures as a Poisson
     process): each interval of length T pays C for the checkpoint; each failure loses on
     average T/2 of work plus the restart time R."""
-    young = young_interval_s(checkpoint_s, mtbf_s)
-    daly = daly_interval_s(checkpoint_s, mtbf_s)
+    from hpcml.plan.cost import daly_interval, young_interval  # only the advice verb needs it
+
+    young = young_interval(checkpoint_s, mtbf_s)
+    daly = daly_interval(checkpoint_s, mtbf_s)
     interval = daly
     lost_per_failure = interval / 2.0 + restart_s
     overhead = checkpoint_s / interval + lost_per_failure / mtbf_s

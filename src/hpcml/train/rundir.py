@@ -48,7 +48,7 @@ def resolve(
         raise RunDirError("--resume and --overwrite contradict each other; pass one of them.")
     if overwrite:
         if not dry_run and run_dir.exists():
-            for name in (SUMMARY, RUN_LOG, "checkpoints", "export", "config.yaml"):
+            for name in (SUMMARY, RUN_LOG, "checkpoints", "export", "config.yaml", "tracking.json"):
                 target = run_dir / name
                 if target.is_dir():
                     shutil.rmtree(target)

@@ -1,0 +1,431 @@
+"""Per-device training memory: parameters, gradients, optimizer states, activations, buffers.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2019, Sec. 3.1 and 5); activations of
+transformer blocks follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", Sec. 4 and Table 2). `per_device_bytes` is the entry point.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpcml.plan.common import DTYPE_BYTES, PlanError, normalize_precision
+from hpcml.plan.shapes import ModelShape
+
+# Optimizer state bytes per parameter, without an fp32 master copy.
+#   adam/adamw: first and second moments in fp32 (Kingma & Ba 2015); ZeRO's K = 12 is these
+#   8 bytes plus the 4-byte master weights of mixed precision (ZeRO paper, Sec. 3.1).
+#   sgd: one fp32 momentum buffer. adam8bit: two 8-bit moments (Dettmers et al. 2022,
+#   "8-bit Optimizers via Block-wise Quantization"; the per-block fp32 scale is 4 bytes per
+#   2048 values and ignored).
+OPTIMIZER_STATE_BYTES: dict[str, float] = {
+    "adamw": 8.0,
+    "adam": 8.0,
+    "sgd": 4.0,
+    "sgd-nomomentum": 0.0,
+    "adam8bit": 2.0,
+}
+# Bytes read + written per parameter by one optimizer step (fp32 states), for its roofline time.
+OPTIMIZER_TRAFFIC_BYTES: dict[str, float] = {
+    "adamw": 28.0,  # read p, g, m, v; write p, m, v
+    "adam": 28.0,
+    "sgd": 20.0,  # read p, g, buf; write p, buf
+    "sgd-nomomentum": 12.0,
+    "adam8bit": 16.0,
+}
+WEIGHT_MODES = ("pure", "amp", "mixed")
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "optimizer", "params")
+SCHEDULES = ("1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the model trains: precision, weight storage and optimizer."""
+
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    weights: str | None = None
+    """pure: everything in `precision`; amp: fp32 weights and gradients, activations in
+    `precision` (torch autocast); mixed: half-precision weights and gradients with an fp32
+    master copy in the optimizer (Micikevicius et al. 2018; the ZeRO paper's 16 bytes/param).
+    Default: mixed for 16-bit precisions, pure otherwise."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", normalize_precision(self.precision))
+        opt = self.optimizer.lower()
+        if opt not in OPTIMIZER_STATE_BYTES:
+            raise PlanError(
+                f"optimizer '{self.optimizer}' is not known; use one of "
+                f"{', '.join(OPTIMIZER_STATE_BYTES)}."
+            )
+        object.__setattr__(self, "optimizer", opt)
+        if self.weights is not None and self.weights not in WEIGHT_MODES:
+            raise PlanError(
+                f"weights mode '{self.weights}' is not known; use one of {', '.join(WEIGHT_MODES)}."
+            )
+
+    @property
+    def weight_mode(self) -> str:
+        if self.weights:
+            return self.weights
+        return "mixed" if DTYPE_BYTES[self.precision] < 4 else "pure"
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.precision]
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.weight_mode == "amp" else self.compute_bytes
+
+    grad_bytes = param_bytes
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.compute_bytes
+
+    @property
+    def optimizer_bytes_per_param(self) -> float:
+        base = OPTIMIZER_STATE_BYTES[self.optimizer]
+        return base + (4.0 if self.weight_mode == "mixed" else 0.0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the work is split: tensor, pipeline and data parallel degrees, ZeRO, batches."""
+
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    """0 plain data parallel (DDP); 1 optimizer states, 2 + gradients, 3 + parameters sharded
+    over the data-parallel group (ZeRO-3 = FSDP full sharding)."""
+    sp: bool = False
+    """Megatron sequence parallelism along with tensor parallelism."""
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Model chunks per pipeline stage for the interleaved schedule."""
+    micro_batch: int = 1
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each data-parallel replica (the pipeline's m)."""
+    recompute: str = "none"
+    offload: str = "none"
+
+    def dp(self, devices: int) -> int:
+        mp = self.tp * self.pp
+        if self.tp < 1 or self.pp < 1:
+            raise PlanError(f"tp={self.tp} and pp={self.pp} must both be at least 1.")
+        if devices % mp:
+            raise PlanError(
+                f"tp={self.tp} x pp={self.pp} = {mp} does not divide {devices} devices; choose "
+                "degrees whose product divides --devices."
+            )
+        return devices // mp
+
+    def validate(self, model: ModelShape, devices: int) -> int:
+        """Check the layout against the model and device count; return the data-parallel degree."""
+        dp = self.dp(devices)
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"--zero {self.zero} is not a ZeRO stage; use 0, 1, 2 or 3.")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(
+                f"recompute '{self.recompute}' is not known; use {', '.join(RECOMPUTE)}."
+            )
+        if self.offload not in OFFLOAD:
+            raise PlanError(f"offload '{self.offload}' is not known; use {', '.join(OFFLOAD)}.")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(
+                f"schedule '{self.schedule}' is not known; use {', '.join(SCHEDULES)}."
+            )
+        if self.micro_batch < 1 or self.grad_accum < 1:
+            raise PlanError("--micro-batch and --grad-accum must be at least 1.")
+        if self.offload == "params" and self.zero != 3:
+            raise PlanError(
+                "offloading parameters needs ZeRO-3 (ZeRO-Infinity); pass --zero 3 or "
+                "--offload optimizer."
+            )
+        if self.zero >= 2 and self.pp > 1:
+            # DeepSpeed refuses ZeRO-2/3 with pipeline parallelism, and Megatron's distributed
+            # optimizer is ZeRO-1: gradients must persist across the pipeline's micro-batches.
+            raise PlanError(
+                f"ZeRO-{self.zero} does not combine with pipeline parallelism (pp={self.pp}); "
+                "use --zero 0 or 1 with --pp."
+            )
+        if (self.tp > 1 or self.pp > 1) and not model.is_transformer:
+            raise PlanError(
+                f"tensor and pipeline parallelism need a transformer shape; '{model.name}' has "
+                "none, so use --tp 1 --pp 1 or describe it with --layers/--hidden/--heads."
+            )
+        if model.is_transformer:
+            if model.heads % self.tp:
+                raise PlanError(
+                    f"tp={self.tp} does not divide the {model.heads} attention heads of "
+                    f"{model.name}; choose a tensor-parallel degree that divides them."
+                )
+            chunks = self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
+            if chunks > model.layers:
+                raise PlanError(
+                    f"pp={self.pp} (x{self.virtual_stages} virtual) splits {model.layers} layers "
+                    "into more stages than layers; lower --pp."
+                )
+            if self.schedule == "interleaved" and self.grad_accum % self.pp:
+                raise PlanError(
+                    f"the interleaved schedule needs micro-batches ({self.grad_accum}) to be a "
+                    f"multiple of pp={self.pp} (Narayanan et al. 2021); adjust --grad-accum."
+                )
+        return dp
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    buffers_bytes: float
+    """Communication buffers: DDP's gradient buckets, ZeRO-3's gathered layers."""
+    optimizer_temp_bytes: float
+    """Temporaries of the optimizer step, alive after the activations are freed."""
+    host_bytes: float
+    """Bytes offloaded to host memory per device."""
+    device_memory_bytes: int | None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def model_states_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        """Peak: model states and buffers, plus the larger of activations and optimizer temps."""
+        return (
+            self.model_states_bytes
+            + self.buffers_bytes
+            + max(self.activations_bytes, self.optimizer_temp_bytes)
+        )
+
+    def fits(self, usable_fraction: float = 0.9) -> bool:
+        if self.device_memory_bytes is None:
+            return True
+        return self.total_bytes <= usable_fraction * self.device_memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        d["model_states_bytes"] = self.model_states_bytes
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+# --- model states ----------------------------------------------------------------------------
+
+
+def zero_model_state_bytes(
+    params: float, dp: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> tuple[float, float, float]:
+    """Per-device (params, grads, optimizer) bytes under ZeRO stage 0-3.
+
+    ZeRO paper, Sec. 5.1 and Figure 1: baseline (2 + 2 + K)Psi; P_os 2Psi + 2Psi + K Psi/Nd;
+    P_os+g 2Psi + (2 + K)Psi/Nd; P_os+g+p (2 + 2 + K)Psi/Nd, with K = 12 for mixed-precision
+    Adam.
+    """
+    p = params * param_bytes
+    g = params * grad_bytes
+    o = params * optimizer_bytes
+    if stage >= 1:
+        o /= dp
+    if stage >= 2:
+        g /= dp
+    if stage >= 3:
+        p /= dp
+    return p, g, o
+
+
+def params_per_device(model: ModelShape, layout: Layout) -> float:
+    """Parameters held by the busiest device before ZeRO sharding: one pipeline stage / tp."""
+    if not model.is_transformer or layout.pp == 1:
+        return model.params / layout.tp
+    layers_per_stage = math.ceil(model.layers / layout.pp)
+    # With pp > 1 the first stage holds the input embedding and the last one the output layer
+    # (a second copy when tied, as Megatron-LM does); both are about V*h.
+    edge = model.vocab * model.hidden + (model.non_layer_params - model.vocab * model.hidden * (
+        1 if model.tied_embeddings else 2))
+    return (layers_per_stage * model.layer_params + edge) / layout.tp
+
+
+def largest_layer_params(model: ModelShape, layout: Layout) -> float:
+    if model.is_transformer:
+        return max(model.layer_params, model.vocab * model.hidden) / layout.tp
+    return float(model.params)
+
+
+# --- activations -----------------------------------------------------------------------------
+
+
+def activation_bytes_per_layer(
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    dropout: bool = True,
+    ffn_hidden: int | None = None,
+    gated_mlp: bool = False,
+) -> float:
+    """Bytes one transformer block keeps for its backward pass.
+
+    Korthikanti et al. 2022, Sec. 4.1 and Table 2, for 16-bit activations and 1-byte dropout
+    masks:  none: sbh(34 + 5as/h);  TP: sbh(10 + 24/t + 5as/(ht));  TP+SP: sbh/t (34 + 5as/h);
+    selective recomputation drops the 5as/h attention-score term; full recomputation keeps
+    only the block input, 2sbh (sharded by t under SP, as Megatron-LM stores it).
+    Of the 34: 24 are sharded by TP (Q, K, V, the projection input, and the MLP's 8 + 8 for a
+    4h GELU MLP), 10 are not (two LayerNorm inputs 4, attention and MLP inputs 2 + 2, two
+    dropout masks 1 + 1). Other element sizes scale the 16-bit terms; a gated MLP (SwiGLU)
+    keeps four ffn-wide tensors instead of two.
+    """
+    s, b, h, a, t = float(seq), float(micro_batch), float(hidden), float(heads), float(tp)
+    sbh = s * b * h
+    half = act_bytes / 2.0
+    mask = 1.0 if dropout else 0.0
+    if recompute == "full":
+        kept = 2.0 * half * sbh
+        return kept / t if sp else kept
+    ffn = float(ffn_hidden or 4 * hidden)
+    mlp_inner = (4.0 if gated_mlp else 2.0) * 2.0 * ffn / h  # 16 for a 4h GELU MLP
+    sharded = (8.0 + mlp_inner) * half
+    replicated = 8.0 * half + 2.0 * mask
+    per = sbh * (sharded / t + (replicated / t if sp else replicated))
+    if recompute == "none":
+        # Softmax output and its dropout output (2 + 2 bytes) plus the dropout mask (1 byte),
+        # for each of a heads' s x s score matrices.
+        score = (4.0 * half + mask) * a * s / h
+        per += sbh * score / t
+    return per
+
+
+def inflight_microbatches(pp: int, micro_batches: int, schedule: str, virtual: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak.
+
+    1F1B: min(p, m) (Narayanan et al. 2021, Sec. 2.2.1). Interleaved: times
+    (1 + (p - 1)/(p v)) (Korthikanti et al. 2022, Sec. 4.2.3).
+    """
+    if pp == 1:
+        return 1.0
+    n = float(min(pp, micro_batches))
+    if schedule == "interleaved" and virtual > 1:
+        n *= 1.0 + (pp - 1) / (pp * virtual)
+    return n
+
+
+def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: int) -> float:
+    """Activation bytes of the busiest pipeline stage of a transformer."""
+    per_layer = activation_bytes_per_layer(
+        model.seq, layout.micro_batch, model.hidden, model.heads, layout.tp, layout.sp,
+        layout.recompute, act_bytes, model.dropout, model.ffn_hidden, model.gated_mlp,
+    )
+    layers_per_stage = math.ceil(model.layers / layout.pp)
+    t = layout.tp
+    sbh = float(model.seq) * layout.micro_batch * model.hidden
+    sbv = float(model.seq) * layout.micro_batch * model.vocab
+    # Korthikanti et al. 2022, Sec. 4.3: the output layer keeps the final LayerNorm and
+    # projection inputs and fp32 logits for the cross-entropy, 4sbh/t (1 + v/h) for 16-bit
+    # activations; the input embedding keeps a dropout mask of sbh.
+    output = (2.0 * act_bytes * sbh + 4.0 * sbv) / t
+    embed_mask = (sbh if model.dropout else 0.0) / (t if layout.sp else 1)
+    inflight = inflight_microbatches(
+        layout.pp, layout.grad_accum, layout.schedule, layout.virtual_stages
+    )
+    first = inflight * (layers_per_stage * per_layer + embed_mask)
+    last = layers_per_stage * per_layer + output
+    acts = first + output if layout.pp == 1 else max(first, last)
+    if layout.recompute == "full":
+        # The block being recomputed during backward holds its full activations meanwhile.
+        acts += activation_bytes_per_layer(
+            model.seq, layout.micro_batch, model.hidden, model.heads, layout.tp, layout.sp,
+            "none", act_bytes, model.dropout, model.ffn_hidden, model.gated_mlp,
+        )
+    return acts
+
+
+# --- the whole picture -----------------------------------------------------------------------
+
+
+def per_device_bytes(
+    model: ModelShape,
+    layout: Layout,
+    training: Training,
+    devices: int,
+    device_memory_bytes: int | None = None,
+    ddp_bucket_copy: bool = False,
+) -> MemoryBreakdown:
+    """Bytes on the busiest device of a training job.
+
+    `ddp_bucket_copy`: torch DDP's default (gradient_as_bucket_view=False) keeps a second copy
+    of the gradients in its all-reduce buckets; hpcml train, Megatron-LM and DeepSpeed reduce
+    in place, which is the default here.
+    """
+    dp = layout.validate(model, devices)
+    notes: list[str] = []
+    n_params = params_per_device(model, layout)
+    p_bytes, g_bytes, o_bytes = zero_model_state_bytes(
+        n_params, dp, layout.zero, training.param_bytes, training.grad_bytes,
+        training.optimizer_bytes_per_param,
+    )
+    if training.optimizer in ("adamw", "adam") and model.param_tensors:
+        # torch's Adam/AdamW keep a float32 `step` tensor per parameter tensor.
+        o_bytes += 4.0 * model.param_tensors / (dp if layout.zero >= 1 else 1)
+
+    host = 0.0
+    if layout.offload in ("optimizer", "params"):
+        # ZeRO-Offload (Ren et al. 2021): optimizer states (and the step) live on the host.
+        host += o_bytes
+        o_bytes = 0.0
+    if layout.offload == "params":
+        # ZeRO-Infinity (Rajbhandari et al. 2021): sharded parameters wait on the host too.
+        host += p_bytes
+        p_bytes = 0.0
+
+    if model.is_transformer:
+        acts = transformer_activation_bytes(model, layout, training.activation_bytes)
+    elif model.activation_bytes_per_sample is not None:
+        acts = model.activation_bytes_per_sample * layout.micro_batch
+        acts *= training.activation_bytes / 4.0
+        if layout.recompute != "none":
+            notes.append("recomputation is modelled for transformers only; ignored here")
+    else:
+        acts = 0.0
+        notes.append("activations unknown: give --layers/--hidden/--heads/--seq to count them")
+
+    buffers = 0.0
+    if layout.zero == 0 and dp > 1 and ddp_bucket_copy:
+        # torch DDP copies gradients into flat all-reduce buckets unless
+        # gradient_as_bucket_view=True ("the saved memory size will be equal to the total
+        # gradients size", torch/nn/parallel/distributed.py).
+        buffers += g_bytes
+    if layout.zero == 3 and dp > 1:
+        # The gathered current layer and the prefetched next one (DeepSpeed's ZeRO-3
+        # estimator counts the largest layer, deepspeed/runtime/zero/stage3.py).
+        buffers += 2.0 * largest_layer_params(model, layout) * training.param_bytes
+
+    # torch's foreach Adam builds one state-sized temporary (the sqrt of the second moment).
+    opt_temp = 0.0
+    if training.optimizer in ("adamw", "adam") and layout.offload == "none":
+        opt_temp = n_params * 4.0 / (dp if layout.zero >= 1 else 1)
+
+    return MemoryBreakdown(
+        params_bytes=p_bytes,
+        grads_bytes=g_bytes,
+        optimizer_bytes=o_bytes,
+        activations_bytes=acts,
+        buffers_bytes=buffers,
+        optimizer_temp_bytes=opt_temp,
+        host_bytes=host,
+        device_memory_bytes=device_memory_bytes,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,327 @@
+"""Model shapes the planner reasons about: parameter counts, FLOPs per sample and the dimensions
+the activation formulas need. Plain numbers, no torch: zoo CNNs are a small table (checked
+against the zoo by a test), transformers are computed from their dimensions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hpcml.plan.common import PlanError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: int
+    kind: str = "generic"
+    """"transformer" (decoder blocks with the dimensions below) or "generic" (numbers only)."""
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    seq: int = 1
+    """Tokens per sample; 1 for images."""
+    vocab: int = 0
+    ffn_hidden: int = 0
+    gated_mlp: bool = False
+    non_layer_params: int = 0
+    """Parameters outside the repeated blocks: embeddings, output head, final norm."""
+    lookup_only_params: int = 0
+    """Parameters used as a table lookup, not a matmul (untied input embedding, positions)."""
+    forward_flops_per_sample: float = 0.0
+    """Generic models: forward FLOPs of one sample (multiply-add = 2)."""
+    activation_bytes_per_sample: float | None = None
+    """Generic models: bytes autograd saves per sample in fp32, excluding the parameters."""
+    dropout: bool = True
+    tied_embeddings: bool = True
+    param_tensors: int = 0
+    """Number of parameter tensors (torch's AdamW keeps a 4-byte step per tensor); 0 unknown."""
+    source: str = ""
+
+    @property
+    def is_transformer(self) -> bool:
+        return self.kind == "transformer"
+
+    @property
+    def layer_params(self) -> float:
+        if not self.layers:
+            return float(self.params)
+        return (self.params - self.non_layer_params) / self.layers
+
+    def model_flops_per_sample(self) -> float:
+        """Training FLOPs (forward + backward) of one sample, recomputation not counted.
+
+        Transformers: PaLM's 6N + 12*L*H*Q*T per token (Chowdhery et al. 2022, Appendix B),
+        with N the parameters that take part in matmuls (an untied input embedding is a
+        lookup). Equal to Megatron-LM's 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) per batch
+        (Korthikanti et al. 2022, Eq. 7). Other models: backward = 2 x forward, so 3 x forward
+        (Kaplan et al. 2020, Sec. 2.1).
+        """
+        if self.is_transformer:
+            per_token = palm_flops_per_token(
+                self.params - self.lookup_only_params, self.layers, self.hidden, self.seq
+            )
+            return per_token * self.seq
+        return 3.0 * self.forward_flops_per_sample
+
+    def hardware_flops_per_sample(self, recompute: str = "none") -> float:
+        """FLOPs the device executes, recomputation included.
+
+        full: one more forward pass of every block, as in Narayanan et al. 2021 Eq. 3
+        (96BLsh^2 instead of 72BLsh^2). selective: one more forward of the attention core,
+        QK^T and the weighted sum over V, 4*B*s^2*h per layer (a third of the attention term).
+        Korthikanti et al. 2022 Eq. 8 counts the whole attention term again instead
+        (`megatron_flops_per_iteration`); the forward-only count is what the device runs.
+        """
+        model = self.model_flops_per_sample()
+        if recompute == "none":
+            return model
+        if not self.is_transformer:
+            # Generic models have no attention core; full recomputation adds one forward.
+            return model * 4.0 / 3.0 if recompute == "full" else model
+        attn = 12.0 * self.layers * self.hidden * self.seq * self.seq
+        if recompute == "selective":
+            return model + attn / 3.0
+        if recompute == "full":
+            matmul_n = self.params - self.lookup_only_params
+            head = self.vocab * self.hidden  # the output layer is not recomputed
+            layers_forward = 2.0 * (matmul_n - head) * self.seq + attn / 3.0
+            return model + layers_forward
+        raise PlanError(f"recompute '{recompute}' is not known; use none, selective or full.")
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.seq if self.is_transformer else 1
+
+
+def palm_flops_per_token(n_params: float, layers: int, hidden: int, seq: int) -> float:
+    """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, Appendix B).
+
+    H*Q (heads x head size) is the attention width, the hidden size for standard blocks;
+    the 12*L*H*Q*T term is the attention scores and the weighted sum over T tokens.
+    """
+    return 6.0 * n_params + 12.0 * layers * hidden * seq
+
+
+def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                                 recompute: str = "none") -> float:
+    """Megatron-LM's FLOPs per iteration of B sequences.
+
+    none (model FLOPs), Korthikanti et al. 2022 Eq. 7: 72BLsh^2 (1 + s/(6h) + V/(12hL));
+    selective, their Eq. 8: 72BLsh^2 (1 + s/(3h) + V/(12hL));
+    full, Narayanan et al. 2021 Eq. 3: 96BLsh^2 (1 + s/(6h) + V/(16hL)).
+    """
+    b, s, lyr, h, v = float(batch), float(seq), float(layers), float(hidden), float(vocab)
+    base = 72.0 * b * lyr * s * h * h
+    if recompute == "none":
+        return base * (1 + s / (6 * h) + v / (12 * h * lyr))
+    if recompute == "selective":
+        return base * (1 + s / (3 * h) + v / (12 * h * lyr))
+    if recompute == "full":
+        return 96.0 * b * lyr * s * h * h * (1 + s / (6 * h) + v / (16 * h * lyr))
+    raise PlanError(f"recompute '{recompute}' is not known; use none, selective or full.")
+
+
+def megatron_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
+    """GPT parameter count, Narayanan et al. 2021 Eq. 2: 12lh^2 (1 + 13/(12h) + (V+s)/(12lh))."""
+    h, lyr = float(hidden), float(layers)
+    return 12 * lyr * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * lyr * h))
+
+
+def transformer(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    vocab: int,
+    ffn_hidden: int | None = None,
+    kv_heads: int | None = None,
+    gated_mlp: bool = False,
+    tied_embeddings: bool = True,
+    learned_positions: bool = True,
+    biases: bool = True,
+    dropout: bool = True,
+    params: int | None = None,
+    source: str = "",
+) -> ModelShape:
+    """A decoder-only transformer; parameters counted from its dimensions unless given.
+
+    GPT blocks (biases, LayerNorm with weight and bias, 4h MLP) have 12h^2 + 13h parameters
+    (Narayanan et al. 2021, Eq. 2); Llama blocks (no biases, RMSNorm, SwiGLU with 3 matrices)
+    have 2h^2 + 2h*kv_width + 3*h*ffn + 2h (Touvron et al. 2023, Table 2 sizes check out).
+    """
+    for label, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("seq", seq)):
+        if value < 1:
+            raise PlanError(f"transformer '{name}': {label} is {value}; it must be at least 1.")
+    if hidden % heads:
+        raise PlanError(
+            f"transformer '{name}': hidden {hidden} is not divisible by heads {heads}; "
+            "pick a head count that divides the hidden size."
+        )
+    ffn = ffn_hidden or 4 * hidden
+    kvh = kv_heads or heads
+    kv_width = hidden // heads * kvh
+    attn = hidden * (hidden + 2 * kv_width) + hidden * hidden
+    mlp = (3 if gated_mlp else 2) * hidden * ffn
+    norms = (4 if biases else 2) * hidden
+    bias = (hidden + 2 * kv_width + hidden + ffn * (2 if gated_mlp else 1) + hidden) if biases else 0
+    per_layer = attn + mlp + norms + bias
+    embed = vocab * hidden
+    positions = seq * hidden if learned_positions else 0
+    head = 0 if tied_embeddings else vocab * hidden
+    final_norm = (2 if biases else 1) * hidden
+    non_layer = embed + positions + head + final_norm
+    counted = layers * per_layer + non_layer
+    lookup = positions + (0 if tied_embeddings else embed)
+    return ModelShape(
+        name=name,
+        params=int(params if params is not None else counted),
+        kind="transformer",
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kvh,
+        seq=seq,
+        vocab=vocab,
+        ffn_hidden=ffn,
+        gated_mlp=gated_mlp,
+        non_layer_params=non_layer,
+        lookup_only_params=lookup,
+        dropout=dropout,
+        tied_embeddings=tied_embeddings,
+        source=source,
+    )
+
+
+_GPT = {"vocab": 50257}
+_LLAMA = {
+    "gated_mlp": True, "tied_embeddings": False, "learned_positions": False, "biases": False,
+    "dropout": False,
+}
+
+# name -> (layers, hidden, heads, seq, extra keyword arguments of `transformer`)
+_TRANSFORMER_SPECS: dict[str, tuple[int, int, int, int, dict[str, Any]]] = {
+    "gpt-tiny": (4, 256, 4, 256, {"vocab": 256, "source": "small char-level GPT for CPU tests"}),
+    "gpt2-small": (12, 768, 12, 1024, {**_GPT, "source": "GPT-2 124M (Radford et al. 2019)"}),
+    "gpt-350m": (24, 1024, 16, 1024, {**_GPT, "source": "GPT-2 medium 355M"}),
+    "gpt-1.3b": (24, 2048, 16, 2048, {**_GPT, "source": "GPT-3 XL (Brown et al. 2020, Table 2.1)"}),
+    "gpt3-175b": (96, 12288, 96, 2048, {**_GPT, "source": "GPT-3 (Brown et al. 2020, Table 2.1)"}),
+    "llama-7b": (32, 4096, 32, 4096, {**_LLAMA, "ffn_hidden": 11008, "vocab": 32000,
+                                      "source": "Llama 2 7B (Touvron et al. 2023)"}),
+    "llama-13b": (40, 5120, 40, 4096, {**_LLAMA, "ffn_hidden": 13824, "vocab": 32000,
+                                       "source": "Llama 2 13B (Touvron et al. 2023)"}),
+    "llama-70b": (80, 8192, 64, 4096, {**_LLAMA, "ffn_hidden": 28672, "vocab": 32000,
+                                       "kv_heads": 8, "source": "Llama 2 70B (Touvron et al. 2023)"}),
+    "llama3-8b": (32, 4096, 32, 8192, {**_LLAMA, "ffn_hidden": 14336, "vocab": 128256,
+                                       "kv_heads": 8, "source": "Llama 3 8B (Dubey et al. 2024)"}),
+    "llama3-70b": (80, 8192, 64, 8192, {**_LLAMA, "ffn_hidden": 28672, "vocab": 128256,
+                                        "kv_heads": 8, "source": "Llama 3 70B (Dubey et al. 2024)"}),
+}
+
+
+# Zoo CNNs: parameters and forward FLOPs as `hpcml model info` counts them (torch's
+# FlopCounterMode, multiply-add = 2); saved activations counted with
+# torch.autograd.graph.saved_tensors_hooks over unique storages, parameters excluded, for
+# 3x32x32 inputs in fp32. tests/unit/test_plan_shapes.py re-counts all three with torch.
+_CNN_TABLE: dict[str, ModelShape] = {
+    "simple_cnn": ModelShape(
+        "simple_cnn", 2_474_506, forward_flops_per_sample=83_240_960,
+        activation_bytes_per_sample=1_275_952, param_tensors=16, source="hpcml zoo, 3x32x32",
+    ),
+    "resnet18": ModelShape(
+        "resnet18", 11_173_962, forward_flops_per_sample=1_110_845_440,
+        activation_bytes_per_sample=4_700_208, param_tensors=62,
+        source="hpcml zoo, CIFAR stem, 3x32x32",
+    ),
+}
+
+def mlp_shape(args: Mapping[str, Any]) -> ModelShape:
+    """The zoo MLP: Flatten -> [Linear -> ReLU] * depth -> Linear, counted from its arguments."""
+    shape = [int(d) for d in args.get("input_shape", (3, 32, 32))]
+    width = 1
+    for d in shape:
+        width *= d
+    hidden = int(args.get("hidden", 256))
+    depth = int(args.get("depth", 2))
+    classes = int(args.get("num_classes", 10))
+    dims = [width] + [hidden] * depth + [classes]
+    params = sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
+    macs = sum(a * b for a, b in zip(dims, dims[1:], strict=False))
+    # Saved for backward: the flattened input, each ReLU output (in place, shared with the
+    # next Linear's input), the log-softmax output, and the int64 target.
+    saved = 4 * (width + depth * hidden + classes) + 8
+    return ModelShape(
+        "mlp", params, forward_flops_per_sample=2 * macs, activation_bytes_per_sample=saved,
+        param_tensors=2 * (depth + 1), source="hpcml zoo MLP",
+    )
+
+
+def known_models() -> list[str]:
+    return sorted([*_CNN_TABLE, "mlp", *_TRANSFORMER_SPECS])
+
+
+def model_shape(name: str, args: Mapping[str, Any] | None = None,
+                seq: int | None = None) -> ModelShape:
+    """The shape of a zoo model or a known transformer; `seq` overrides a transformer's length."""
+    args = dict(args or {})
+    key = name.lower()
+    if key == "mlp":
+        return mlp_shape(args)
+    if key in _CNN_TABLE:
+        if args:
+            raise PlanError(
+                f"plan knows {key} with its default arguments only, not {args}; describe it with "
+                "--params and --flops-per-sample instead."
+            )
+        return _CNN_TABLE[key]
+    if key in _TRANSFORMER_SPECS:
+        layers, hidden, heads, default_seq, kw = _TRANSFORMER_SPECS[key]
+        kw = dict(kw)
+        vocab = int(kw.pop("vocab"))
+        return transformer(key, layers, hidden, heads, seq or default_seq, vocab, **kw)
+    raise PlanError(
+        f"model '{name}' is not known to the planner; known are {', '.join(known_models())}, "
+        "or describe it with --params/--layers/--hidden/--heads/--seq/--vocab."
+    )
+
+
+def shape_from_raw(
+    params: int | None = None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    seq: int | None = None,
+    vocab: int | None = None,
+    ffn_hidden: int | None = None,
+    kv_heads: int | None = None,
+    flops_per_sample: float | None = None,
+    name: str = "custom",
+) -> ModelShape:
+    """A shape from raw numbers: a transformer when layers and hidden are given, else generic."""
+    if layers and hidden:
+        return transformer(
+            name, layers, hidden, heads or max(1, hidden // 128), seq or 2048, vocab or 50257,
+            ffn_hidden=ffn_hidden, kv_heads=kv_heads, params=params,
+            source="raw shape",
+        )
+    if not params:
+        raise PlanError(
+            "describe the model with --model NAME, or --params N (plus --layers and --hidden "
+            "for activation memory)."
+        )
+    return ModelShape(
+        name, int(params),
+        forward_flops_per_sample=flops_per_sample if flops_per_sample else 2.0 * params,
+        activation_bytes_per_sample=None, source="raw parameter count",
+    )
+
+
+def with_params(shape: ModelShape, params: int) -> ModelShape:
+    """The same shape with a measured parameter count (e.g. from a run's summary)."""
+    delta = params - shape.params
+    return replace(shape, params=params, non_layer_params=max(0, shape.non_layer_params + (
+        delta if not shape.layers else 0)))

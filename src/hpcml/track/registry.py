@@ -1,0 +1,499 @@
+"""The model registry on MLflow: versions made from run folders, aliases, a promotion gate.
+
+A model version's source is the `export/` folder (model.safetensors + model.json) logged as an
+artifact of the MLflow run that trained it; its tags carry the run's final metrics and
+provenance, so `promote_if_better` and a human in the UI read the same numbers.
+`resolve_model_uri` turns `models:/NAME@ALIAS` or `models:/NAME/VERSION` into a local export
+folder for serving.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from hpcml.config import TrackingConfig
+from hpcml.errors import HpcmlError
+from hpcml.records import RUN_LOG, SUMMARY, read_run_log, read_summary
+from hpcml.track.mlflow import (
+    EXPORT_DIR,
+    MlflowTracker,
+    numeric_items,
+    read_tracking_state,
+)
+from hpcml.track.provenance import to_tags
+from hpcml.track.store import local_path_of, open_client
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion
+
+ALIASES = ("staging", "production")
+EXPORT_META = "model.json"
+# Exit code of `hpcml registry promote --if-better` when the candidate is not promoted.
+EXIT_NOT_PROMOTED = 3
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\- ]*$")
+_URI_ALIAS_RE = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[A-Za-z0-9_\-]+)$")
+_URI_VERSION_RE = re.compile(r"^models:/(?P<name>[^/@]+)/(?P<version>\d+|latest)$")
+
+
+class RegistryError(HpcmlError):
+    """A registry request that cannot be met: unknown model, version or alias, unusable run."""
+
+
+@dataclass
+class Decision:
+    """The outcome of the promotion gate, with the numbers it compared."""
+
+    promoted: bool
+    name: str
+    alias: str
+    metric: str
+    mode: Literal["max", "min"]
+    candidate_version: int
+    candidate_value: float
+    incumbent_version: int | None
+    incumbent_value: float | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise RegistryError(
+            f"model name {name!r} is not allowed; use letters, digits, '_', '-', '.' or spaces, "
+            "starting with a letter or digit."
+        )
+    return name
+
+
+def check_alias(alias: str) -> str:
+    if alias not in ALIASES:
+        raise RegistryError(f"alias {alias!r} is not known; use one of {', '.join(ALIASES)}.")
+    return alias
+
+
+def metric_mode(metric: str) -> Literal["max", "min"]:
+    """Losses, errors and perplexities improve downwards; everything else (accuracy, F1) upwards."""
+    lowered = metric.lower()
+    return (
+        "min" if any(w in lowered for w in ("loss", "error", "perplexity", "mse", "mae")) else "max"
+    )
+
+
+# -- registering ---------------------------------------------------------------------------
+
+
+def register_run(
+    run_dir: Path,
+    name: str,
+    tracking_uri: str | None = None,
+    alias: str | None = None,
+    description: str | None = None,
+) -> dict[str, Any]:
+    """Create a version of model `name` from RUN_DIR/export, linked to the run's MLflow run.
+
+    A run folder trained with tracking on this store is linked to its MLflow run; one trained
+    without tracking (or tracked elsewhere) is first logged as a new MLflow run here, with its
+    config, step metrics, summary and export, so every version has a run behind it.
+    """
+    run_dir = Path(run_dir)
+    check_name(name)
+    if alias is not None:
+        check_alias(alias)
+    export = run_dir / EXPORT_DIR
+    if not (export / EXPORT_META).is_file():
+        raise RegistryError(
+            f"run folder {run_dir} has no {EXPORT_DIR}/{EXPORT_META}; register a folder written "
+            "by a finished `hpcml train` run."
+        )
+    if not (run_dir / SUMMARY).is_file():
+        raise RegistryError(
+            f"run folder {run_dir} has no {SUMMARY}; register a folder written by a finished "
+            "`hpcml train` run."
+        )
+    summary = read_summary(run_dir)
+    status = summary.get("status", "finished")
+    if status != "finished":
+        raise RegistryError(
+            f"run folder {run_dir} ended with status {status!r}; only finished runs can be "
+            "registered, resume it to the end first (`hpcml train ... --resume auto`)."
+        )
+    client, uri = open_client(tracking_uri)
+    run_id, artifact_uri = _linked_run(client, uri, run_dir, summary)
+    arch = _read_json(export / EXPORT_META).get("architecture")
+    tags = _version_tags(summary, run_dir, arch)
+    _ensure_registered_model(client, name)
+    version = client.create_model_version(
+        name,
+        source=f"{artifact_uri}/{EXPORT_DIR}",
+        run_id=run_id,
+        tags=tags,
+        description=description or f"{arch or 'model'} trained in {run_dir.resolve()}",
+    )
+    if alias is not None:
+        client.set_registered_model_alias(name, alias, str(version.version))
+    return version_info(client, name, int(version.version), tracking_uri=uri)
+
+
+def _linked_run(
+    client: MlflowClient, uri: str, run_dir: Path, summary: dict[str, Any]
+) -> tuple[str, str]:
+    """(run_id, artifact_uri) of the MLflow run holding this folder's export; made if needed."""
+    from mlflow.exceptions import MlflowException
+
+    state = read_tracking_state(run_dir)
+    if state is not None and state.get("tracking_uri") == uri:
+        try:
+            run = client.get_run(state["run_id"])
+        except MlflowException:
+            run = None
+        if run is not None and run.info.lifecycle_stage == "active":
+            if not client.list_artifacts(run.info.run_id, EXPORT_DIR):
+                client.log_artifacts(run.info.run_id, str(run_dir / EXPORT_DIR), EXPORT_DIR)
+            return run.info.run_id, run.info.artifact_uri
+    # Remember the new run in tracking.json unless that file names a run in another store.
+    remember = state is None or state.get("tracking_uri") == uri
+    return _log_untracked_run(run_dir, summary, uri, remember=remember)
+
+
+def _log_untracked_run(
+    run_dir: Path, summary: dict[str, Any], uri: str, remember: bool
+) -> tuple[str, str]:
+    config = summary.get("config") or {}
+    tracking = config.get("tracking") or {}
+    cfg = TrackingConfig.model_validate(
+        {
+            "backend": "mlflow",
+            "uri": uri,
+            "experiment": tracking.get("experiment") or "hpcml",
+            "run_name": tracking.get("run_name"),
+            "tags": tracking.get("tags") or {},
+            "log_every": tracking.get("log_every") or 10,
+        }
+    )
+    tracker = MlflowTracker(cfg, run_dir, remember=remember)
+    tags = to_tags(summary.get("provenance") or {})
+    tags["hpcml.logged_by"] = "registry register"
+    tracker.start(_flatten(config), tags)
+    records = read_run_log(run_dir / RUN_LOG)
+    tracker.log_steps([r for r in records if r.get("kind", "step") == "step"])
+    for record in records:
+        if record.get("kind") == "eval":
+            tracker.log_eval(record)
+    tracker.finish(summary, "finished", run_dir)
+    assert tracker.run_id is not None and tracker.artifact_uri is not None
+    return tracker.run_id, tracker.artifact_uri
+
+
+def _version_tags(summary: dict[str, Any], run_dir: Path, arch: str | None) -> dict[str, str]:
+    tags = {k: repr(v) for k, v in numeric_items(summary.get("final") or {}).items()}
+    tags["run_dir"] = str(run_dir.resolve())
+    if arch:
+        tags["architecture"] = arch
+    for key in ("steps", "world_size", "precision"):
+        if summary.get(key) is not None:
+            tags[key] = str(summary[key])
+    prov = to_tags(summary.get("provenance") or {})
+    for src, dst in (
+        ("hpcml.config_hash", "config_hash"),
+        ("hpcml.data_fingerprint", "data_fingerprint"),
+        ("mlflow.source.git.commit", "git_commit"),
+        ("hpcml.git_dirty", "git_dirty"),
+    ):
+        if src in prov:
+            tags[dst] = prov[src]
+    return tags
+
+
+def _ensure_registered_model(client: MlflowClient, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
+            raise
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def _get_version(client: MlflowClient, name: str, version: int | str) -> ModelVersion:
+    from mlflow.exceptions import MlflowException
+
+    check_name(name)
+    _registered_model(client, name)
+    try:
+        return client.get_model_version(name, str(version))
+    except MlflowException:
+        raise RegistryError(
+            f"model {name!r} has no version {version}; see `hpcml registry list {name}`."
+        ) from None
+
+
+def _registered_model(client: MlflowClient, name: str) -> Any:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_registered_model(name)
+    except MlflowException:
+        raise RegistryError(
+            f"no registered model named {name!r} in this store; create one with "
+            f"`hpcml registry register RUN_DIR --name {name}` (or pass --tracking-uri)."
+        ) from None
+
+
+def _all_versions(client: MlflowClient, name: str) -> list[ModelVersion]:
+    versions = list(client.search_model_versions(f"name = '{name}'"))
+    return sorted(versions, key=lambda v: int(v.version), reverse=True)
+
+
+def version_info(
+    client: MlflowClient, name: str, version: int, tracking_uri: str | None = None
+) -> dict[str, Any]:
+    rm = _registered_model(client, name)
+    mv = _get_version(client, name, version)
+    return _describe(mv, rm.aliases, tracking_uri)
+
+
+def _describe(mv: ModelVersion, aliases: dict[str, Any], uri: str | None) -> dict[str, Any]:
+    tags = dict(mv.tags or {})
+    metrics = {}
+    for key, value in tags.items():
+        try:
+            metrics[key] = float(value)
+        except ValueError:
+            continue
+    return {
+        "name": mv.name,
+        "version": int(mv.version),
+        "aliases": sorted(a for a, v in aliases.items() if str(v) == str(mv.version)),
+        "uri": f"models:/{mv.name}/{mv.version}",
+        "run_id": mv.run_id,
+        "source": mv.source,
+        "status": mv.status,
+        "created": datetime.fromtimestamp(mv.creation_timestamp / 1000, UTC).isoformat(
+            timespec="seconds"
+        ),
+        "metrics": {k: v for k, v in metrics.items() if k not in ("steps", "world_size")},
+        "tags": tags,
+        "tracking_uri": uri,
+    }
+
+
+def list_versions(name: str, tracking_uri: str | None = None) -> list[dict[str, Any]]:
+    """Every version of `name`, newest first, with its aliases and metric tags."""
+    check_name(name)
+    client, uri = open_client(tracking_uri)
+    rm = _registered_model(client, name)
+    return [_describe(mv, rm.aliases, uri) for mv in _all_versions(client, name)]
+
+
+# -- aliases and the gate ------------------------------------------------------------------
+
+
+def promote(
+    name: str, version: int, alias: str = "production", tracking_uri: str | None = None
+) -> dict[str, Any]:
+    """Point `alias` at `version` (moving it away from whichever version held it)."""
+    check_alias(alias)
+    client, uri = open_client(tracking_uri)
+    _get_version(client, name, version)
+    client.set_registered_model_alias(name, alias, str(version))
+    return version_info(client, name, version, tracking_uri=uri)
+
+
+def version_metric(client: MlflowClient, mv: ModelVersion, metric: str) -> float | None:
+    """The version's tag `metric`, else its run's final value of it (`final/metric`, `metric`)."""
+    from mlflow.exceptions import MlflowException
+
+    raw = (mv.tags or {}).get(metric)
+    if raw is not None:
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    if mv.run_id:
+        try:
+            metrics = client.get_run(mv.run_id).data.metrics
+        except MlflowException:
+            return None
+        for key in (f"final/{metric}", metric):
+            if key in metrics:
+                return float(metrics[key])
+    return None
+
+
+def promote_if_better(
+    name: str,
+    metric: str,
+    version: int | None = None,
+    alias: str = "production",
+    mode: Literal["max", "min"] | None = None,
+    min_delta: float = 0.0,
+    tracking_uri: str | None = None,
+) -> Decision:
+    """Move `alias` to the candidate (`version`, default the newest) only when its `metric`
+    beats the current holder's by more than `min_delta`; a model with no holder is promoted."""
+    check_alias(alias)
+    client, _ = open_client(tracking_uri)
+    rm = _registered_model(client, name)
+    if version is None:
+        versions = _all_versions(client, name)
+        if not versions:
+            raise RegistryError(f"model {name!r} has no versions; register a run first.")
+        candidate = versions[0]
+    else:
+        candidate = _get_version(client, name, version)
+    mode = mode or metric_mode(metric)
+    cand_value = version_metric(client, candidate, metric)
+    if cand_value is None:
+        raise RegistryError(
+            f"version {candidate.version} of {name!r} has no metric {metric!r} (neither a tag nor "
+            "in its run); pick a metric the run recorded, e.g. val_accuracy or val_loss."
+        )
+    cand_version = int(candidate.version)
+    holder = rm.aliases.get(alias)
+
+    def decide(promoted: bool, inc: int | None, inc_value: float | None, why: str) -> Decision:
+        if promoted:
+            client.set_registered_model_alias(name, alias, str(cand_version))
+        return Decision(
+            promoted, name, alias, metric, mode, cand_version, cand_value, inc, inc_value, why
+        )
+
+    if holder is None:
+        return decide(True, None, None, f"no version held {alias!r}")
+    inc_version = int(holder)
+    if inc_version == cand_version:
+        return decide(
+            False, inc_version, cand_value, f"version {cand_version} already holds {alias!r}"
+        )
+    inc_value = version_metric(client, _get_version(client, name, inc_version), metric)
+    if inc_value is None:
+        raise RegistryError(
+            f"the {alias} version {inc_version} of {name!r} has no metric {metric!r}, so the "
+            f"gate cannot compare; promote explicitly with --version {cand_version} --to {alias}."
+        )
+    gain = cand_value - inc_value if mode == "max" else inc_value - cand_value
+    better = gain > min_delta
+    op = ">" if mode == "max" else "<"
+    if better:
+        why = f"{metric} {cand_value:.6g} {op} {inc_value:.6g} (version {inc_version})"
+    else:
+        why = (
+            f"{metric} {cand_value:.6g} is not better than {inc_value:.6g} of version "
+            f"{inc_version} by more than {min_delta:g} ({mode} is better)"
+        )
+    return decide(better, inc_version, inc_value, why)
+
+
+# -- resolving for serving -----------------------------------------------------------------
+
+
+def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """`models:/NAME@ALIAS` -> (NAME, ALIAS, None); `models:/NAME/V` -> (NAME, None, V)."""
+    m = _URI_ALIAS_RE.match(uri)
+    if m:
+        return m["name"], m["alias"], None
+    m = _URI_VERSION_RE.match(uri)
+    if m:
+        return m["name"], None, m["version"]
+    raise RegistryError(
+        f"model URI {uri!r} is not understood; write models:/NAME@ALIAS (e.g. "
+        "models:/digits@production) or models:/NAME/VERSION (e.g. models:/digits/3)."
+    )
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A registry URI pinned down: which version it meant, and where its export lies."""
+
+    name: str
+    version: int
+    path: Path
+    aliases: tuple[str, ...]
+    run_id: str | None
+
+
+def resolve_model(
+    uri: str, tracking_uri: str | None = None, dst_dir: Path | None = None
+) -> ResolvedModel:
+    """Resolve `models:/NAME@ALIAS`, `models:/NAME/VERSION` or `models:/NAME/latest`.
+
+    Local artifact stores are read in place; remote ones are downloaded into `dst_dir` (a fresh
+    temporary folder when None).
+    """
+    name, alias, version = parse_model_uri(uri)
+    client, store = open_client(tracking_uri)
+    rm = _registered_model(client, name)
+    if alias is not None:
+        if alias not in rm.aliases:
+            held = ", ".join(sorted(rm.aliases)) or "none"
+            raise RegistryError(
+                f"model {name!r} has no alias {alias!r} (aliases set: {held}); promote a version "
+                f"with `hpcml registry promote {name} --version V --to {alias}`."
+            )
+        version = str(rm.aliases[alias])
+    elif version == "latest":
+        versions = _all_versions(client, name)
+        if not versions:
+            raise RegistryError(f"model {name!r} has no versions; register a run first.")
+        version = str(versions[0].version)
+    assert version is not None
+    mv = _get_version(client, name, version)
+    source = client.get_model_version_download_uri(name, version)
+    local = local_path_of(source)
+    if local is None or not local.exists():
+        from mlflow.artifacts import download_artifacts
+
+        target = dst_dir or Path(tempfile.mkdtemp(prefix=f"hpcml-{name}-v{version}-"))
+        local = Path(
+            download_artifacts(artifact_uri=source, dst_path=str(target), tracking_uri=store)
+        )
+    if not (local / EXPORT_META).is_file():
+        raise RegistryError(
+            f"{uri} (version {version}) points at {source}, which holds no {EXPORT_META}; "
+            "the artifacts were moved or deleted, register the run again."
+        )
+    aliases = tuple(sorted(a for a, v in rm.aliases.items() if str(v) == str(version)))
+    return ResolvedModel(name, int(version), local, aliases, mv.run_id)
+
+
+def resolve_model_uri(
+    uri: str, tracking_uri: str | None = None, dst_dir: Path | None = None
+) -> Path:
+    """The local export folder (holding model.json) a registry URI points at; for serving."""
+    return resolve_model(uri, tracking_uri=tracking_uri, dst_dir=dst_dir).path
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise RegistryError(f"{path} is not readable JSON; re-export the model.") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            out.update(_flatten(value, dotted))
+        else:
+            out[dotted] = value
+    return out

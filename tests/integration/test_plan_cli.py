@@ -1,0 +1,184 @@
+"""`hpcml plan` end to end: every verb's JSON and tables, one-sentence errors with exit code 2,
+and `plan check` against a real measured CPU run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from hpcml.cli.app import app
+from hpcml.errors import HpcmlError
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "src"
+runner = CliRunner()
+
+
+def hpcml(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    return subprocess.run([sys.executable, "-m", "hpcml", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def invoke_json(*args: str) -> Any:
+    result = runner.invoke(app, ["plan", *args, "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    return json.loads(result.stdout)
+
+
+def test_memory_json_gives_per_device_bytes() -> None:
+    proc = hpcml("plan", "memory", "--model", "llama-7b", "--devices", "64", "--zero", "1",
+                 "--recompute", "selective", "--grad-accum", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
+                "activations_bytes", "total_bytes"):
+        assert out[key] >= 0, key
+    assert out["model_states_bytes"] == pytest.approx(
+        out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"])
+    assert out["params_bytes"] == 2 * out["parameters"]  # bf16 weights, not sharded by ZeRO-1
+    assert out["optimizer_bytes"] == pytest.approx(12 * out["parameters"] / 64)
+    assert out["fits"] is True and out["dp"] == 64
+
+
+def test_bad_input_from_the_real_command_is_one_line_and_exit_2() -> None:
+    proc = hpcml("plan", "memory", "--model", "llama-7b", "--devices", "64", "--tp", "3")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "does not divide 64 devices" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["memory", "--model", "llama-7b", "--gpu", "v100"], "not in the hardware catalog"),
+        (["advise", "--model", "llama-70b", "--gpu", "l4", "--devices", "2", "--global-batch",
+          "8"], "no layout of llama-70b fits"),
+        (["memory", "--model", "gpt-5"], "not known to the planner"),
+        (["comm", "--size", "lots"], "not understood"),
+        (["check", "/nonexistent/run"], "has no summary.json"),
+    ],
+)
+def test_bad_input_raises_user_errors(args: list[str], needle: str) -> None:
+    # In-process: main() turns these into one printed sentence and exit code 2 (see above).
+    result = runner.invoke(app, ["plan", *args])
+    assert isinstance(result.exception, HpcmlError), result.output
+    assert result.exception.exit_code == 2 and needle in result.exception.message
+
+
+def test_comm_reports_algorithm_and_bus_bandwidth() -> None:
+    out = invoke_json("comm", "--size", "1GB", "--devices", "16", "--node", "hgx-h100",
+                      "--model", "gpt-1.3b")
+    ops = {c["op"]: c for c in out["collectives"]}
+    assert set(ops) == {"allreduce", "allgather", "reducescatter", "broadcast", "reduce",
+                        "alltoall", "sendrecv"}
+    ar = ops["allreduce"]
+    assert ar["busbw_bytes_per_s"] == pytest.approx(ar["algbw_bytes_per_s"] * 2 * 15 / 16)
+    strategies = {s["strategy"]: s for s in out["strategies"]}
+    assert strategies["ZeRO-3 / FSDP"]["volume_bytes"] == pytest.approx(
+        1.5 * strategies["DDP"]["volume_bytes"])
+    assert any(name.startswith("TP=8") for name in strategies)
+
+
+def test_step_json_and_scaling_plot(tmp_path: Path) -> None:
+    png = tmp_path / "scaling.png"
+    out = invoke_json("step", "--model", "llama-7b", "--devices", "64", "--zero", "1",
+                      "--recompute", "selective", "--grad-accum", "8", "--scaling",
+                      "8,16,32,64", "--plot", str(png))
+    step = out["step"]
+    assert step["step_s"] == pytest.approx(
+        step["compute_s"] + step["critical_comm_s"] + step["bubble_s"]
+        + step["exposed_dp_comm_s"] + step["optimizer_s"] + step["overhead_s"])
+    assert 0 < step["mfu"] < 1
+    assert [r["devices"] for r in out["scaling"]] == [8, 16, 32, 64]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_advise_json_ranks_and_explains() -> None:
+    out = invoke_json("advise", "--model", "llama-7b", "--devices", "64", "--global-batch",
+                      "512", "--top", "3")
+    assert len(out["candidates"]) == 3
+    steps = [c["step"]["step_s"] for c in out["candidates"]]
+    assert steps == sorted(steps)
+    assert out["why"].startswith(out["candidates"][0]["label"])
+
+
+def test_cost_verbs(tmp_path: Path) -> None:
+    run = invoke_json("cost", "run", "--model", "llama-7b", "--tokens", "2e12", "--devices",
+                      "64", "--gpu", "h100-sxm", "--gpu", "a100-80gb", "--mfu", "0.4")
+    by = {o["accelerator"]: o for o in run["options"]}
+    assert by["a100-80gb"]["gpu_hours"] > by["h100-sxm"]["gpu_hours"]
+    assert by["h100-sxm"]["cost_usd"] == pytest.approx(
+        by["h100-sxm"]["gpu_hours"] * by["h100-sxm"]["usd_per_gpu_hour"])
+    png = tmp_path / "tco.png"
+    tco = invoke_json("cost", "tco", "--gpu", "h100-sxm", "--devices", "64", "--cloud-price",
+                      "2.99", "--plot", str(png))
+    assert tco["break_even_month"] is None or tco["break_even_month"] > 0
+    assert png.is_file()
+    spot = invoke_json("cost", "spot", "--on-demand-price", "12.29", "--discount", "0.6",
+                       "--preemptions-per-hour", "0.05", "--instances", "8")
+    assert spot["daly_interval_s"] < spot["young_interval_s"]
+    assert 0 < spot["spot_goodput"] < 1
+
+
+def test_hardware_and_models_tables() -> None:
+    result = runner.invoke(app, ["plan", "hardware"])
+    assert result.exit_code == 0 and "h100-sxm" in result.stdout and "nvlink4" in result.stdout
+    models = invoke_json("models")
+    assert {"gpt2-small", "llama-7b", "simple_cnn", "resnet18", "mlp"} <= {
+        m["name"] for m in models}
+
+
+# --- plan check against a measured run --------------------------------------------------------
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location("plan_check_bench",
+                                                  REPO / "benchmarks" / "plan_check.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def measured_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real CPU training run of the zoo MLP: through `hpcml train` when the engine is on this
+    branch, else through the benchmark's reference trainer (plain torch), which writes the same
+    run-folder contract (summary.json with exact per-rank model-state bytes)."""
+    pytest.importorskip("torch")
+    bench = _bench()
+    run_dir = tmp_path_factory.mktemp("plan_runs") / "mlp-b32"
+    bench.make_runs([{"run_dir": run_dir, "model": "mlp", "args": {}, "batch_size": 32,
+                      "steps": 6}], world=1)
+    return run_dir
+
+
+def test_check_compares_prediction_and_measurement(measured_run: Path) -> None:
+    # Calibrating on the run itself must reproduce its step time exactly: this exercises the
+    # calibration's inversion of the step-time model end to end.
+    proc = hpcml("plan", "check", str(measured_run), "--calibrate-with", str(measured_run),
+                 "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    rows = {r["quantity"]: r for r in out["rows"]}
+    # Model states are counted exactly on both sides (fp32 AdamW: 16 bytes per parameter).
+    states = rows["model_states_bytes"]
+    assert states["ratio"] == pytest.approx(1.0, abs=0.02)
+    assert states["measured"] == pytest.approx(16 * out["parameters"], rel=0.001)
+    step = rows["step_time_s"]
+    assert step["measured"] > 0 and step["ratio"] == pytest.approx(1.0, rel=1e-3)
+    assert out["calibrated"] is True and out["accelerator"] == "cpu"
+    assert any("calibrates itself" in n for n in out["notes"])
+
+    human = hpcml("plan", "check", str(measured_run))
+    assert human.returncode == 0, human.stderr
+    assert "predicted / measured" in human.stdout and "uncalibrated" in human.stdout

@@ -1,0 +1,178 @@
+"""`hpcml train` with tracking on, end to end: MLflow's own client sees the params, metrics,
+provenance tags and artifacts; a crashed run is FAILED; resuming it continues the same MLflow
+run; the finished run registers and resolves to a loadable model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcml.track.store import open_client
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "digits_cnn.yaml"
+
+# A user model (import path) that raises in its Nth training forward when asked to: a real
+# crash inside the training loop, after a checkpoint, without touching the engine.
+CRASHY_MODEL = """
+import os
+from torch import nn
+
+class Crashy(nn.Module):
+    def __init__(self, num_classes=10, in_channels=3):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 32 * 32, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == int(os.environ.get("CRASH_AT_FORWARD", "0")):
+                raise RuntimeError("injected crash")
+        return self.net(x)
+
+def build(num_classes=10, in_channels=3):
+    return Crashy(num_classes, in_channels)
+"""
+
+
+def _fresh_store(factory: pytest.TempPathFactory, name: str) -> str:
+    """A migrated SQLite store of its own: MLflow's schema migrations (seconds) run once per
+    session into a template that each test module copies."""
+    template = factory.getbasetemp() / "mlflow-template" / "mlruns.db"
+    if not template.exists():
+        template.parent.mkdir(exist_ok=True)
+        open_client(f"sqlite:///{template}")
+    db = factory.mktemp(name) / "mlruns.db"
+    shutil.copyfile(template, db)
+    return open_client(f"sqlite:///{db}")[1]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _fresh_store(tmp_path_factory, "train-store")
+
+
+@pytest.fixture(scope="module")
+def client(store: str) -> Any:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=store, registry_uri=store)
+
+
+def _clean_env() -> dict[str, str]:
+    # A test process inside torchrun must not make the child think it is a worker.
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def train(
+    *args: str, store: str, cwd: Path, extra_path: Path | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join(str(p) for p in (ROOT / "src", extra_path) if p is not None)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcml",
+            "train",
+            *args,
+            "tracking.backend=mlflow",
+            f"tracking.uri={store}",
+            "--quiet",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**_clean_env(), "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=400,
+    )
+
+
+def test_train_run_is_tracked_and_registrable(store: str, client: Any, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = train(
+        str(EXAMPLE), "train.max_steps=20", "train.eval_every=10", "train.checkpoint_every=0",
+        "tracking.experiment=e2e", "tracking.tags.team=vision", "--run-dir", str(run_dir),
+        store=store, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "e2e"
+    assert run.data.params["optim.lr"] == "0.002"
+    assert run.data.params["train.max_steps"] == "20"
+    assert run.data.params["model.name"] == "simple_cnn"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [10, 20]
+    assert [m.step for m in client.get_metric_history(run_id, "val_accuracy")] == [10, 20]
+    assert run.data.metrics["final/val_accuracy"] == pytest.approx(summary["final"]["val_accuracy"])
+    assert run.data.metrics["memory/model_states_bytes"] > 0
+    assert run.data.metrics["samples_per_s"] > 0
+
+    prov = summary["provenance"]
+    assert run.data.tags["team"] == "vision"
+    assert run.data.tags["hpcml.config_hash"] == prov["config_hash"]
+    assert run.data.tags["hpcml.data_fingerprint"] == summary["data"]["fingerprint"]
+    assert run.data.tags["hpcml.version.torch"] == prov["packages"]["torch"]
+    assert run.data.tags["hpcml.world_size"] == "1"
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"summary.json", "config.yaml", "run.jsonl", "export"} <= artifacts
+
+    from hpcml.models.export import load_export
+    from hpcml.track.registry import register_run, resolve_model_uri
+
+    info = register_run(run_dir, "digits-e2e", tracking_uri=store, alias="production")
+    assert info["run_id"] == run_id
+    assert info["metrics"]["val_accuracy"] == pytest.approx(summary["final"]["val_accuracy"])
+    assert info["tags"]["config_hash"] == prov["config_hash"]
+    model, meta = load_export(resolve_model_uri("models:/digits-e2e@production", store))
+    assert meta["architecture"] == "simple_cnn"
+
+
+def test_crashed_run_is_failed_and_resume_continues_it(
+    store: str, client: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "crashmod.py").write_text(CRASHY_MODEL)
+    run_dir = tmp_path / "crashy"
+    args = (
+        str(EXAMPLE), "model.name=crashmod:build", "train.max_steps=10", "train.eval_every=0",
+        "train.checkpoint_every=5", "train.log_every=5", "tracking.log_every=5", "tracking.experiment=crash",
+        "--run-dir", str(run_dir),
+    )  # fmt: skip
+    crashed = train(
+        *args, store=store, cwd=tmp_path, extra_path=tmp_path, env={"CRASH_AT_FORWARD": "8"}
+    )
+    assert crashed.returncode != 0
+    assert "injected crash" in crashed.stderr
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert "injected crash" in run.data.tags["hpcml.error"]
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [5]
+
+    resumed = train(*args, "--resume", "auto", store=store, cwd=tmp_path, extra_path=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["hpcml.resumes"] == "1"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [5, 10]
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+    # --overwrite starts again: a new MLflow run, the old one kept as it was.
+    again = train(*args, "--overwrite", store=store, cwd=tmp_path, extra_path=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    new_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    assert new_id != run_id
+    assert client.get_run(run_id).info.status == "FINISHED"
