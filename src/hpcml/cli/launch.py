@@ -63,6 +63,9 @@ def slurm(
         2, "--max-restarts", help="Elastic restarts after a worker failure, per attempt."
     ),
     job_name: str | None = typer.Option(None, "--job-name"),
+    port: int | None = typer.Option(
+        None, "--port", help="Rendezvous port on the first node (default 20000 + job id % 20000)."
+    ),
     sbatch_extra: list[str] = typer.Option(
         None, "--sbatch", help="Another #SBATCH option, e.g. --sbatch=--qos=high (repeatable)."
     ),
@@ -97,6 +100,7 @@ def slurm(
         job_name=job_name,
         signal_lead_s=signal_lead_s,
         max_restarts=max_restarts,
+        rdzv_port=port,
         sbatch_extra=list(sbatch_extra or []),
     )
     path = write_script(job, script)

@@ -299,7 +299,7 @@ class FaultGuard:
         self.preemption = PreemptionFlag(self.fc.preempt_signals)
         self.preemption.install()
         self.spikes = SpikeDetector(self.fc.spike_zscore, self.fc.spike_window)
-        self.injector = FaultInjector.from_env(rt.rank)
+        self.injector: FaultInjector | None = None
         self.current_step = 0
         self.counts = {
             "nonfinite_steps": 0,
@@ -333,6 +333,7 @@ class FaultGuard:
     ) -> None:
         self.run_dir = run_dir
         self.log = log
+        self.injector = FaultInjector.from_env(self.rt.rank)
         if self.rt.is_main:
             self.warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
         # Launchers and tests find the workers here (an elastic restart rewrites them).
