@@ -94,6 +94,9 @@ class TrainConfig(_Section):
     """torch.compile each block (or the whole model when it has no blocks)."""
     peak_flops: float | None = Field(None, gt=0)
     """Peak FLOP/s of one device for the precision in use, for MFU; null looks it up by name."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save): training
+    stalls only for the copy to host memory."""
 
 
 class ParallelConfig(_Section):
@@ -111,6 +114,39 @@ class ParallelConfig(_Section):
     sync_batchnorm: bool = False
     timeout_s: float = Field(600.0, gt=0)
     """Collective timeout; a rank that stops answering fails the job after this long."""
+
+
+PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
+
+
+class FaultConfig(_Section):
+    """Guards of the training loop (hpcml.train.fault): bad steps, stragglers, hangs, preemption."""
+
+    nan_policy: Literal["skip", "rollback", "stop"] = "skip"
+    """A step whose loss is NaN or Inf: drop its update, reload the last checkpoint and skip
+    the batch, or stop the run."""
+    spike_policy: Literal["skip", "rollback", "stop"] = "skip"
+    """The same choice for a loss spike (see spike_zscore)."""
+    spike_zscore: float | None = Field(None, gt=0)
+    """A loss this many standard deviations above the mean of the last spike_window steps is a
+    spike; null turns spike detection off (6 is a cautious value)."""
+    spike_window: int = Field(50, ge=5)
+    max_bad_steps: int = Field(20, gt=0)
+    """Stop after this many bad (NaN/Inf/spike) steps in a row: the model will not recover."""
+    max_rollbacks: int = Field(5, ge=0)
+    """Stop after this many rollbacks in one run."""
+    straggler_every: int = Field(50, ge=0)
+    """Every N steps the ranks compare their local step times; 0 turns it off."""
+    straggler_factor: float = Field(1.5, gt=1)
+    """A rank slower than this many times the (lower) median of all ranks is a straggler."""
+    watchdog_s: float | None = Field(None, ge=0)
+    """A rank without progress for this long ends the job naming the stuck rank and step;
+    null means 0.9 x parallel.timeout_s (so it speaks before the collective times out),
+    0 turns it off."""
+    preempt_signals: list[PreemptSignal] = Field(
+        default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGUSR1"])
+    )
+    """Signals that ask for checkpoint-and-exit (exit code 75) at the next step boundary."""
 
 
 class TrackingConfig(_Section):
@@ -137,6 +173,7 @@ class RunConfig(_Section):
     precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
     parallel: ParallelConfig = Field(default_factory=lambda: ParallelConfig())
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig())
+    fault: FaultConfig = Field(default_factory=lambda: FaultConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -44,3 +44,15 @@ class WorkFailed(HpcmlError):
     """The work itself failed (not the input); exit code 1."""
 
     exit_code = 1
+
+
+REQUEUE_EXIT_CODE = 75
+"""EX_TEMPFAIL from sysexits.h ("try again later"): the run saved a checkpoint and stopped on
+request (SIGTERM/SIGUSR1); a scheduler should requeue it and `--resume auto` continues it.
+Distinct from 143/138 (killed by the signal before anything was saved) and from 1 and 2."""
+
+
+class Preempted(HpcmlError):
+    """Training stopped on a preemption signal after saving a checkpoint; requeue to continue."""
+
+    exit_code = REQUEUE_EXIT_CODE

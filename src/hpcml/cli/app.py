@@ -8,6 +8,7 @@ import sys
 import typer
 
 from hpcml.cli import data as data_cli
+from hpcml.cli import launch as launch_cli
 from hpcml.cli import model as model_cli
 from hpcml.cli import plan as plan_cli
 from hpcml.cli import registry as registry_cli
@@ -32,6 +33,7 @@ app.add_typer(model_cli.app, name="model")
 app.add_typer(data_cli.app, name="data")
 app.add_typer(plan_cli.app, name="plan")
 app.add_typer(registry_cli.app, name="registry")
+app.add_typer(launch_cli.app, name="launch")
 
 
 def main() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ def train(
     """Train a model from a YAML config on one process or several (DDP)."""
     from hpcml.config import load_config
     from hpcml.dist.runtime import launched_by_torchrun
-    from hpcml.errors import WorkFailed
+    from hpcml.errors import REQUEUE_EXIT_CODE, Preempted, WorkFailed
     from hpcml.launch.local import check_nproc, run_torchrun
     from hpcml.train.entry import preflight, prepare_for_workers, run_here
 
@@ -59,7 +61,14 @@ def train(
             elif max_restarts > 0:
                 args += ["--resume", "auto"]  # the folder was checked empty; restarts resume
             args += ["--quiet"] * quiet + ["--json"] * json_out
+            started = time.time()
             rc = run_torchrun(nproc, args, max_restarts)
+            if rc != 0 and stopped_for_preemption(chosen, started):
+                raise Preempted(
+                    f"training with {nproc} processes was preempted and saved a checkpoint in "
+                    f"{chosen}; continue with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a "
+                    "scheduler to requeue)."
+                )
             if rc != 0:
                 raise WorkFailed(
                     f"training with {nproc} processes failed (exit code {rc}); "
@@ -68,6 +77,18 @@ def train(
             return
     if summary:
         report(summary, json_out)
+
+
+def stopped_for_preemption(run_dir: Path, since: float) -> bool:
+    """True when the workers' summary.json, written after `since`, says they stopped on a
+    preemption signal (torchrun itself exits 1 then, whatever the workers' exit codes)."""
+    path = run_dir / "summary.json"
+    try:
+        return path.stat().st_mtime >= since and json.loads(path.read_text())["status"] == (
+            "preempted"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def report(summary: dict[str, Any], json_out: bool) -> None:

@@ -64,6 +64,30 @@ def choose_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _elastic_attempt_store(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+    """Under torchrun's agent store, keys of one attempt under their own prefix.
+
+    torchrun (2.13, --standalone) hands every restarted group the same store, and the workers'
+    keys are no longer prefixed per attempt: a restarted rank can read a dead peer's address
+    and the group fails to form. Without an agent store, env:// is used as usual.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return {
+        "store": dist.PrefixStore(f"/hpcml/attempt_{attempt}", store),
+        "rank": rank,
+        "world_size": world,
+    }
+
+
 def init_runtime(
     device: str = "auto", backend: str = "auto", timeout_s: float = 600.0, tp: int = 1
 ) -> Runtime:
@@ -89,6 +113,7 @@ def init_runtime(
                 backend=chosen,
                 timeout=timedelta(seconds=timeout_s),
                 device_id=dev if dev.type == "cuda" else None,
+                **_elastic_attempt_store(rank, world, timeout_s),
             )
     if dev.type == "cpu" and local_world > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Several ranks on one CPU: split the cores instead of letting each grab all of them.

@@ -35,6 +35,21 @@ def check_nproc(nproc: int) -> None:
         )
 
 
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def preemption_env(shutdown_timeout_s: int = 120) -> dict[str, str]:
+    """Environment for torchrun's agent: also pass SIGUSR1 on to the workers (SLURM's warning
+    signal; left out, it kills the agent), and give the workers time to reach a step boundary
+    and save before the agent sends SIGKILL. Variables rather than flags, so an older torchrun
+    ignores them instead of failing."""
+    return {
+        "PET_SIGNALS_TO_HANDLE": AGENT_SIGNALS,
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS,
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(shutdown_timeout_s),
+    }
+
+
 def torchrun_command(nproc: int, worker_args: list[str], max_restarts: int = 0) -> list[str]:
     return [
         sys.executable,
@@ -56,6 +71,7 @@ def run_torchrun(
     env = dict(os.environ)
     # torchrun warns and sets 1 when unset; split the cores between workers instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.update(preemption_env())
     cmd = torchrun_command(nproc, worker_args, max_restarts)
     proc = subprocess.Popen(cmd, env=env, cwd=cwd)
 

@@ -9,6 +9,10 @@ Layout of `checkpoints/step-N/`:
 All ranks write into `.step-N.tmp/`; rank 0 fsyncs, writes the manifest and renames the folder
 to `step-N` (an atomic rename), so a crash mid-write leaves only a `.tmp` folder that resume
 ignores and the next save removes.
+
+With `background=True` (train.checkpoint_async) the state is copied to host memory, DCP writes
+it from a thread (torch.distributed.checkpoint.async_save, on a gloo group of its own) and rank 0
+renames the folder when every rank's write is done; one background save is in flight at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import os
 import random
 import re
 import shutil
+import statistics
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +38,8 @@ from torch import nn
 
 from hpcml.dist.parallel import checkpoint_state, load_checkpoint_state
 from hpcml.dist.runtime import Runtime, barrier, broadcast_object
-from hpcml.errors import CheckpointError
+from hpcml.dist.sidechannel import checkpoint_group
+from hpcml.errors import CheckpointError, WorkFailed
 
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -148,6 +157,71 @@ def find_latest(root: Path, warn: Any = None) -> Path | None:
     return None
 
 
+@dataclass
+class SaveTiming:
+    step: int
+    background: bool
+    stall_s: float
+    """Time the training loop was blocked by this save."""
+    total_s: float | None = None
+    """Time until the checkpoint was complete on disk (renamed into place); rank 0 only."""
+
+
+timings: list[SaveTiming] = []
+"""This process's saves, oldest first (the benchmark and the run summary read them)."""
+
+
+@dataclass
+class _Pending:
+    path: Path
+    done: Future[None]
+
+
+_pending: _Pending | None = None
+_lock = threading.Lock()
+
+
+def wait_pending() -> Path | None:
+    """Block until the background save in flight (if any) is complete; re-raise its failure."""
+    global _pending
+    with _lock:
+        pending, _pending = _pending, None
+    if pending is None:
+        return None
+    try:
+        pending.done.result()
+    except Exception as exc:
+        raise WorkFailed(
+            f"background checkpoint {pending.path} failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); check free space and "
+            "permissions of the run folder."
+        ) from exc
+    return pending.path
+
+
+def timing_summary(items: list[SaveTiming] | None = None) -> dict[str, Any]:
+    items = timings if items is None else items
+    if not items:
+        return {"count": 0}
+    stalls = [t.stall_s for t in items]
+    totals = [t.total_s for t in items if t.total_s is not None]
+    return {
+        "count": len(items),
+        "background": items[-1].background,
+        "stall_s_median": statistics.median(stalls),
+        "stall_s_max": max(stalls),
+        "total_s_median": statistics.median(totals) if totals else None,
+    }
+
+
+def _finalize(root: Path, tmp: Path, final: Path, step: int, keep_last: int) -> None:
+    _fsync_tree(tmp)
+    _write_manifest(tmp, step)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    prune(root, keep_last)
+
+
 def save(
     root: Path,
     step: int,
@@ -157,7 +231,13 @@ def save(
     rank_state: dict[str, Any],
     rt: Runtime,
     keep_last: int,
+    background: bool = False,
 ) -> Path:
+    """Save step `step`; the returned path exists once the save is complete (at return, unless
+    `background`: then after `wait_pending()` or the next save)."""
+    global _pending
+    wait_pending()
+    t0 = time.perf_counter()
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
     if rt.is_main:
@@ -169,21 +249,48 @@ def save(
         tmp.mkdir(parents=True)
     barrier(rt)
     model_sd, optim_sd = checkpoint_state(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
     if rt.is_main:
         torch.save(
             {**trainer_state, "step": step, "world_size": rt.world_size, "tp": rt.tp},
             tmp / "trainer.pt",
         )
+    timing = SaveTiming(step, background, 0.0)
+    timings.append(timing)
+    if background:
+        # Rank-R files are on disk before this rank joins DCP's collectives, and rank 0's DCP
+        # future completes only after every rank's write: then rank 0 can finalize alone.
+        upload = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=str(tmp),
+            process_group=checkpoint_group(rt),
+        )
+        # Newer torch returns an AsyncSaveResponse (staging + upload futures), older a Future.
+        upload_done: Future[Any] = getattr(upload, "upload_completion", upload)  # type: ignore[arg-type]
+        done: Future[None] = Future()
+
+        def finish(f: Future[Any]) -> None:
+            try:
+                f.result()
+                if rt.is_main:
+                    _finalize(root, tmp, final, step, keep_last)
+                    timing.total_s = time.perf_counter() - t0
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to wait_pending()
+                done.set_exception(exc)
+
+        upload_done.add_done_callback(finish)
+        with _lock:
+            _pending = _Pending(final, done)
+        timing.stall_s = time.perf_counter() - t0
+        return final
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     barrier(rt)
     if rt.is_main:
-        _fsync_tree(tmp)
-        _write_manifest(tmp, step)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        prune(root, keep_last)
+        _finalize(root, tmp, final, step, keep_last)
     barrier(rt)
+    timing.stall_s = time.perf_counter() - t0
+    timing.total_s = timing.stall_s if rt.is_main else None
     return final
 
 
@@ -196,6 +303,7 @@ def prune(root: Path, keep_last: int) -> None:
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime) -> Loaded:
     """Load model + optimizer in place (any world size) and return trainer and per-rank state."""
+    wait_pending()
     problem = verify(path) if rt.is_main else None
     problem = broadcast_object(rt, problem)
     if problem is not None:

@@ -40,7 +40,7 @@ from hpcml.dist.runtime import (
     init_runtime,
     shutdown,
 )
-from hpcml.errors import HpcmlError
+from hpcml.errors import HpcmlError, Preempted
 from hpcml.models.export import save_export
 from hpcml.models.zoo import (
     build_model,
@@ -59,6 +59,7 @@ from hpcml.records import (
 from hpcml.track.provenance import collect as collect_provenance
 from hpcml.train import checkpoint as ckpt
 from hpcml.train import mfu, rundir
+from hpcml.train.fault import FaultGuard
 from hpcml.train.hooks import Hooks
 from hpcml.train.losses import cross_entropy
 from hpcml.train.metrics import LiveView, StepMeter
@@ -147,6 +148,7 @@ def run(
     rt = init_runtime(
         cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.tp
     )
+    guard = FaultGuard(cfg, rt)  # signal handlers first: a preemption during set-up counts too
     hooks = hooks or Hooks([TrackingHook(cfg.tracking)])
     log: RunLog | None = None
     view: LiveView | None = None
@@ -186,11 +188,9 @@ def run(
         )
         torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout, augmentation)
 
-        # --- resume -----------------------------------------------------------------------------
-        step = 0
-        if resume_from is not None:
-            loaded = ckpt.load(resume_from, model, optimizer, rt)
-            step = loaded.step
+        # --- resume (and rollback) ---------------------------------------------------------------
+        def restore(path: Path) -> int:
+            loaded = ckpt.load(path, model, optimizer, rt)
             scheduler.load_state_dict(loaded.trainer["scheduler"])
             scaler.load_state_dict(loaded.trainer["scaler"])
             if loaded.rank_state is not None:
@@ -200,6 +200,9 @@ def run(
                 train_data.load_state_dict(
                     {"epoch": int(loaded.trainer.get("epoch", 0)) + 1, "loader": None}
                 )
+            return loaded.step
+
+        step = restore(resume_from) if resume_from is not None else 0
 
         # --- run folder, live view --------------------------------------------------------------
         global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.dp_size
@@ -232,28 +235,32 @@ def run(
             )
             hooks.start({**ctx, "provenance": provenance})
             meter.extra_sinks.append(hooks.steps)
+        guard.attach(model, out_dir, log, view.message if view is not None else None)
 
         def save_checkpoint(at: int) -> Path:
-            return ckpt.save(
-                out_dir / "checkpoints",
-                at,
-                model,
-                optimizer,
-                {
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict(),
-                    "epoch": train_data.epoch,
-                },
-                {"rng": ckpt.rng_state(), "data": train_data.state_dict()},
-                rt,
-                cfg.train.keep_last,
-            )
+            with guard.checkpointing():
+                return ckpt.save(
+                    out_dir / "checkpoints",
+                    at,
+                    model,
+                    optimizer,
+                    {
+                        "scheduler": scheduler.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "epoch": train_data.epoch,
+                    },
+                    {"rng": ckpt.rng_state(), "data": train_data.state_dict()},
+                    rt,
+                    cfg.train.keep_last,
+                    background=cfg.train.checkpoint_async,
+                )
 
         # --- the loop ---------------------------------------------------------------------------
         accum = cfg.train.grad_accum
         last_eval: dict[str, float] | None = None
         model.train()
         while step < cfg.train.max_steps:
+            guard.begin_step(step, drop_batch=train_data.next)
             t0 = time.perf_counter()
             data_wait = 0.0
             optimizer.zero_grad(set_to_none=True)
@@ -270,6 +277,13 @@ def run(
                     loss = cross_entropy(model(x), y) / accum
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
+            verdict = guard.check(step, loss_sum, data_wait)
+            if verdict.skip:
+                continue
+            if verdict.rollback_to is not None:
+                with guard.checkpointing():
+                    step = restore(verdict.rollback_to)
+                continue
             if cfg.optim.grad_clip is not None:
                 scaler.unscale_(optimizer)
                 clip_grad_norm(model, cfg.optim.grad_clip)
@@ -293,11 +307,17 @@ def run(
                     if log is not None:
                         log.write(rec)
                     hooks.eval(rec)
+            saved = None
             if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or done:
-                path = save_checkpoint(step)
+                path = saved = save_checkpoint(step)
                 if rt.is_main:
                     hooks.checkpoint(path, step)
+            if verdict.preempt and not done:
+                meter.flush()
+                guard.stop_for_preemption(step, saved or save_checkpoint(step))
         meter.flush()
+        ckpt.wait_pending()
+        guard.close()
         if last_eval is None:
             last_eval = evaluate(model, val_data, rt, precision, cfg.train.channels_last)
 
@@ -336,6 +356,7 @@ def run(
                 "memory": {**memory, "per_rank": per_rank},
                 "throughput": meter.throughput(),
                 "final": {**last_eval, "train_loss": meter.last_loss},
+                "fault": guard.summary(),
                 "resumed_from": str(resume_from) if resume_from else None,
                 "environment": {
                     "python": platform.python_version(),
@@ -369,7 +390,7 @@ def run(
         return summary
     except BaseException as exc:
         if rt.is_main and out_dir is not None and (out_dir / CONFIG).exists():
-            kind = "preempted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            kind = "preempted" if isinstance(exc, KeyboardInterrupt | Preempted) else "failed"
             hooks.fail(kind, exc)
             write_json_atomic(
                 out_dir / "summary.json",
@@ -381,6 +402,7 @@ def run(
             )
         raise
     finally:
+        guard.close()
         if view is not None:
             view.close()
         if log is not None:

@@ -1,0 +1,216 @@
+"""Launch training on a cluster: `hpcml launch slurm ...`, and checkpoint-interval advice
+(`hpcml launch checkpoint-interval RUN_DIR --mtbf 24h`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import typer
+
+app = typer.Typer(help=__doc__, no_args_is_help=True)
+
+_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h|d)?\s*$")
+_UNIT_S = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration_s(text: str, option: str) -> float:
+    from hpcml.errors import ConfigError
+
+    m = _DURATION_RE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(
+            f"{option} {text!r} is not a positive duration; write e.g. 3600, 90m, 24h or 7d."
+        )
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.2f} h"
+
+
+@app.command("slurm")
+def slurm(
+    config: Path = typer.Argument(..., help="YAML config of the run."),
+    overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=0.01."),
+    nodes: int = typer.Option(..., "--nodes", help="Nodes to allocate."),
+    gpus_per_node: int = typer.Option(
+        0, "--gpus-per-node", help="GPUs per node (one worker each); 0 for CPU nodes."
+    ),
+    time_limit: str = typer.Option(..., "--time", help="Time limit per attempt, HH:MM:SS."),
+    partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
+    account: str | None = typer.Option(None, "--account", help="SLURM account to charge."),
+    nproc_per_node: int | None = typer.Option(
+        None, "--nproc-per-node", help="Workers per node (default: one per GPU, 1 on CPU)."
+    ),
+    cpus_per_task: int | None = typer.Option(
+        None, "--cpus-per-task", help="CPU cores per node for its workers."
+    ),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Run folder on a shared filesystem (default runs/<config>-<time>)."
+    ),
+    signal_lead_s: int = typer.Option(
+        90, "--signal-lead", help="Seconds before the time limit at which SLURM sends USR1."
+    ),
+    max_restarts: int = typer.Option(
+        2, "--max-restarts", help="Elastic restarts after a worker failure, per attempt."
+    ),
+    job_name: str | None = typer.Option(None, "--job-name"),
+    port: int | None = typer.Option(
+        None, "--port", help="Rendezvous port on the first node (default 20000 + job id % 20000)."
+    ),
+    sbatch_extra: list[str] = typer.Option(
+        None, "--sbatch", help="Another #SBATCH option, e.g. --sbatch=--qos=high (repeatable)."
+    ),
+    script: Path | None = typer.Option(
+        None, "--script", help="Where to write the sbatch script (default RUN_DIR/job.sbatch)."
+    ),
+    submit: bool = typer.Option(False, "--submit", help="Submit it with sbatch."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Write an sbatch script for `hpcml train` under torchrun (preemption-safe) and submit it."""
+    from hpcml.cli.common import console, print_json
+    from hpcml.config import load_config
+    from hpcml.launch.slurm import SlurmJob, write_script
+    from hpcml.launch.slurm import submit as sbatch_submit
+    from hpcml.models.zoo import get_spec
+    from hpcml.train import rundir
+
+    cfg = load_config(config, overrides or [])  # bad configs fail here, not in the queue
+    get_spec(cfg.model.name)
+    chosen = run_dir or rundir.default_run_dir(config)
+    job = SlurmJob(
+        config=config,
+        run_dir=chosen,
+        nodes=nodes,
+        time=time_limit,
+        gpus_per_node=gpus_per_node,
+        nproc_per_node=nproc_per_node,
+        partition=partition,
+        account=account,
+        cpus_per_task=cpus_per_task,
+        overrides=list(overrides or []),
+        job_name=job_name,
+        signal_lead_s=signal_lead_s,
+        max_restarts=max_restarts,
+        rdzv_port=port,
+        sbatch_extra=list(sbatch_extra or []),
+    )
+    path = write_script(job, script)
+    job_id = sbatch_submit(path) if submit else None
+    result: dict[str, Any] = {
+        "script": str(path),
+        "run_dir": str(chosen.resolve()),
+        "log": str(job.log_path.resolve()),
+        "nodes": nodes,
+        "workers_per_node": job.workers_per_node,
+        "world_size": nodes * job.workers_per_node,
+        "time": time_limit,
+        "signal": f"USR1@{signal_lead_s}",
+        "resumes_existing_run": rundir.holds_run(chosen),
+        "job_id": job_id,
+    }
+    if json_out:
+        print_json(result)
+        return
+    from rich.table import Table
+
+    table = Table(title="SLURM job", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    for key in ("script", "run_dir", "log", "world_size", "time", "signal", "job_id"):
+        table.add_row(key, str(result[key]))
+    console.print(table)
+    if result["resumes_existing_run"]:
+        console.print(f"note: {chosen} already holds a run; the job continues it (--resume auto).")
+    if job_id is None:
+        console.print(f"submit with: sbatch {path}")
+
+
+@app.command("checkpoint-interval")
+def checkpoint_interval(
+    run_dir: Path | None = typer.Argument(
+        None, help="A finished run: its measured checkpoint time and step time are used."
+    ),
+    mtbf: str | None = typer.Option(
+        None, "--mtbf", help="Mean time between failures of the whole job, e.g. 24h."
+    ),
+    node_mtbf: str | None = typer.Option(
+        None, "--node-mtbf", help="Mean time between failures of one node (with --nodes)."
+    ),
+    nodes: int = typer.Option(1, "--nodes", help="Nodes of the job (with --node-mtbf)."),
+    checkpoint_s: float | None = typer.Option(
+        None, "--checkpoint-s", help="Checkpoint cost in seconds (default: measured in RUN_DIR)."
+    ),
+    restart_s: float = typer.Option(
+        60.0, "--restart-s", help="Time from a failure to training again (requeue + load)."
+    ),
+    step_time_s: float | None = typer.Option(
+        None, "--step-time-s", help="Seconds per step (default: measured in RUN_DIR)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the advice as JSON."),
+) -> None:
+    """Young/Daly optimal checkpoint interval and the expected lost work per failure."""
+    from hpcml.cli.common import console, print_json
+    from hpcml.errors import ConfigError
+    from hpcml.records import read_summary
+    from hpcml.train.fault import checkpoint_advice
+
+    if (mtbf is None) == (node_mtbf is None):
+        raise ConfigError("give exactly one of --mtbf (whole job) or --node-mtbf with --nodes.")
+    if nodes < 1:
+        raise ConfigError(f"--nodes {nodes} must be at least 1.")
+    job_mtbf = (
+        parse_duration_s(mtbf, "--mtbf")
+        if mtbf is not None
+        else parse_duration_s(node_mtbf or "", "--node-mtbf") / nodes
+    )
+    source = "given"
+    if run_dir is not None and (checkpoint_s is None or step_time_s is None):
+        if not (run_dir / "summary.json").exists():
+            raise ConfigError(
+                f"{run_dir} has no summary.json; pass a finished run folder or --checkpoint-s."
+            )
+        summary = read_summary(run_dir)
+        measured = (summary.get("fault") or {}).get("checkpoints") or {}
+        if checkpoint_s is None:
+            checkpoint_s = measured.get("stall_s_median")
+            source = f"measured in {run_dir} ({measured.get('count', 0)} checkpoints)"
+        if step_time_s is None:
+            step_time_s = (summary.get("throughput") or {}).get("step_time_s")
+    if not checkpoint_s:
+        raise ConfigError(
+            "no checkpoint time: pass --checkpoint-s, or a run folder whose summary.json has "
+            "fault.checkpoints (a run that saved at least one checkpoint)."
+        )
+    advice = checkpoint_advice(checkpoint_s, job_mtbf, restart_s, step_time_s)
+    advice["checkpoint_s_source"] = source
+    if json_out:
+        print_json(advice)
+        return
+    from rich.table import Table
+
+    table = Table(title="checkpoint interval (Young 1974 / Daly 2006)", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("checkpoint cost (training stall)", _fmt_s(checkpoint_s))
+    table.add_row("  from", source)
+    table.add_row("mean time between failures (job)", _fmt_s(job_mtbf))
+    table.add_row("restart time", _fmt_s(restart_s))
+    table.add_row("Young interval sqrt(2CM)", _fmt_s(advice["young_interval_s"]))
+    table.add_row("Daly interval (used)", _fmt_s(advice["daly_interval_s"]))
+    if advice["checkpoint_every_steps"] is not None:
+        table.add_row(
+            "train.checkpoint_every",
+            f"{advice['checkpoint_every_steps']} steps (at {step_time_s:.3g} s/step)",
+        )
+    table.add_row("expected lost work per failure", _fmt_s(advice["expected_lost_work_per_failure_s"]))
+    table.add_row("expected overhead", f"{advice['expected_overhead_fraction'] * 100:.2f} %")
+    console.print(table)

@@ -1,0 +1,139 @@
+"""Guards of the training loop on real runs: NaN/Inf and loss spikes (skip, rollback, stop),
+stragglers named from shared step times, and a hung rank that ends the job naming it.
+
+Faults are injected through the model's forward hooks (HPCML_FAULT_INJECT), so the loop, the
+collectives and the checkpoints are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+from fault_util import (
+    config_dict,
+    env,
+    records,
+    run_engine,
+    summary,
+    train_cmd,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def inject(**faults: dict[str, float]) -> dict[str, str]:
+    return {"HPCML_FAULT_INJECT": json.dumps(faults)}
+
+
+def test_nan_loss_is_skipped_and_counted(tmp_path: Path) -> None:
+    cfg = config_dict(train={"max_steps": 20, "checkpoint_every": 0})
+    outcome = run_engine(cfg, tmp_path / "run", **inject(nan={"step": 7}))
+    assert outcome == ("ok", "finished")
+    fault = summary(tmp_path / "run")["fault"]
+    assert fault["nonfinite_steps"] == 1 and fault["skipped_steps"] == 1
+    assert fault["rollbacks"] == 0
+    events = records(tmp_path / "run", "fault")
+    assert [(e["event"], e["step"], e["policy"]) for e in events] == [("nonfinite", 7, "skip")]
+    steps = records(tmp_path / "run")
+    # The skipped attempt at step 7 left no update behind: 20 clean steps, all finite.
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert all(math.isfinite(r["loss"]) for r in steps)
+
+
+def test_rollback_reloads_the_checkpoint_replays_exactly_and_skips_the_batch(
+    tmp_path: Path,
+) -> None:
+    cfg = config_dict(
+        train={"max_steps": 20, "checkpoint_every": 5}, fault={"nan_policy": "rollback"}
+    )
+    outcome = run_engine(cfg, tmp_path / "run", **inject(nan={"step": 12}))
+    assert outcome == ("ok", "finished")
+    fault = summary(tmp_path / "run")["fault"]
+    assert fault["rollbacks"] == 1 and fault["dropped_batches"] == 1
+    rollback = [e for e in records(tmp_path / "run", "fault") if e["event"] == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["step"] == 12 and rollback[0]["to_step"] == 10
+    by_step: dict[int, list[float]] = {}
+    for r in records(tmp_path / "run"):
+        by_step.setdefault(r["step"], []).append(r["loss"])
+    # Step 11 ran twice: before the NaN and after reloading step-10; same state, same batch,
+    # same loss bit for bit. Step 12 ran only after the rollback, on the next batch.
+    assert len(by_step[11]) == 2 and by_step[11][0] == by_step[11][1]
+    assert len(by_step[12]) == 1 and math.isfinite(by_step[12][0])
+    assert sorted(by_step) == list(range(1, 21))
+
+
+def test_nan_with_policy_stop_fails_the_run_naming_the_step(tmp_path: Path) -> None:
+    cfg = config_dict(train={"max_steps": 20}, fault={"nan_policy": "stop"})
+    kind, message = run_engine(cfg, tmp_path / "run", **inject(nan={"step": 5}))
+    assert kind == "WorkFailed"
+    assert "step 5" in message and "nan_policy=stop" in message
+    assert summary(tmp_path / "run")["status"] == "failed"
+
+
+def test_loss_spike_is_found_by_z_score_and_skipped(tmp_path: Path) -> None:
+    cfg = config_dict(
+        train={"max_steps": 40, "checkpoint_every": 0},
+        fault={"spike_zscore": 6.0, "spike_window": 10},
+    )
+    outcome = run_engine(cfg, tmp_path / "run", **inject(spike={"step": 30, "scale": 1000.0}))
+    assert outcome == ("ok", "finished")
+    fault = summary(tmp_path / "run")["fault"]
+    assert fault["spike_steps"] == 1 and fault["skipped_steps"] == 1
+    assert fault["nonfinite_steps"] == 0
+    (event,) = records(tmp_path / "run", "fault")
+    assert event["event"] == "spike" and event["step"] == 30
+
+
+def test_a_slow_rank_is_named_as_a_straggler(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "c.yaml",
+        train={"max_steps": 15, "checkpoint_every": 0},
+        fault={"straggler_every": 5, "straggler_factor": 1.5},
+    )
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        train_cmd(config, run, "--nproc", "2"),
+        env=env(**inject(slow={"rank": 1, "seconds": 0.03})),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    events = [e for e in records(run, "fault") if e["event"] == "straggler"]
+    assert [e["step"] for e in events] == [5, 10, 15]
+    assert {e["rank"] for e in events} == {1}
+    assert all(e["ratio"] > 1.5 for e in events)
+    assert summary(run)["fault"]["stragglers"] == {"1": 3}
+    assert "rank 1 is a straggler" in proc.stderr
+
+
+def test_a_hung_rank_ends_the_job_naming_rank_and_step_before_the_collective_timeout(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 stalls at step 6; rank 0 waits in the gradient all-reduce. The collective timeout
+    # is 300 s; the watchdog (3 s) must end the job long before that, so the subprocess limit
+    # below (150 s) fails the test if only the collective timeout would have ended it.
+    config = write_config(
+        tmp_path / "c.yaml",
+        train={"max_steps": 200, "checkpoint_every": 0},
+        parallel={"timeout_s": 300},
+        fault={"watchdog_s": 3},
+    )
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        train_cmd(config, run, "--nproc", "2"),
+        env=env(**inject(stall={"rank": 1, "step": 6, "seconds": 3600})),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 1
+    assert "rank 1 stopped answering at step 6" in proc.stderr
+    failed = summary(run)
+    assert failed["status"] == "failed"
+    assert "rank 1 stopped answering at step 6" in failed["error"]

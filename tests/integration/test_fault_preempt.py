@@ -1,0 +1,84 @@
+"""Preemption: a real signal to a real training process makes it save at the next step boundary
+and exit with the requeue code; `--resume auto` then continues bit for bit (CPU, fp32)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from fault_util import (
+    pid_of,
+    records,
+    run_train,
+    start_train,
+    step_losses,
+    summary,
+    wait_for,
+    write_config,
+)
+
+from hpcml.errors import REQUEUE_EXIT_CODE
+from hpcml.train import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_saves_exits_75_and_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    # Background (async) checkpoints in the interrupted run, synchronous ones in the reference:
+    # checkpointing must not change training, and an async checkpoint must resume exactly.
+    config = write_config(tmp_path / "c.yaml")
+    ref = start_train(config, tmp_path / "ref")
+    run = tmp_path / "run"
+    proc = start_train(config, run, "train.checkpoint_async=true")
+    # Past the first checkpoint (step 10) and between two others: the stop saves its own.
+    wait_for("15 logged steps", lambda: len(records(run)) >= 15, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == REQUEUE_EXIT_CODE, out
+    assert "preempted by SIGTERM" in out and "--resume auto" in out
+
+    stopped = summary(run)
+    assert stopped["status"] == "preempted"
+    event = [r for r in records(run, "fault") if r["event"] == "preempted"]
+    assert len(event) == 1 and event[0]["signal"] == "SIGTERM"
+    at = event[0]["step"]
+    assert 15 <= at < 60
+    saved = Path(event[0]["checkpoint"])
+    assert saved == run / "checkpoints" / f"step-{at}" and ckpt.verify(saved) is None
+
+    resumed = run_train(config, run, "--resume", "auto", "train.checkpoint_async=true")
+    assert resumed.returncode == 0, resumed.stderr
+    assert ref.wait(timeout=240) == 0
+    done = summary(run)
+    assert done["status"] == "finished" and done["steps"] == 60
+    assert done["resumed_from"] == str(saved)
+
+    expected, got = step_losses(tmp_path / "ref"), step_losses(run)
+    assert sorted(got) == list(range(1, 61))
+    assert got == expected  # bit for bit: JSON floats round-trip exactly
+    assert done["final"] == summary(tmp_path / "ref")["final"]
+
+
+def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    # Only rank 1 gets the signal; the step-boundary collective makes rank 0 stop with it, the
+    # checkpoint holds both ranks' state, and the parent `hpcml train` exits with the code too.
+    config = write_config(tmp_path / "c.yaml", train={"max_steps": 400})
+    run = tmp_path / "run"
+    proc = start_train(config, run, "--nproc", "2", "train.checkpoint_async=true")
+    wait_for("rank 1 training", lambda: pid_of(run, 1) and len(records(run)) >= 12, proc=proc)
+    os.kill(pid_of(run, 1) or 0, signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == REQUEUE_EXIT_CODE, out
+
+    event = [r for r in records(run, "fault") if r["event"] == "preempted"]
+    assert len(event) == 1
+    at = event[0]["step"]
+    assert at < 400
+    saved = run / "checkpoints" / f"step-{at}"
+    assert ckpt.verify(saved) is None
+    assert {p.name for p in saved.glob("rank-*.pt")} == {"rank-0.pt", "rank-1.pt"}
+    # The last logged step is the one saved: nothing was trained past the checkpoint.
+    assert max(step_losses(run)) == at
+    assert summary(run)["status"] == "preempted"
