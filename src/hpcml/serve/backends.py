@@ -1,0 +1,131 @@
+"""Inference backends behind one small protocol: `load()`, then `infer(batch) -> batch`.
+
+Torch eager, torch.compile and ONNX Runtime (fp32 or dynamically quantized INT8) take and give
+numpy arrays with the batch axis first, so the batcher and the server never see a framework.
+`infer` is called from worker threads; torch and ONNX Runtime release the GIL while computing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from hpcml.errors import ModelError
+from hpcml.models.export import read_export_meta
+from hpcml.serve.protocol import DATATYPES, TensorSpec, datatype_of
+
+ONNX_FILE = "model.onnx"
+ONNX_INT8_FILE = "model.int8.onnx"
+
+
+class Backend(Protocol):
+    name: str
+    platform: str
+    input: TensorSpec
+    output: TensorSpec
+
+    def load(self) -> None: ...
+
+    def infer(self, batch: np.ndarray) -> np.ndarray: ...
+
+
+def export_dir_of(path: Path) -> Path:
+    """An export folder, given it or the run folder holding it in `export/`."""
+    path = Path(path)
+    if (path / "export" / "model.json").exists():
+        return path / "export"
+    return path
+
+
+def signature(meta: dict[str, Any]) -> tuple[TensorSpec, TensorSpec]:
+    inp, out = meta["input"], meta["output"]
+    return (
+        TensorSpec(inp.get("name", "input"), datatype_of(inp.get("dtype", "float32")), tuple(inp["shape"])),
+        TensorSpec(out.get("name", "logits"), datatype_of(out.get("dtype", "float32")), tuple(out["shape"])),
+    )
+
+
+class TorchBackend:
+    """The exported nn.Module in eval mode under `torch.inference_mode`; optionally compiled."""
+
+    def __init__(self, export_dir: Path, compile: bool = False, threads: int | None = None) -> None:
+        self.export_dir = export_dir_of(export_dir)
+        self.meta = read_export_meta(self.export_dir)
+        self.input, self.output = signature(self.meta)
+        self.compile = compile
+        self.threads = threads
+        self.name = "compile" if compile else "torch"
+        self.platform = "pytorch_torch"
+        self._model: Any = None
+
+    def load(self) -> None:
+        import torch
+
+        from hpcml.models.export import load_export
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        model, _ = load_export(self.export_dir)
+        if self.compile:
+            # dynamic=True: one graph for every batch size, instead of a recompile per size.
+            model = torch.compile(model, dynamic=True)
+        self._model = model
+        if self.compile:
+            # Compile now, not on the first request: that one would otherwise wait seconds.
+            dtype = DATATYPES[self.input.datatype]
+            for batch in (1, 2):
+                self.infer(np.zeros((batch, *self.input.shape), dtype=dtype))
+
+    def infer(self, batch: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            out = self._model(torch.from_numpy(batch))
+        return out.numpy()
+
+
+class OnnxBackend:
+    """ONNX Runtime on CPU (or CUDA where its provider is installed) over `model[.int8].onnx`."""
+
+    def __init__(self, export_dir: Path, int8: bool = False, threads: int | None = None) -> None:
+        self.export_dir = export_dir_of(export_dir)
+        self.meta = read_export_meta(self.export_dir)
+        self.input, self.output = signature(self.meta)
+        self.file = self.export_dir / (ONNX_INT8_FILE if int8 else ONNX_FILE)
+        self.threads = threads
+        self.name = "onnx-int8" if int8 else "onnx"
+        self.platform = "onnxruntime_onnx"
+        self._session: Any = None
+
+    def load(self) -> None:
+        import onnxruntime as ort
+
+        if not self.file.exists():
+            flag = " --int8" if self.name == "onnx-int8" else ""
+            raise ModelError(
+                f"{self.file} does not exist; create it with `hpcml export onnx {self.export_dir}{flag}`."
+            )
+        opts = ort.SessionOptions()
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+        self._session = ort.InferenceSession(str(self.file), opts, providers=providers)
+        self._input_name = self._session.get_inputs()[0].name
+
+    def infer(self, batch: np.ndarray) -> np.ndarray:
+        out: np.ndarray = self._session.run(None, {self._input_name: batch})[0]
+        return out
+
+
+def make_backend(kind: str, export_dir: Path, threads: int | None = None) -> Backend:
+    if kind == "torch":
+        return TorchBackend(export_dir, threads=threads)
+    if kind == "compile":
+        return TorchBackend(export_dir, compile=True, threads=threads)
+    if kind == "onnx":
+        return OnnxBackend(export_dir, threads=threads)
+    if kind == "onnx-int8":
+        return OnnxBackend(export_dir, int8=True, threads=threads)
+    raise ModelError(f"backend '{kind}' is not known; use torch, compile, onnx or onnx-int8.")
