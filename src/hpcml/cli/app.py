@@ -7,6 +7,7 @@ import sys
 import typer
 
 from hpcml.cli import model as model_cli
+from hpcml.cli import serve as serve_cli
 from hpcml.cli import train as train_cli
 from hpcml.cli.common import fail
 from hpcml.errors import HpcmlError
@@ -25,6 +26,7 @@ app.command(
     help=train_cli.__doc__,
 )(train_cli.train)
 app.add_typer(model_cli.app, name="model")
+serve_cli.register(app)
 
 
 def main() -> None:

@@ -50,8 +50,11 @@ def signature(meta: dict[str, Any]) -> tuple[TensorSpec, TensorSpec]:
 class TorchBackend:
     """The exported nn.Module in eval mode under `torch.inference_mode`; optionally compiled."""
 
-    def __init__(self, export_dir: Path, compile: bool = False, threads: int | None = None) -> None:
+    def __init__(
+        self, export_dir: Path, compile: bool = False, threads: int | None = None, device: str = "auto"
+    ) -> None:
         self.export_dir = export_dir_of(export_dir)
+        self.device = device
         self.meta = read_export_meta(self.export_dir)
         self.input, self.output = signature(self.meta)
         self.compile = compile
@@ -67,7 +70,9 @@ class TorchBackend:
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        model, _ = load_export(self.export_dir)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, _ = load_export(self.export_dir, device=self.device)
         if self.compile:
             # dynamic=True: one graph for every batch size, instead of a recompile per size.
             model = torch.compile(model, dynamic=True)
@@ -82,8 +87,8 @@ class TorchBackend:
         import torch
 
         with torch.inference_mode():
-            out = self._model(torch.from_numpy(batch))
-        return out.numpy()
+            out = self._model(torch.from_numpy(batch).to(self.device))
+        return out.cpu().numpy()
 
 
 class OnnxBackend:
@@ -108,6 +113,8 @@ class OnnxBackend:
                 f"{self.file} does not exist; create it with `hpcml export onnx {self.export_dir}{flag}`."
             )
         opts = ort.SessionOptions()
+        # Spinning idle threads would take the CPU the event loop needs to parse requests.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.threads:
             opts.intra_op_num_threads = self.threads
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
@@ -119,11 +126,13 @@ class OnnxBackend:
         return out
 
 
-def make_backend(kind: str, export_dir: Path, threads: int | None = None) -> Backend:
+def make_backend(
+    kind: str, export_dir: Path, threads: int | None = None, device: str = "auto"
+) -> Backend:
     if kind == "torch":
-        return TorchBackend(export_dir, threads=threads)
+        return TorchBackend(export_dir, threads=threads, device=device)
     if kind == "compile":
-        return TorchBackend(export_dir, compile=True, threads=threads)
+        return TorchBackend(export_dir, compile=True, threads=threads, device=device)
     if kind == "onnx":
         return OnnxBackend(export_dir, threads=threads)
     if kind == "onnx-int8":

@@ -50,6 +50,8 @@ class ModelServeConfig(_Section):
     """Samples allowed to wait; beyond it requests are refused at once (503 or 429)."""
     timeout_ms: float = Field(10_000.0, gt=0.0)
     """A request not answered within this time gets 504 and its result is dropped."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where torch backends compute; auto picks cuda when present (ONNX Runtime picks its own)."""
     threads: int | None = Field(None, gt=0)
     """Intra-op threads per instance (torch and ONNX Runtime); null keeps the library default."""
     versions: dict[str, VersionConfig] = Field(default_factory=dict)

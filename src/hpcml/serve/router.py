@@ -167,6 +167,7 @@ class Router:
         self.models: dict[str, ServedModel] = {}
         self._rng = random.Random(seed)
         self._shadow_tasks: set[asyncio.Task[None]] = set()
+        self._loaded: set[int] = set()
         self.ready = False
 
     @classmethod
@@ -187,7 +188,10 @@ class Router:
             for version, path in paths.items():
                 vcfg_or_none = mcfg.versions.get(version)
                 backend_name = (vcfg_or_none.backend if vcfg_or_none else None) or mcfg.backend
-                instances = [make_backend(backend_name, path, mcfg.threads) for _ in range(mcfg.instances)]
+                instances = [
+                    make_backend(backend_name, path, mcfg.threads, mcfg.device)
+                    for _ in range(mcfg.instances)
+                ]
                 versions[version] = router._version(name, version, path, backend_name, instances, mcfg)
             model = ServedModel(name, versions, TrafficPolicy({}))
             newest = model.newest.version
@@ -232,11 +236,19 @@ class Router:
     def all_versions(self) -> list[ModelVersion]:
         return [mv for m in self.models.values() for mv in m.versions.values()]
 
-    async def start(self) -> None:
-        """Load every backend instance (in threads: loading is blocking) and start batchers."""
+    def load(self) -> None:
+        """Load every backend instance now (the CLI does this before the server starts, so a
+        missing file is one clear error instead of a failed ASGI startup)."""
         for mv in self.all_versions():
             for backend in mv.batcher.instances:
-                await asyncio.to_thread(backend.load)
+                if id(backend) not in self._loaded:
+                    backend.load()
+                    self._loaded.add(id(backend))
+
+    async def start(self) -> None:
+        """Load what `load` has not (in a thread: loading blocks) and start the batchers."""
+        await asyncio.to_thread(self.load)
+        for mv in self.all_versions():
             await mv.batcher.start()
             mv.ready = True
         self.ready = True
