@@ -37,7 +37,9 @@ def _metric(text: str, name: str, model: str) -> float:
 
 
 def _bucket(text: str, model: str, le: str) -> float:
-    m = re.search(rf'^hpcml_batch_size_bucket\{{le="{le}",model="{model}",version="1"\}} (\S+)$', text, re.M)
+    m = re.search(
+        rf'^hpcml_batch_size_bucket\{{le="{le}",model="{model}",version="1"\}} (\S+)$', text, re.M
+    )
     assert m, f"no batch-size bucket le={le} for {model}"
     return float(m.group(1))
 
@@ -60,13 +62,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, torc
         yield url, model
 
 
-def test_many_clients_are_merged_into_batches_and_split_back(served: tuple[str, torch.nn.Module]) -> None:
+def test_many_clients_are_merged_into_batches_and_split_back(
+    served: tuple[str, torch.nn.Module],
+) -> None:
     url, model = served
     xs = np.random.default_rng(0).standard_normal((16, 1, 3, 32, 32)).astype(np.float32)
 
     async def main() -> list[np.ndarray]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-            rs = await asyncio.gather(*(c.post("/v2/models/batched/infer", json=encode_request(x)) for x in xs))
+            rs = await asyncio.gather(
+                *(c.post("/v2/models/batched/infer", json=encode_request(x)) for x in xs)
+            )
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
         return [decode_output(r.json()) for r in rs]
 
@@ -82,7 +88,9 @@ def test_many_clients_are_merged_into_batches_and_split_back(served: tuple[str, 
     assert _bucket(text, "batched", "1.0") == 0 and _bucket(text, "batched", "16.0") == 1
 
 
-def test_full_queue_answers_503_at_once_and_the_server_stays_healthy(served: tuple[str, torch.nn.Module]) -> None:
+def test_full_queue_answers_503_at_once_and_the_server_stays_healthy(
+    served: tuple[str, torch.nn.Module],
+) -> None:
     url, _ = served
     seven = encode_request(np.zeros((7, 3, 32, 32), dtype=np.float32))
     two = encode_request(np.zeros((2, 3, 32, 32), dtype=np.float32))
@@ -92,7 +100,9 @@ def test_full_queue_answers_503_at_once_and_the_server_stays_healthy(served: tup
             waiting = asyncio.create_task(c.post("/v2/models/tight/infer", json=seven))
             while _metric((await c.get("/metrics")).text, "hpcml_queue_depth", "tight") < 7:
                 await asyncio.sleep(0.01)
-            refused = await asyncio.gather(*(c.post("/v2/models/tight/infer", json=two) for _ in range(12)))
+            refused = await asyncio.gather(
+                *(c.post("/v2/models/tight/infer", json=two) for _ in range(12))
+            )
             # Refusals came back while the queued request was still waiting for its batch.
             assert not waiting.done()
             assert [r.status_code for r in refused] == [503] * 12
@@ -112,7 +122,11 @@ def test_request_that_waits_past_its_timeout_gets_504_and_leaves_the_queue(
     served: tuple[str, torch.nn.Module],
 ) -> None:
     url, _ = served
-    r = httpx.post(f"{url}/v2/models/slow/infer", json=encode_request(np.zeros((1, 3, 32, 32), dtype=np.float32)), timeout=30)
+    r = httpx.post(
+        f"{url}/v2/models/slow/infer",
+        json=encode_request(np.zeros((1, 3, 32, 32), dtype=np.float32)),
+        timeout=30,
+    )
     assert r.status_code == 504 and "timed out after 100 ms" in r.json()["error"]
     text = httpx.get(f"{url}/metrics").text
     assert _metric(text, "hpcml_queue_depth", "slow") == 0

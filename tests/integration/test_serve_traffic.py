@@ -40,7 +40,9 @@ def _logits(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture()
-def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dict[str, torch.nn.Module]]]:
+def served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, dict[str, torch.nn.Module]]]:
     monkeypatch.setenv("HPCML_TEST_ADMIN_TOKEN", TOKEN)
     models = _versions(tmp_path / "repo")
     cfg = ServeConfig.model_validate(
@@ -65,9 +67,13 @@ def test_canary_split_follows_the_weights_and_versions_answer_as_themselves(
         for _ in range(400):
             body = c.post("/v2/models/digits/infer", content=payload, headers=JSON).json()
             counts[body["model_version"]] += 1
-            np.testing.assert_allclose(decode_output(body), expected[body["model_version"]], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                decode_output(body), expected[body["model_version"]], rtol=1e-5, atol=1e-6
+            )
         pinned = {
-            c.post("/v2/models/digits/versions/2/infer", content=payload, headers=JSON).json()["model_version"]
+            c.post("/v2/models/digits/versions/2/infer", content=payload, headers=JSON).json()[
+                "model_version"
+            ]
             for _ in range(20)
         }
     # 25% of 400 is 100 with a standard deviation of 8.7: five of them either way.
@@ -86,7 +92,9 @@ def test_shadow_mirrors_without_changing_answers_and_counts_disagreements(
         assert state["shadow"] == {"version": "2", "fraction": 1.0}
         expected_disagreements = 0
         for x in xs:
-            body = c.post("/v2/models/digits/infer", content=encode_request_bytes(x), headers=JSON).json()
+            body = c.post(
+                "/v2/models/digits/infer", content=encode_request_bytes(x), headers=JSON
+            ).json()
             assert body["model_version"] == "1"
             v1, v2 = _logits(models["1"], x), _logits(models["2"], x)
             np.testing.assert_allclose(decode_output(body), v1, rtol=1e-5, atol=1e-6)
@@ -101,7 +109,10 @@ def test_shadow_mirrors_without_changing_answers_and_counts_disagreements(
         text = c.get("/metrics").text
     assert 'hpcml_shadow_samples_total{model="digits",version="2"} 40.0' in text
     if expected_disagreements:
-        assert f'hpcml_shadow_disagreements_total{{model="digits",version="2"}} {float(expected_disagreements)}' in text
+        assert (
+            f'hpcml_shadow_disagreements_total{{model="digits",version="2"}} {float(expected_disagreements)}'
+            in text
+        )
 
 
 def test_admin_endpoints_need_the_token_and_check_their_input(
@@ -110,21 +121,29 @@ def test_admin_endpoints_need_the_token_and_check_their_input(
     url, _ = served
     with httpx.Client(base_url=url) as c:
         assert c.post("/admin/models/digits/promote", json={"version": "2"}).status_code == 401
-        wrong = c.post("/admin/models/digits/promote", json={"version": "2"}, headers={"Authorization": "Bearer nope"})
+        wrong = c.post(
+            "/admin/models/digits/promote",
+            json={"version": "2"},
+            headers={"Authorization": "Bearer nope"},
+        )
         assert wrong.status_code == 401 and "Bearer" in wrong.json()["error"]
         r = c.post("/admin/models/digits/promote", json={"version": "9"}, headers=AUTH)
         assert r.status_code == 400 and "no version '9'" in r.json()["error"]
         assert c.post("/admin/models/nope/rollback", headers=AUTH).status_code == 404
         r = c.post("/admin/models/digits/traffic", json={"weights": {"1": 0}}, headers=AUTH)
         assert r.status_code == 400
-        assert c.post("/admin/models/digits/rollback", headers=AUTH).status_code == 400  # no history
+        assert (
+            c.post("/admin/models/digits/rollback", headers=AUTH).status_code == 400
+        )  # no history
         r = c.post("/admin/models/digits/traffic", json={"weights": {"1": 1, "2": 3}}, headers=AUTH)
         assert r.json()["traffic"] == {"1": 0.25, "2": 0.75}
         r = c.post("/admin/models/digits/rollback", headers=AUTH)
         assert r.json()["traffic"] == {"1": 0.75, "2": 0.25} and not r.json()["can_roll_back"]
 
 
-def test_promote_and_rollback_under_load_fail_no_request(served: tuple[str, dict[str, torch.nn.Module]]) -> None:
+def test_promote_and_rollback_under_load_fail_no_request(
+    served: tuple[str, dict[str, torch.nn.Module]],
+) -> None:
     url, _ = served
     x = encode_request_bytes(np.zeros((1, 3, 32, 32), dtype=np.float32))
     log: list[tuple[float, float, int, str]] = []  # (sent, answered, status, version)
@@ -139,12 +158,19 @@ def test_promote_and_rollback_under_load_fail_no_request(served: tuple[str, dict
 
     async def main() -> None:
         stop = asyncio.Event()
-        async with httpx.AsyncClient(base_url=url, timeout=30) as c, httpx.AsyncClient(base_url=url, headers=AUTH) as admin:
-            assert (await admin.post("/admin/models/digits/promote", json={"version": "1"})).status_code == 200
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as c,
+            httpx.AsyncClient(base_url=url, headers=AUTH) as admin,
+        ):
+            assert (
+                await admin.post("/admin/models/digits/promote", json={"version": "1"})
+            ).status_code == 200
             clients = [asyncio.create_task(client(c, stop)) for _ in range(6)]
             await asyncio.sleep(0.4)
             marks["promote_sent"] = time.perf_counter()
-            assert (await admin.post("/admin/models/digits/promote", json={"version": "2"})).status_code == 200
+            assert (
+                await admin.post("/admin/models/digits/promote", json={"version": "2"})
+            ).status_code == 200
             marks["promoted"] = time.perf_counter()
             await asyncio.sleep(0.4)
             marks["rollback_sent"] = time.perf_counter()
@@ -158,7 +184,9 @@ def test_promote_and_rollback_under_load_fail_no_request(served: tuple[str, dict
     assert [s for s in log if s[2] != 200] == []
     before = [v for _, answered, _, v in log if answered < marks["promote_sent"]]
     after_promote = [
-        v for sent, answered, _, v in log if sent > marks["promoted"] and answered < marks["rollback_sent"]
+        v
+        for sent, answered, _, v in log
+        if sent > marks["promoted"] and answered < marks["rollback_sent"]
     ]
     after_rollback = [v for sent, _, _, v in log if sent > marks["rolled_back"]]
     # Every request sent after a change was answered by the version that change chose.

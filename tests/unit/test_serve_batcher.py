@@ -8,7 +8,13 @@ import threading
 import numpy as np
 import pytest
 
-from hpcml.serve.batcher import BackendFailed, BatcherClosed, DynamicBatcher, QueueFull, RequestTimeout
+from hpcml.serve.batcher import (
+    BackendFailed,
+    BatcherClosed,
+    DynamicBatcher,
+    QueueFull,
+    RequestTimeout,
+)
 from hpcml.serve.protocol import TensorSpec
 
 
@@ -75,7 +81,9 @@ def test_preferred_sizes_cut_batches_to_the_largest_that_fits() -> None:
     backend = AffineBackend()
 
     async def main() -> None:
-        b = DynamicBatcher([backend], max_batch_size=16, max_queue_delay_ms=100, preferred_batch_sizes=[4])
+        b = DynamicBatcher(
+            [backend], max_batch_size=16, max_queue_delay_ms=100, preferred_batch_sizes=[4]
+        )
         await b.start()
         await asyncio.gather(*(b.infer(_x(i), 5.0) for i in range(10)))
         await b.close()

@@ -58,20 +58,29 @@ def test_bad_requests_say_what_is_wrong(body: bytes, message: str) -> None:
 
 
 def test_unknown_requested_output_is_refused() -> None:
-    req = oip.parse_infer_request(json.dumps({**json.loads(_body()), "outputs": [{"name": "probs"}]}).encode())
+    req = oip.parse_infer_request(
+        json.dumps({**json.loads(_body()), "outputs": [{"name": "probs"}]}).encode()
+    )
     with pytest.raises(oip.ProtocolError, match="no output named 'probs'"):
         oip.check_requested_outputs(req, [oip.TensorSpec("logits", "FP32", (10,))], "m")
 
 
 def test_response_round_trips_through_the_client_helpers() -> None:
     out = np.arange(6, dtype=np.float32).reshape(2, 3)
-    body = json.loads(oip.infer_response_body("m", "3", "req-1", oip.TensorSpec("logits", "FP32", (3,)), out))
+    body = json.loads(
+        oip.infer_response_body("m", "3", "req-1", oip.TensorSpec("logits", "FP32", (3,)), out)
+    )
     assert body["model_version"] == "3" and body["id"] == "req-1"
     assert body["outputs"][0]["datatype"] == "FP32" and body["outputs"][0]["shape"] == [2, 3]
     np.testing.assert_array_equal(oip.decode_output(body), out)
     req = json.loads(oip.encode_request_bytes(out, "input"))
     np.testing.assert_array_equal(
-        oip.check_inputs(oip.parse_infer_request(json.dumps(req).encode()), oip.TensorSpec("input", "FP32", (3,)), 4, "m"),
+        oip.check_inputs(
+            oip.parse_infer_request(json.dumps(req).encode()),
+            oip.TensorSpec("input", "FP32", (3,)),
+            4,
+            "m",
+        ),
         out,
     )
 

@@ -17,17 +17,33 @@ def serve(
     path: Path | None = typer.Argument(
         None, help="Export folder, run folder, or model repository (NAME/VERSION/ folders)."
     ),
-    name: str | None = typer.Option(None, "--name", help="Name to serve one export under (default: its architecture)."),
-    config: Path | None = typer.Option(None, "--config", help="Serve config YAML (batching, versions, traffic, limits)."),
-    host: str | None = typer.Option(None, "--host", help="Address to listen on (default 127.0.0.1)."),
+    name: str | None = typer.Option(
+        None, "--name", help="Name to serve one export under (default: its architecture)."
+    ),
+    config: Path | None = typer.Option(
+        None, "--config", help="Serve config YAML (batching, versions, traffic, limits)."
+    ),
+    host: str | None = typer.Option(
+        None, "--host", help="Address to listen on (default 127.0.0.1)."
+    ),
     port: int | None = typer.Option(None, "--port", help="Port to listen on (default 8000)."),
-    backend: str | None = typer.Option(None, "--backend", help="torch, compile, onnx or onnx-int8 (all models)."),
-    max_batch_size: int | None = typer.Option(None, "--max-batch-size", help="Most samples per forward pass."),
-    max_queue_delay_ms: float | None = typer.Option(None, "--max-queue-delay-ms", help="Longest wait for a batch to fill."),
-    instances: int | None = typer.Option(None, "--instances", help="Model copies computing concurrently."),
+    backend: str | None = typer.Option(
+        None, "--backend", help="torch, compile, onnx or onnx-int8 (all models)."
+    ),
+    max_batch_size: int | None = typer.Option(
+        None, "--max-batch-size", help="Most samples per forward pass."
+    ),
+    max_queue_delay_ms: float | None = typer.Option(
+        None, "--max-queue-delay-ms", help="Longest wait for a batch to fill."
+    ),
+    instances: int | None = typer.Option(
+        None, "--instances", help="Model copies computing concurrently."
+    ),
     threads: int | None = typer.Option(None, "--threads", help="Intra-op threads per instance."),
     admin_token_env: str | None = typer.Option(
-        None, "--admin-token-env", help="Environment variable holding the admin bearer token (admin endpoints are off without it)."
+        None,
+        "--admin-token-env",
+        help="Environment variable holding the admin bearer token (admin endpoints are off without it).",
     ),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
     json_out: bool = typer.Option(False, "--json", help="Print the startup summary as JSON."),
@@ -42,8 +58,11 @@ def serve(
         if value is not None:
             data[key] = value
     per_model = {
-        "backend": backend, "max_batch_size": max_batch_size,
-        "max_queue_delay_ms": max_queue_delay_ms, "instances": instances, "threads": threads,
+        "backend": backend,
+        "max_batch_size": max_batch_size,
+        "max_queue_delay_ms": max_queue_delay_ms,
+        "instances": instances,
+        "threads": threads,
     }
     for section in [data["defaults"], *data["models"].values()]:
         section.update({k: v for k, v in per_model.items() if v is not None})
@@ -90,7 +109,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
             share = m["traffic"].get(v)
             shadow = m["shadow"]
             table.add_row(
-                m["name"], v, info["backend"],
+                m["name"],
+                v,
+                info["backend"],
                 f"{share:.0%}" if share else "-",
                 f"{shadow['fraction']:.0%} mirrored" if shadow and shadow["version"] == v else "-",
                 f"max {b['max_batch_size']}, {b['max_queue_delay_ms']:g} ms, x{b['instances']}",
@@ -105,26 +126,39 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def loadtest(
     url: str = typer.Argument(..., help="Server base URL, e.g. http://127.0.0.1:8000."),
     model: str = typer.Option(..., "--model", help="Model name."),
-    version: str | None = typer.Option(None, "--version", help="Model version (default: the server's routing)."),
-    rate: float | None = typer.Option(None, "--rate", help="Open loop: Poisson arrivals at this many requests/s."),
-    concurrency: int | None = typer.Option(None, "--concurrency", help="Closed loop: this many clients."),
+    version: str | None = typer.Option(
+        None, "--version", help="Model version (default: the server's routing)."
+    ),
+    rate: float | None = typer.Option(
+        None, "--rate", help="Open loop: Poisson arrivals at this many requests/s."
+    ),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", help="Closed loop: this many clients."
+    ),
     duration: float = typer.Option(10.0, "--duration", help="Seconds of load."),
     batch: int = typer.Option(1, "--batch", help="Samples per request."),
     timeout: float = typer.Option(30.0, "--timeout", help="Client timeout per request, seconds."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a latency plot (PNG)."),
-    out: Path | None = typer.Option(None, "--out", help="Write the result JSON (with the latency timeline) here."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Write the result JSON (with the latency timeline) here."
+    ),
 ) -> None:
     """Load-test an Open Inference Protocol server: open loop (--rate) or closed loop (--concurrency)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from hpcml.errors import WorkFailed
     from hpcml.records import write_json_atomic
-    from hpcml.serve.loadtest import loadtest as run, plot_results
+    from hpcml.serve.loadtest import loadtest as run
+    from hpcml.serve.loadtest import plot_results
 
     with Progress(
-        TextColumn("[bold]loadtest"), BarColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"), console=err_console, transient=True,
+        TextColumn("[bold]loadtest"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=err_console,
+        transient=True,
     ) as bar:
         task = bar.add_task("load", total=duration, info="")
 
@@ -132,8 +166,15 @@ def loadtest(
             bar.update(task, completed=elapsed, info=f"sent {sent}  ok {ok}  errors {errors}")
 
         result = run(
-            base_url=url, model=model, version=version, rate=rate, concurrency=concurrency,
-            duration_s=duration, batch=batch, timeout_s=timeout, progress=progress,
+            base_url=url,
+            model=model,
+            version=version,
+            rate=rate,
+            concurrency=concurrency,
+            duration_s=duration,
+            batch=batch,
+            timeout_s=timeout,
+            progress=progress,
         )
     if out is not None:
         write_json_atomic(out, result.to_json(with_timeline=True))
@@ -149,12 +190,19 @@ def loadtest(
 
 
 def _print_loadtest(r: Any) -> None:
-    mode = f"open loop, target {r.target_rate:g}/s" if r.mode == "open" else f"closed loop, {r.concurrency} clients"
+    mode = (
+        f"open loop, target {r.target_rate:g}/s"
+        if r.mode == "open"
+        else f"closed loop, {r.concurrency} clients"
+    )
     table = Table(title=f"loadtest {r.url} ({mode}, {r.duration_s:g} s)", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("requests sent", f"{r.sent:,}")
-    table.add_row("achieved rate", f"{r.achieved_rate:,.1f}/s" + (f" of {r.target_rate:g}/s" if r.target_rate else ""))
+    table.add_row(
+        "achieved rate",
+        f"{r.achieved_rate:,.1f}/s" + (f" of {r.target_rate:g}/s" if r.target_rate else ""),
+    )
     table.add_row("throughput (ok)", f"{r.throughput:,.1f}/s")
     for key in ("p50", "p90", "p99", "p99.9", "max"):
         if key in r.latency_ms:
@@ -170,7 +218,9 @@ def _print_loadtest(r: Any) -> None:
 @export_app.command("onnx")
 def export_onnx_cmd(
     path: Path = typer.Argument(..., help="Run folder or export folder."),
-    int8: bool = typer.Option(False, "--int8", help="Also write model.int8.onnx (ONNX Runtime dynamic quantization)."),
+    int8: bool = typer.Option(
+        False, "--int8", help="Also write model.int8.onnx (ONNX Runtime dynamic quantization)."
+    ),
     opset: int | None = typer.Option(None, "--opset", help="ONNX opset (default: the exporter's)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
@@ -184,7 +234,9 @@ def export_onnx_cmd(
         print_json(report)
         return
     console.print(f"wrote {report['onnx']}" + (f" and {report['onnx_int8']}" if int8 else ""))
-    checks = ", ".join(f"batch {c['batch']}: max |diff| {c['max_abs_diff']:.2g}" for c in report["check"])
+    checks = ", ".join(
+        f"batch {c['batch']}: max |diff| {c['max_abs_diff']:.2g}" for c in report["check"]
+    )
     console.print(f"matches torch ({checks})")
     acc = report["accuracy"]
     speed = report["speed"]
@@ -195,7 +247,9 @@ def export_onnx_cmd(
     for r in runners:
         table.add_column(r, justify="right")
     if acc.get("measured"):
-        table.add_row(f"val accuracy ({acc['samples']} samples)", *[f"{acc[r]:.4f}" for r in runners])
+        table.add_row(
+            f"val accuracy ({acc['samples']} samples)", *[f"{acc[r]:.4f}" for r in runners]
+        )
     for key, row in speed.items():
         label = key.replace("_samples_per_s", "").replace("_", " ") + " samples/s"
         table.add_row(label, *[f"{row[r]:,.0f}" for r in runners])

@@ -58,8 +58,16 @@ class BodyLimit:
             f"request body is larger than the server's limit of {self.max_bytes} bytes; "
             "send fewer samples per request."
         )
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", JSON.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
@@ -96,7 +104,7 @@ class BodyLimit:
 
 
 class TrafficBody(BaseModel):
-    weights: dict[str, float] = Field(description="Version -> weight, e.g. {\"1\": 90, \"2\": 10}.")
+    weights: dict[str, float] = Field(description='Version -> weight, e.g. {"1": 90, "2": 10}.')
 
 
 class PromoteBody(BaseModel):
@@ -157,8 +165,11 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         label_version = version or ""
         status = 500
         try:
-            body = await request.body()
-            parsed = oip.parse_infer_request(body)
+            # An unknown model or version is a 404 whatever the body holds.
+            model = router.model(name)
+            if version is not None:
+                model.version(version)
+            parsed = oip.parse_infer_request(await request.body())
 
             def prepare(mv: ModelVersion) -> Any:
                 nonlocal chosen
@@ -170,7 +181,9 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             mv, result = await router.infer(name, version, prepare)
             status = 200
             return Response(
-                oip.infer_response_body(name, mv.version, parsed.request_id, mv.output, result.output),
+                oip.infer_response_body(
+                    name, mv.version, parsed.request_id, mv.output, result.output
+                ),
                 media_type=JSON,
             )
         except oip.ProtocolError as exc:
@@ -187,7 +200,9 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         except RequestTimeout:
             status = 504
             assert chosen is not None
-            return _error(504, f"request to model '{name}' timed out after {chosen.config.timeout_ms:g} ms.")
+            return _error(
+                504, f"request to model '{name}' timed out after {chosen.config.timeout_ms:g} ms."
+            )
         except BatcherClosed:
             status = 503
             return _error(503, "the server is shutting down; retry on another replica.")
@@ -197,10 +212,14 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         finally:
             if chosen is not None:
                 label_version = chosen.version
-            elif label_version and (label_model == "" or label_version not in router.models[name].versions):
+            elif label_version and (
+                label_model == "" or label_version not in router.models[name].versions
+            ):
                 label_version = ""
             if chosen is not None:
-                metrics.latency.labels(label_model, label_version).observe(time.perf_counter() - started)
+                metrics.latency.labels(label_model, label_version).observe(
+                    time.perf_counter() - started
+                )
             metrics.requests.labels(label_model, label_version, str(status)).inc()
 
     infer_doc: dict[str, Any] = {
@@ -222,11 +241,19 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         "tags": ["inference"],
     }
 
-    @app.post("/v2/models/{name}/infer", summary="Inference (newest or traffic-split version)", **infer_doc)
+    @app.post(
+        "/v2/models/{name}/infer",
+        summary="Inference (newest or traffic-split version)",
+        **infer_doc,
+    )
     async def infer_model(name: str, request: Request) -> Response:
         return await infer(request, name, None)
 
-    @app.post("/v2/models/{name}/versions/{version}/infer", summary="Inference on one version", **infer_doc)
+    @app.post(
+        "/v2/models/{name}/versions/{version}/infer",
+        summary="Inference on one version",
+        **infer_doc,
+    )
     async def infer_version(name: str, version: str, request: Request) -> Response:
         return await infer(request, name, version)
 
@@ -234,8 +261,12 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     async def live() -> dict[str, Any]:
         return {"live": True}
 
-    @app.get("/v2/health/ready", response_model=oip.ServerHealth, tags=["health"],
-             responses={400: {"model": oip.ServerHealth}})
+    @app.get(
+        "/v2/health/ready",
+        response_model=oip.ServerHealth,
+        tags=["health"],
+        responses={400: {"model": oip.ServerHealth}},
+    )
     async def ready() -> Response:
         ok = router.ready
         return JSONResponse({"ready": ok}, status_code=200 if ok else 400)
@@ -274,8 +305,10 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     def model_ready(name: str, version: str | None) -> Response:
         try:
             model = router.model(name)
-            ok = model.version(version).ready if version else all(
-                model.versions[v].ready for v in model.policy.weights
+            ok = (
+                model.version(version).ready
+                if version
+                else all(model.versions[v].ready for v in model.policy.weights)
             )
         except NotFound as exc:
             return _error(404, str(exc))
@@ -311,7 +344,8 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         given = authorization[7:] if authorization and authorization.startswith("Bearer ") else ""
         if not hmac.compare_digest(given.encode(), admin_token.encode()):
             raise HTTPException(
-                401, "admin endpoints need 'Authorization: Bearer <token>' with the configured token.",
+                401,
+                "admin endpoints need 'Authorization: Bearer <token>' with the configured token.",
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
@@ -351,9 +385,12 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
-            extra = oip.InferenceRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            extra = oip.InferenceRequest.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(extra.pop("$defs", {}))
             components["InferenceRequest"] = extra
@@ -371,11 +408,17 @@ def build_app(
     from hpcml.errors import ConfigError
     from hpcml.serve.repository import ModelSource, resolve_model_source
 
-    source = resolve_model_source(path, name) if path is not None else ModelSource("repository", Path("."))
+    source = (
+        resolve_model_source(path, name)
+        if path is not None
+        else ModelSource("repository", Path("."))
+    )
     metrics = ServeMetrics()
     router = Router.from_source(source, config, metrics, seed)
     if not router.models:
-        raise ConfigError("nothing to serve: give a model PATH or versions with paths in the serve config.")
+        raise ConfigError(
+            "nothing to serve: give a model PATH or versions with paths in the serve config."
+        )
     return create_app(router, config, metrics)
 
 

@@ -42,8 +42,12 @@ def export_dir_of(path: Path) -> Path:
 def signature(meta: dict[str, Any]) -> tuple[TensorSpec, TensorSpec]:
     inp, out = meta["input"], meta["output"]
     return (
-        TensorSpec(inp.get("name", "input"), datatype_of(inp.get("dtype", "float32")), tuple(inp["shape"])),
-        TensorSpec(out.get("name", "logits"), datatype_of(out.get("dtype", "float32")), tuple(out["shape"])),
+        TensorSpec(
+            inp.get("name", "input"), datatype_of(inp.get("dtype", "float32")), tuple(inp["shape"])
+        ),
+        TensorSpec(
+            out.get("name", "logits"), datatype_of(out.get("dtype", "float32")), tuple(out["shape"])
+        ),
     )
 
 
@@ -51,7 +55,11 @@ class TorchBackend:
     """The exported nn.Module in eval mode under `torch.inference_mode`; optionally compiled."""
 
     def __init__(
-        self, export_dir: Path, compile: bool = False, threads: int | None = None, device: str = "auto"
+        self,
+        export_dir: Path,
+        compile: bool = False,
+        threads: int | None = None,
+        device: str = "auto",
     ) -> None:
         self.export_dir = export_dir_of(export_dir)
         self.device = device
@@ -73,10 +81,8 @@ class TorchBackend:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         model, _ = load_export(self.export_dir, device=self.device)
-        if self.compile:
-            # dynamic=True: one graph for every batch size, instead of a recompile per size.
-            model = torch.compile(model, dynamic=True)
-        self._model = model
+        # dynamic=True: one graph for every batch size, instead of a recompile per size.
+        self._model = torch.compile(model, dynamic=True) if self.compile else model
         if self.compile:
             # Compile now, not on the first request: that one would otherwise wait seconds.
             dtype = DATATYPES[self.input.datatype]
@@ -117,7 +123,11 @@ class OnnxBackend:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.threads:
             opts.intra_op_num_threads = self.threads
-        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+        providers = [
+            p
+            for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
+            if p in ort.get_available_providers()
+        ]
         self._session = ort.InferenceSession(str(self.file), opts, providers=providers)
         self._input_name = self._session.get_inputs()[0].name
 

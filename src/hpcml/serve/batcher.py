@@ -65,6 +65,11 @@ class BatchingStats:
     sizes: dict[int, int] = field(default_factory=dict)
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class DynamicBatcher:
     def __init__(
         self,
@@ -147,18 +152,13 @@ class DynamicBatcher:
 
     def _wake(self) -> None:
         for fut in self._waiters:
-            if not fut.done():
-                fut.set_result(None)
+            _resolve(fut)
 
     async def _wait(self, timeout_s: float | None) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.add(fut)
-        handle = (
-            loop.call_later(timeout_s, lambda: fut.done() or fut.set_result(None))
-            if timeout_s is not None
-            else None
-        )
+        handle = loop.call_later(timeout_s, _resolve, fut) if timeout_s is not None else None
         try:
             await fut
         finally:
@@ -218,7 +218,9 @@ class DynamicBatcher:
             if batch:
                 await self._run(loop, backend, batch)
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, backend: Backend, batch: list[_Item]) -> None:
+    async def _run(
+        self, loop: asyncio.AbstractEventLoop, backend: Backend, batch: list[_Item]
+    ) -> None:
         started = time.perf_counter()
         x = batch[0].x if len(batch) == 1 else np.concatenate([it.x for it in batch])
         size = int(x.shape[0])
@@ -245,5 +247,7 @@ class DynamicBatcher:
             if self.metrics is not None:
                 self.metrics.queue_s.observe(queue_s)
             if not it.future.done():
-                it.future.set_result(InferResult(out[offset : offset + it.n], queue_s, compute_s, size))
+                it.future.set_result(
+                    InferResult(out[offset : offset + it.n], queue_s, compute_s, size)
+                )
             offset += it.n

@@ -24,7 +24,7 @@ class _Section(BaseModel):
 class ShadowConfig(_Section):
     version: str
     """Candidate version that receives a copy of unversioned requests; its answer is never sent."""
-    fraction: float = Field(1.0, gt=0.0, le=1.0)
+    fraction: float = Field(default=1.0, gt=0.0, le=1.0)
     """Share of unversioned requests mirrored to the candidate."""
 
 
@@ -38,21 +38,21 @@ class VersionConfig(_Section):
 class ModelServeConfig(_Section):
     backend: BackendName = "torch"
     """torch (eager), compile (torch.compile), onnx (model.onnx), onnx-int8 (model.int8.onnx)."""
-    max_batch_size: int = Field(32, gt=0)
+    max_batch_size: int = Field(default=32, gt=0)
     """Most samples merged into one forward pass; a request may not carry more than this."""
-    max_queue_delay_ms: float = Field(2.0, ge=0.0)
+    max_queue_delay_ms: float = Field(default=2.0, ge=0.0)
     """How long the oldest queued request waits for others before its batch is cut anyway."""
     preferred_batch_sizes: list[int] = Field(default_factory=list)
     """Batches are cut to the largest of these sizes the queue can fill (shape-stable backends)."""
-    instances: int = Field(1, gt=0)
+    instances: int = Field(default=1, gt=0)
     """Model copies computing batches concurrently."""
-    max_queue_size: int = Field(256, gt=0)
+    max_queue_size: int = Field(default=256, gt=0)
     """Samples allowed to wait; beyond it requests are refused at once (503 or 429)."""
-    timeout_ms: float = Field(10_000.0, gt=0.0)
+    timeout_ms: float = Field(default=10_000.0, gt=0.0)
     """A request not answered within this time gets 504 and its result is dropped."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where torch backends compute; auto picks cuda when present (ONNX Runtime picks its own)."""
-    threads: int | None = Field(None, gt=0)
+    threads: int | None = Field(default=None, gt=0)
     """Intra-op threads per instance (torch and ONNX Runtime); null keeps the library default."""
     versions: dict[str, VersionConfig] = Field(default_factory=dict)
     traffic: dict[str, float] = Field(default_factory=dict)
@@ -85,15 +85,15 @@ class ModelServeConfig(_Section):
 
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, lt=65536)
-    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    port: int = Field(default=8000, ge=0, lt=65536)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     """Larger request bodies get 413 before they are read in full."""
     overload_status: Literal[503, 429] = 503
     """Status when a queue is full: 503, or 429 with a Retry-After header."""
-    retry_after_s: int = Field(1, ge=0)
+    retry_after_s: int = Field(default=1, ge=0)
     admin_token_env: str | None = None
     """Environment variable that holds the admin bearer token; unset disables admin endpoints."""
-    graceful_timeout_s: float = Field(30.0, gt=0.0)
+    graceful_timeout_s: float = Field(default=30.0, gt=0.0)
     """On SIGTERM, in-flight requests get this long to finish."""
     defaults: ModelServeConfig = Field(default_factory=ModelServeConfig)
     """Settings for models that `models` does not list."""

@@ -79,7 +79,11 @@ class _Recorder:
             self.errors[key] = self.errors.get(key, 0) + 1
         # Reservoir sample: the plot shows the whole run, not its first 20k requests.
         self._seen += 1
-        point = (round(t_rel_s, 4), round(latency_s * 1e3, 3), status if isinstance(status, int) else 0)
+        point = (
+            round(t_rel_s, 4),
+            round(latency_s * 1e3, 3),
+            status if isinstance(status, int) else 0,
+        )
         if len(self.timeline) < _MAX_TIMELINE:
             self.timeline.append(point)
         else:
@@ -88,7 +92,9 @@ class _Recorder:
                 self.timeline[j] = point
 
 
-async def fetch_payload(session: Any, base_url: str, model: str, version: str | None, batch: int) -> bytes:
+async def fetch_payload(
+    session: Any, base_url: str, model: str, version: str | None, batch: int
+) -> bytes:
     """A random request body that fits the model's signature, read from its metadata."""
     from hpcml.serve.protocol import DATATYPES, encode_request_bytes
 
@@ -98,7 +104,9 @@ async def fetch_payload(session: Any, base_url: str, model: str, version: str | 
             meta = await resp.json(content_type=None)
             status = resp.status
     except Exception as exc:  # noqa: BLE001 - any connection problem is one user-facing error
-        raise WorkFailed(f"cannot reach {base_url}{path} ({type(exc).__name__}); is the server running?") from None
+        raise WorkFailed(
+            f"cannot reach {base_url}{path} ({type(exc).__name__}); is the server running?"
+        ) from None
     if status != 200:
         raise ConfigError(f"{base_url}{path} answered {status}: {meta.get('error', meta)}")
     spec = meta["inputs"][0]
@@ -117,7 +125,9 @@ async def _send(session: Any, url: str, body: bytes, timeout_s: float) -> int | 
 
     try:
         async with session.post(
-            url, data=body, headers={"content-type": "application/json"},
+            url,
+            data=body,
+            headers={"content-type": "application/json"},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             await resp.read()
@@ -155,13 +165,19 @@ async def run_loadtest(
     if duration_s <= 0:
         raise ConfigError(f"--duration {duration_s} must be positive (seconds).")
     base_url = base_url.rstrip("/")
-    path = infer_path or (f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer")
+    path = infer_path or (
+        f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
+    )
     url = base_url + path
     rec = _Recorder()
     limit = concurrency if concurrency is not None else max_inflight
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        body = payload if payload is not None else await fetch_payload(session, base_url, model, version, batch)
+        body = (
+            payload
+            if payload is not None
+            else await fetch_payload(session, base_url, model, version, batch)
+        )
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.05
         end = start + duration_s
@@ -170,12 +186,19 @@ async def run_loadtest(
             while True:
                 await asyncio.sleep(0.25)
                 if progress is not None:
-                    progress(min(loop.time() - start, duration_s), rec.sent, rec.ok, sum(rec.errors.values()))
+                    progress(
+                        min(loop.time() - start, duration_s),
+                        rec.sent,
+                        rec.ok,
+                        sum(rec.errors.values()),
+                    )
 
         tick = asyncio.create_task(ticker())
         try:
             if rate is not None:
-                await _open_loop(session, url, body, rate, start, end, timeout_s, max_inflight, seed, rec)
+                await _open_loop(
+                    session, url, body, rate, start, end, timeout_s, max_inflight, seed, rec
+                )
             else:
                 assert concurrency is not None
                 await _closed_loop(session, url, body, concurrency, start, end, timeout_s, rec)
@@ -184,7 +207,6 @@ async def run_loadtest(
         elapsed = max(loop.time() - start, 1e-9)
     if progress is not None:
         progress(duration_s, rec.sent, rec.ok, sum(rec.errors.values()))
-    measured = min(elapsed, duration_s) if rate is not None else duration_s
     result = LoadtestResult(
         mode="open" if rate is not None else "closed",
         url=url,
@@ -194,7 +216,7 @@ async def run_loadtest(
         sent=rec.sent,
         ok=rec.ok,
         errors=dict(sorted(rec.errors.items())),
-        achieved_rate=rec.sent / measured,
+        achieved_rate=rec.sent / duration_s,
         throughput=rec.ok / elapsed,
         timeline=rec.timeline,
     )
@@ -213,8 +235,16 @@ async def run_loadtest(
 
 
 async def _open_loop(
-    session: Any, url: str, body: bytes, rate: float, start: float, end: float,
-    timeout_s: float, max_inflight: int, seed: int, rec: _Recorder,
+    session: Any,
+    url: str,
+    body: bytes,
+    rate: float,
+    start: float,
+    end: float,
+    timeout_s: float,
+    max_inflight: int,
+    seed: int,
+    rec: _Recorder,
 ) -> None:
     loop = asyncio.get_running_loop()
     rng = random.Random(seed)
@@ -246,8 +276,14 @@ async def _open_loop(
 
 
 async def _closed_loop(
-    session: Any, url: str, body: bytes, concurrency: int, start: float, end: float,
-    timeout_s: float, rec: _Recorder,
+    session: Any,
+    url: str,
+    body: bytes,
+    concurrency: int,
+    start: float,
+    end: float,
+    timeout_s: float,
+    rec: _Recorder,
 ) -> None:
     loop = asyncio.get_running_loop()
 
@@ -314,7 +350,9 @@ def wait_ready(base_url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(base_url.rstrip("/") + "/v2/health/ready", timeout=2) as resp:
+            with urllib.request.urlopen(
+                base_url.rstrip("/") + "/v2/health/ready", timeout=2
+            ) as resp:
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):

@@ -30,7 +30,10 @@ QUANTIZED_OPS = ["MatMul", "Gemm"]
 @contextlib.contextmanager
 def _quiet() -> Any:
     """The exporter and quantizer print progress and warnings a CLI user cannot act on."""
-    loggers = [logging.getLogger(n) for n in ("", "torch.onnx", "torch._dynamo", "torch.export", "onnxscript")]
+    loggers = [
+        logging.getLogger(n)
+        for n in ("", "torch.onnx", "torch._dynamo", "torch.export", "onnxscript")
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
@@ -112,6 +115,8 @@ def export_onnx(
                 dynamo=True,
                 verbose=False,
             )
+            if program is None:
+                raise RuntimeError("the exporter returned no program")
             program.save(str(onnx_path))
     except Exception as exc:  # noqa: BLE001 - the exporter raises many types for one problem
         raise WorkFailed(
@@ -127,10 +132,10 @@ def export_onnx(
     }
 
     val, data_origin = _validation_data(export_dir, meta)
+    val_x: np.ndarray | None = None
+    val_y: np.ndarray | None = None
     if val is not None:
         val_x, val_y = _val_arrays(val, val_limit)
-    else:
-        val_x = val_y = None
 
     def run_torch(x: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
@@ -208,14 +213,20 @@ def _quantize(src: Path, dst: Path) -> Path:
 
 
 def _accuracy_report(
-    runners: dict[str, Any], x: np.ndarray | None, y: np.ndarray | None,
-    meta: dict[str, Any], origin: str,
+    runners: dict[str, Any],
+    x: np.ndarray | None,
+    y: np.ndarray | None,
+    meta: dict[str, Any],
+    origin: str,
 ) -> dict[str, Any]:
     out_shape = meta["output"]["shape"]
     if x is None or y is None:
         return {"measured": False, "reason": f"could not be measured: {origin}."}
     if meta.get("task") != "classification" or len(out_shape) != 1:
-        return {"measured": False, "reason": "could not be measured: the model is not a classifier."}
+        return {
+            "measured": False,
+            "reason": "could not be measured: the model is not a classifier.",
+        }
     acc: dict[str, Any] = {"measured": True, "data_config_from": origin, "samples": int(len(y))}
     preds = {}
     for name, run in runners.items():

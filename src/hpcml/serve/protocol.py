@@ -110,7 +110,9 @@ class InferRequest:
 
 def _check_shape(raw: Any, where: str) -> tuple[int, ...]:
     if not isinstance(raw, list) or not all(isinstance(d, int) and d >= 0 for d in raw):
-        raise ProtocolError(f"{where} 'shape' must be a list of non-negative integers, got {raw!r}.")
+        raise ProtocolError(
+            f"{where} 'shape' must be a list of non-negative integers, got {raw!r}."
+        )
     return tuple(raw)
 
 
@@ -156,7 +158,9 @@ def parse_infer_request(body: bytes) -> InferRequest:
     try:
         obj = _loads(body)
     except _DECODE_ERRORS:
-        raise ProtocolError("request body is not valid JSON; send an inference request object.") from None
+        raise ProtocolError(
+            "request body is not valid JSON; send an inference request object."
+        ) from None
     if not isinstance(obj, dict):
         raise ProtocolError("request body must be a JSON object with an 'inputs' array.")
     inputs_raw = obj.get("inputs")
@@ -197,7 +201,9 @@ def check_inputs(
         )
     extra = [n for n in request.inputs if n != spec.name]
     if extra:
-        raise ProtocolError(f"model '{model}' has no input named {extra[0]!r}; its only input is '{spec.name}'.")
+        raise ProtocolError(
+            f"model '{model}' has no input named {extra[0]!r}; its only input is '{spec.name}'."
+        )
     array = request.inputs[spec.name]
     datatype = datatype_of_array(array)
     if datatype != spec.datatype:
@@ -259,7 +265,9 @@ def error_body(message: str) -> bytes:
     return _dumps({"error": message})
 
 
-def encode_request_bytes(array: np.ndarray, input_name: str = "input", request_id: str | None = None) -> bytes:
+def encode_request_bytes(
+    array: np.ndarray, input_name: str = "input", request_id: str | None = None
+) -> bytes:
     """A client-side helper: the JSON body of an inference request for one input."""
     req = encode_request(array, input_name, request_id)
     req["inputs"][0]["data"] = _flat(array)

@@ -155,7 +155,9 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
             f"{', '.join(sorted_versions(list(model.versions)))}."
         )
     if not policy.weights or sum(policy.weights.values()) <= 0:
-        raise PolicyError(f"traffic of model '{model.name}' needs a positive weight on some version.")
+        raise PolicyError(
+            f"traffic of model '{model.name}' needs a positive weight on some version."
+        )
     if any(w < 0 for w in policy.weights.values()):
         raise PolicyError("traffic weights must not be negative.")
 
@@ -172,7 +174,11 @@ class Router:
 
     @classmethod
     def from_source(
-        cls, source: ModelSource, config: ServeConfig, metrics: ServeMetrics, seed: int | None = None
+        cls,
+        source: ModelSource,
+        config: ServeConfig,
+        metrics: ServeMetrics,
+        seed: int | None = None,
     ) -> Router:
         router = cls(config, metrics, seed)
         names = dict.fromkeys([*source.models, *config.models])
@@ -192,7 +198,9 @@ class Router:
                     make_backend(backend_name, path, mcfg.threads, mcfg.device)
                     for _ in range(mcfg.instances)
                 ]
-                versions[version] = router._version(name, version, path, backend_name, instances, mcfg)
+                versions[version] = router._version(
+                    name, version, path, backend_name, instances, mcfg
+                )
             model = ServedModel(name, versions, TrafficPolicy({}))
             newest = model.newest.version
             policy = TrafficPolicy(
@@ -229,8 +237,15 @@ class Router:
             metrics=self.metrics.for_batcher(name, version),
         )
         return ModelVersion(
-            name, version, Path(path), backend_name, first.platform, first.input, first.output,
-            mcfg, batcher,
+            name,
+            version,
+            Path(path),
+            backend_name,
+            first.platform,
+            first.input,
+            first.output,
+            mcfg,
+            batcher,
         )
 
     def all_versions(self) -> list[ModelVersion]:
@@ -307,14 +322,18 @@ class Router:
             raise
         if shadow_task is not None:
             assert shadow_version is not None
-            self._keep(asyncio.create_task(self._compare(model, shadow_version, result, shadow_task)))
+            self._keep(
+                asyncio.create_task(self._compare(model, shadow_version, result, shadow_task))
+            )
         return mv, result
 
     def _keep(self, task: asyncio.Task[None]) -> None:
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
 
-    async def _shadow_infer(self, mv: ModelVersion, x: np.ndarray) -> tuple[InferResult | None, float, str]:
+    async def _shadow_infer(
+        self, mv: ModelVersion, x: np.ndarray
+    ) -> tuple[InferResult | None, float, str]:
         started = time.perf_counter()
         try:
             result = await mv.batcher.infer(x, mv.config.timeout_ms / 1000.0)
@@ -351,7 +370,11 @@ class Router:
             else:
                 close = np.isclose(a, b, rtol=1e-3, atol=1e-4).reshape(a.shape[0], -1).all(1)
                 disagree = int(np.count_nonzero(~close))
-            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+            diff = (
+                float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+                if a.size
+                else 0.0
+            )
         stats.samples += a.shape[0]
         stats.disagreements += disagree
         stats.max_abs_diff = max(stats.max_abs_diff, diff)

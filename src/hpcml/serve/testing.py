@@ -17,7 +17,9 @@ from hpcml.serve.app import bind_socket
 
 
 @contextmanager
-def running_server(app: Any, host: str = "127.0.0.1", startup_timeout_s: float = 120.0) -> Iterator[str]:
+def running_server(
+    app: Any, host: str = "127.0.0.1", startup_timeout_s: float = 120.0
+) -> Iterator[str]:
     """Yield the base URL (http://127.0.0.1:PORT) while `app` is being served."""
     import uvicorn
 
