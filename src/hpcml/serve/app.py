@@ -23,6 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
 import hpcml
 from hpcml.serve import protocol as oip
@@ -256,6 +257,18 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     )
     async def infer_version(name: str, version: str, request: Request) -> Response:
         return await infer(request, name, version)
+
+    # The two routes above document inference in the OpenAPI schema; requests are answered by
+    # these plain Starlette routes placed before them, which skip FastAPI's per-request
+    # dependency solving (about a fifth of a small request's CPU time).
+    async def infer_fast(request: Request) -> Response:
+        params = request.path_params
+        return await infer(request, params["name"], params.get("version"))
+
+    app.router.routes[0:0] = [
+        Route(path, infer_fast, methods=["POST"], include_in_schema=False)
+        for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer")
+    ]
 
     @app.get("/v2/health/live", response_model=oip.ServerHealth, tags=["health"])
     async def live() -> dict[str, Any]:
