@@ -130,3 +130,11 @@ def test_model_sources_export_run_folder_and_repository(tmp_path: Path) -> None:
         resolve_model_source(repo / "digits" / "notes")
     with pytest.raises(ModelError, match="does not exist"):
         resolve_model_source(tmp_path / "missing")
+
+
+def test_example_serve_config_is_valid() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "serve_digits.yaml"
+    cfg = load_serve_config(example)
+    digits = cfg.models["digits"]
+    assert digits.traffic == {"1": 90, "2": 10} and digits.shadow is not None
+    assert digits.versions["3"].backend == "onnx-int8"

@@ -53,7 +53,8 @@ class ModelServeConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where torch backends compute; auto picks cuda when present (ONNX Runtime picks its own)."""
     threads: int | None = Field(default=None, gt=0)
-    """Intra-op threads per instance (torch and ONNX Runtime); null keeps the library default."""
+    """Intra-op threads per instance (torch and ONNX Runtime); null splits the cores between
+    instances. torch's setting is process-wide: the last model loaded sets it for all."""
     versions: dict[str, VersionConfig] = Field(default_factory=dict)
     traffic: dict[str, float] = Field(default_factory=dict)
     """Weights of versions for unversioned requests (canary); empty sends all to the newest."""
