@@ -11,7 +11,7 @@ All four run at the same time, each in its own process with one torch thread per
 instance, and are driven in turns by the open-loop Poisson load generator of `hpcml loadtest`
 (latency measured from the intended send time) at rising rates, so background load on the
 machine hits each of them alike. A server's capacity is the highest throughput it sustained
-(>= 90% of the target rate, no errors) with p99 <= the SLO; ratios compare capacities.
+without errors and with p99 <= the SLO; ratios compare capacities.
 
     python benchmarks/serving.py              # ~4 minutes on 2 cores
     python benchmarks/serving.py --quick      # shorter steps, for a smoke run
@@ -271,11 +271,8 @@ def _step(
 
 
 def _sustained(step: dict[str, Any], slo_ms: float) -> bool:
-    return (
-        not step["errors"]
-        and step["throughput"] >= 0.9 * step["target_rate"]
-        and step["latency_ms"].get("p99", float("inf")) <= slo_ms
-    )
+    # Open loop: a server that falls behind builds a queue, which shows in p99 at once.
+    return not step["errors"] and step["latency_ms"].get("p99", float("inf")) <= slo_ms
 
 
 def _capacity(steps: list[dict[str, Any]], slo_ms: float) -> dict[str, Any] | None:
@@ -409,11 +406,15 @@ def _markdown(report: dict[str, Any]) -> str:
     for k, thr in s["capacity_at_slo_rps"].items():
         p99 = s["p99_at_capacity_ms"][k]
         closed = s["closed_loop_32"].get(k, {})
+        cap = f"{thr:,.0f}" if p99 is not None else "not sustained"
+        there = f"{p99:.1f}" if p99 is not None else "-"
+        vs = f"{thr / base:.2f}x" if base and p99 is not None else "-"
+        closed_p99 = closed.get("p99_ms")
         lines.append(
-            f"| {k} | {thr:,.0f} | {p99:.1f} | {thr / base:.2f}x | {closed.get('throughput', 0):,.0f} | "
-            f"{closed.get('p99_ms') or float('nan'):.1f} |"
-            if p99 is not None
-            else f"| {k} | not sustained | - | - | {closed.get('throughput', 0):,.0f} | {closed.get('p99_ms') or float('nan'):.1f} |"
+            f"| {k} | {cap} | {there} | {vs} | {closed.get('throughput', 0):,.0f} | "
+            f"{closed_p99:.1f} |"
+            if closed_p99 is not None
+            else f"| {k} | {cap} | {there} | {vs} | {closed.get('throughput', 0):,.0f} | - |"
         )
     fmt = lambda r: f"{r:.2f}x" if r else "n/a"  # noqa: E731
     lines += [

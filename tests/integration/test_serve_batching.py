@@ -49,8 +49,18 @@ CONFIG = {
         # A long delay makes the batch wait until 16 samples are queued: one forward pass.
         "batched": {"max_batch_size": 16, "max_queue_delay_ms": 5000},
         # 8 samples of queue; a 7-sample request waits a second for its batch to fill.
-        "tight": {"max_batch_size": 8, "max_queue_size": 8, "max_queue_delay_ms": 1000},
-        "slow": {"max_batch_size": 8, "max_queue_delay_ms": 5000, "timeout_ms": 100},
+        "tight": {
+            "max_batch_size": 8,
+            "max_queue_size": 8,
+            "max_queue_delay_ms": 1000,
+            "isolation": "thread",
+        },
+        "slow": {
+            "max_batch_size": 8,
+            "max_queue_delay_ms": 5000,
+            "timeout_ms": 100,
+            "isolation": "thread",
+        },
     }
 }
 

@@ -17,7 +17,6 @@ import torch
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
 from hpcml.serve.app import build_app
-from hpcml.serve.backends import TorchBackend
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.onnx_export import export_onnx
 from hpcml.serve.protocol import decode_output, encode_request_bytes
@@ -124,27 +123,3 @@ def test_accuracy_change_says_why_it_cannot_be_measured(tmp_path: Path) -> None:
         "was found next to it.",
     }
     assert (export / "model.onnx").exists()
-
-
-@pytest.mark.slow
-def test_torch_compile_backend_matches_eager(tmp_path: Path) -> None:
-    export, model = _export(tmp_path / "export", None)
-    backend = TorchBackend(export, compile=True, device="cpu")
-    backend.load()
-    for batch in (1, 5):
-        x = np.random.default_rng(batch).standard_normal((batch, 3, 32, 32)).astype(np.float32)
-        with torch.inference_mode():
-            expected = model(torch.from_numpy(x)).numpy()
-        np.testing.assert_allclose(backend.infer(x), expected, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_torch_backend_on_cuda_matches_cpu(tmp_path: Path) -> None:
-    export, model = _export(tmp_path / "export", None)
-    backend = TorchBackend(export, device="cuda")
-    backend.load()
-    x = np.random.default_rng(0).standard_normal((8, 3, 32, 32)).astype(np.float32)
-    with torch.inference_mode():
-        expected = model(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(backend.infer(x), expected, rtol=1e-3, atol=1e-4)

@@ -39,17 +39,15 @@ def _logits(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(x)).numpy()
 
 
-@pytest.fixture()
+@pytest.fixture(params=["thread"])
 def served(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[str, dict[str, torch.nn.Module]]]:
     monkeypatch.setenv("HPCML_TEST_ADMIN_TOKEN", TOKEN)
     models = _versions(tmp_path / "repo")
+    digits = {"traffic": {"1": 75, "2": 25}, "max_queue_delay_ms": 1, "isolation": request.param}
     cfg = ServeConfig.model_validate(
-        {
-            "admin_token_env": "HPCML_TEST_ADMIN_TOKEN",
-            "models": {"digits": {"traffic": {"1": 75, "2": 25}, "max_queue_delay_ms": 1}},
-        }
+        {"admin_token_env": "HPCML_TEST_ADMIN_TOKEN", "models": {"digits": digits}}
     )
     with running_server(build_app(tmp_path / "repo", cfg, seed=0)) as url:
         yield url, models
@@ -141,6 +139,8 @@ def test_admin_endpoints_need_the_token_and_check_their_input(
         assert r.json()["traffic"] == {"1": 0.75, "2": 0.25} and not r.json()["can_roll_back"]
 
 
+# The production default for torch: each version computes in its own process.
+@pytest.mark.parametrize("served", ["process"], indirect=True)
 def test_promote_and_rollback_under_load_fail_no_request(
     served: tuple[str, dict[str, torch.nn.Module]],
 ) -> None:

@@ -34,6 +34,9 @@ class AffineBackend:
     def load(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def infer(self, x: np.ndarray) -> np.ndarray:
         if self.gate is not None:
             self.gate.wait(10)

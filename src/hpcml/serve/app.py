@@ -8,6 +8,7 @@ shutdown, drains the batchers after uvicorn has let in-flight requests finish. E
 
 from __future__ import annotations
 
+import gc
 import hmac
 import os
 import socket
@@ -123,6 +124,9 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        # Everything allocated so far (torch, FastAPI, models) lives as long as the server;
+        # frozen, the cyclic GC stops rescanning it, which otherwise shows up as p99 spikes.
+        gc.freeze()
         yield
         await router.close()
 

@@ -38,6 +38,10 @@ class VersionConfig(_Section):
 class ModelServeConfig(_Section):
     backend: BackendName = "torch"
     """torch (eager), compile (torch.compile), onnx (model.onnx), onnx-int8 (model.int8.onnx)."""
+    isolation: Literal["auto", "process", "thread"] = "auto"
+    """Where instances compute: process (a child process each, so the forward pass never waits
+    for the server's GIL), thread (in the server, starts faster); auto = process for torch
+    backends, thread for ONNX Runtime (which releases the GIL for a whole run)."""
     max_batch_size: int = Field(default=32, gt=0)
     """Most samples merged into one forward pass; a request may not carry more than this."""
     max_queue_delay_ms: float = Field(default=2.0, ge=0.0)

@@ -15,6 +15,7 @@ import os
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,8 +199,11 @@ class Router:
             for version, path in paths.items():
                 vcfg_or_none = mcfg.versions.get(version)
                 backend_name = (vcfg_or_none.backend if vcfg_or_none else None) or mcfg.backend
+                isolation = mcfg.isolation
+                if isolation == "auto":
+                    isolation = "thread" if backend_name.startswith("onnx") else "process"
                 instances = [
-                    make_backend(backend_name, path, threads, mcfg.device)
+                    make_backend(backend_name, path, threads, mcfg.device, isolation)
                     for _ in range(mcfg.instances)
                 ]
                 versions[version] = router._version(
@@ -258,11 +262,24 @@ class Router:
     def load(self) -> None:
         """Load every backend instance now (the CLI does this before the server starts, so a
         missing file is one clear error instead of a failed ASGI startup)."""
-        for mv in self.all_versions():
-            for backend in mv.batcher.instances:
-                if id(backend) not in self._loaded:
-                    backend.load()
-                    self._loaded.add(id(backend))
+        pending = [
+            b
+            for mv in self.all_versions()
+            for b in mv.batcher.instances
+            if id(b) not in self._loaded
+        ]
+        if not pending:
+            return
+        # In parallel: a process instance spends its load time importing torch in the child.
+        with ThreadPoolExecutor(len(pending)) as pool:
+            futures = [pool.submit(b.load) for b in pending]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            for b, f in zip(pending, futures, strict=True):
+                if f.exception() is None:
+                    b.close()
+            raise errors[0]  # type: ignore[misc]
+        self._loaded.update(id(b) for b in pending)
 
     async def start(self) -> None:
         """Load what `load` has not (in a thread: loading blocks) and start the batchers."""
@@ -279,6 +296,9 @@ class Router:
         await asyncio.gather(*(mv.batcher.close() for mv in self.all_versions()))
         if self._shadow_tasks:
             await asyncio.gather(*self._shadow_tasks, return_exceptions=True)
+        for mv in self.all_versions():
+            for backend in mv.batcher.instances:
+                await asyncio.to_thread(backend.close)
 
     def model(self, name: str) -> ServedModel:
         found = self.models.get(name)
