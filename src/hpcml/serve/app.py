@@ -8,6 +8,7 @@ shutdown, drains the batchers after uvicorn has let in-flight requests finish. E
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import hmac
 import os
@@ -214,6 +215,9 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         except BackendFailed as exc:
             status = 500
             return _error(500, f"model '{name}' failed to compute the batch: {exc}")
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code); its queue place is freed
+            raise
         finally:
             if chosen is not None:
                 label_version = chosen.version
