@@ -44,8 +44,10 @@ class ModelServeConfig(_Section):
     backends, thread for ONNX Runtime (which releases the GIL for a whole run)."""
     max_batch_size: int = Field(default=32, gt=0)
     """Most samples merged into one forward pass; a request may not carry more than this."""
-    max_queue_delay_ms: float = Field(default=2.0, ge=0.0)
-    """How long the oldest queued request waits for others before its batch is cut anyway."""
+    max_queue_delay_ms: float = Field(default=0.0, ge=0.0)
+    """How long the oldest queued request waits for others before its batch is cut anyway.
+    0 (Triton's default too) still batches under load: whatever queued while an instance was
+    computing leaves as one batch; a small delay buys bigger batches at moderate load."""
     preferred_batch_sizes: list[int] = Field(default_factory=list)
     """Batches are cut to the largest of these sizes the queue can fill (shape-stable backends)."""
     instances: int = Field(default=1, gt=0)
