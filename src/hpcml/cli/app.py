@@ -12,6 +12,7 @@ from hpcml.cli import launch as launch_cli
 from hpcml.cli import model as model_cli
 from hpcml.cli import plan as plan_cli
 from hpcml.cli import registry as registry_cli
+from hpcml.cli import serve as serve_cli
 from hpcml.cli import train as train_cli
 from hpcml.cli.common import fail
 from hpcml.errors import HpcmlError
@@ -34,6 +35,7 @@ app.add_typer(data_cli.app, name="data")
 app.add_typer(plan_cli.app, name="plan")
 app.add_typer(registry_cli.app, name="registry")
 app.add_typer(launch_cli.app, name="launch")
+serve_cli.register(app)
 
 
 def main() -> None:
