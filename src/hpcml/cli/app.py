@@ -28,7 +28,7 @@ app = typer.Typer(
 app.command(
     "train",
     context_settings={"allow_extra_args": False},
-    help=train_cli.__doc__,
+    help="Train a model from a YAML config on one process or N (DDP, ZeRO/FSDP, TP).",
 )(train_cli.train)
 app.add_typer(model_cli.app, name="model")
 app.add_typer(data_cli.app, name="data")

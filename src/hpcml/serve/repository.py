@@ -46,6 +46,15 @@ def resolve_model_source(path: str | Path, name: str | None = None) -> ModelSour
     A repository holds `NAME/VERSION/` folders, each an export folder (`model.json` +
     `model.safetensors`) or a run folder with `export/`; VERSION is a positive integer.
     """
+    if str(path).startswith("models:"):
+        # A registered model (MLflow registry): `models:/NAME@ALIAS`, `models:/NAME/VERSION`.
+        from hpcml.track.registry import resolve_model
+
+        resolved = resolve_model(str(path))
+        served_name = name or resolved.name
+        return ModelSource(
+            "export", resolved.path, {served_name: {str(resolved.version): resolved.path}}
+        )
     root = Path(path).expanduser()
     if not root.exists():
         raise ModelError(
