@@ -117,8 +117,14 @@ def test_preempted_job_checkpoints_is_requeued_and_finishes_like_an_uninterrupte
     slurm.run("scancel", "--signal=USR1", job_id)
 
     # The job saves, stops with the requeue code and requeues itself. SLURM holds a requeued
-    # job for two minutes (its BeginTime); let it start now to keep the test short.
-    wait("the requeue", lambda: slurm.job_state(job_id).get("Restarts", "0") != "0", slurm)
+    # job for two minutes (its BeginTime); once it is back in the queue (not while it is still
+    # completing: that would cancel the requeue), let it start now to keep the test short.
+    wait(
+        "the requeue",
+        lambda: (s := slurm.job_state(job_id)).get("Restarts", "0") != "0"
+        and s.get("JobState") == "PENDING",
+        slurm,
+    )
     slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     state = wait(
         "the job to complete",

@@ -3,8 +3,10 @@ subprocess, waiting on files a run writes, and reading its step losses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,23 +67,40 @@ def train_cmd(config: Path, run_dir: Path, *args: str) -> list[str]:
 def run_train(
     config: Path, run_dir: Path, *args: str, timeout: float = 240, **env_extra: str
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    proc = subprocess.Popen(
         train_cmd(config, run_dir, *args),
         env=env(**env_extra),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
+    out, err = finish(proc, timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def start_train(config: Path, run_dir: Path, *args: str, **env_extra: str) -> subprocess.Popen[str]:
+    """`hpcml train` in its own session, so that `finish` can end it with all its workers."""
     return subprocess.Popen(
         train_cmd(config, run_dir, *args),
         env=env(**env_extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """Wait for the run; past `timeout`, kill it and its torchrun agent and workers, then fail."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"hpcml train did not end within {timeout} s:\n{out}\n{err}") from None
+    return out or "", err or ""
 
 
 def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 120, every: float = 0.05,

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from fault_util import pid_of, records, start_train, summary, wait_for, write_config
+from fault_util import finish, pid_of, records, start_train, summary, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def test_kill_9_of_a_worker_restarts_the_group_from_the_newest_checkpoint(tmp_pa
     victim = pid_of(run, 1)
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=240)
+    out, _ = finish(proc, 240)
     assert proc.returncode == 0, out
 
     done = summary(run)

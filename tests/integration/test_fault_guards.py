@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 from fault_util import (
     config_dict,
-    env,
     records,
     run_engine,
+    run_train,
     summary,
-    train_cmd,
     write_config,
 )
 
@@ -96,13 +94,8 @@ def test_a_slow_rank_is_named_as_a_straggler(tmp_path: Path) -> None:
         fault={"straggler_every": 5, "straggler_factor": 1.5},
     )
     run = tmp_path / "run"
-    proc = subprocess.run(
-        train_cmd(config, run, "--nproc", "2"),
-        env=env(**inject(slow={"rank": 1, "seconds": 0.03})),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_train(config, run, "--nproc", "2", timeout=240,
+                     **inject(slow={"rank": 1, "seconds": 0.03}))
     assert proc.returncode == 0, proc.stderr
     events = [e for e in records(run, "fault") if e["event"] == "straggler"]
     assert [e["step"] for e in events] == [5, 10, 15]
@@ -125,13 +118,8 @@ def test_a_hung_rank_ends_the_job_naming_rank_and_step_before_the_collective_tim
         fault={"watchdog_s": 3},
     )
     run = tmp_path / "run"
-    proc = subprocess.run(
-        train_cmd(config, run, "--nproc", "2"),
-        env=env(**inject(stall={"rank": 1, "step": 6, "seconds": 3600})),
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    proc = run_train(config, run, "--nproc", "2", timeout=150,
+                     **inject(stall={"rank": 1, "step": 6, "seconds": 3600}))
     assert proc.returncode == 1
     assert "rank 1 stopped answering at step 6" in proc.stderr
     failed = summary(run)

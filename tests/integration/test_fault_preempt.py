@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from fault_util import (
+    finish,
     pid_of,
     records,
     run_train,
@@ -35,7 +36,7 @@ def test_sigterm_saves_exits_75_and_resume_matches_an_uninterrupted_run(tmp_path
     # Past the first checkpoint (step 10) and between two others: the stop saves its own.
     wait_for("15 logged steps", lambda: len(records(run)) >= 15, proc=proc)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = finish(proc, 120)
     assert proc.returncode == REQUEUE_EXIT_CODE, out
     assert "preempted by SIGTERM" in out and "--resume auto" in out
 
@@ -50,7 +51,8 @@ def test_sigterm_saves_exits_75_and_resume_matches_an_uninterrupted_run(tmp_path
 
     resumed = run_train(config, run, "--resume", "auto", "train.checkpoint_async=true")
     assert resumed.returncode == 0, resumed.stderr
-    assert ref.wait(timeout=240) == 0
+    finish(ref, 240)
+    assert ref.returncode == 0
     done = summary(run)
     assert done["status"] == "finished" and done["steps"] == 60
     assert done["resumed_from"] == str(saved)
@@ -69,7 +71,7 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(tmp_path: Path)
     proc = start_train(config, run, "--nproc", "2", "train.checkpoint_async=true")
     wait_for("rank 1 training", lambda: pid_of(run, 1) and len(records(run)) >= 12, proc=proc)
     os.kill(pid_of(run, 1) or 0, signal.SIGUSR1)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = finish(proc, 120)
     assert proc.returncode == REQUEUE_EXIT_CODE, out
 
     event = [r for r in records(run, "fault") if r["event"] == "preempted"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -127,6 +128,11 @@ def shutdown(rt: Runtime, clean: bool = True) -> None:
     if rt.distributed and dist.is_initialized():
         if clean:
             dist.barrier()
+        # A gloo worker thread frees a finished collective (and its tensors, which needs the
+        # GIL) just after the caller's wait returns. If the group is destroyed meanwhile from
+        # the DDP reducer's destructor, which joins those threads holding the GIL, both wait
+        # forever (seen at exit of 2-process runs). Let the threads finish first.
+        time.sleep(0.25)
         dist.destroy_process_group()
 
 
