@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,29 @@ def test_process_backend_answers_survives_bad_batches_and_reports_a_dead_child(
             backend.infer(x)
     finally:
         backend.close()
+
+
+def test_process_backend_driven_from_an_event_loop(tmp_path: Path) -> None:
+    export, model = _export(tmp_path / "export")
+    backend = ProcessBackend("torch", export, threads=1, device="cpu")
+    backend.load()
+    x = np.random.default_rng(1).standard_normal((40, 3, 32, 32)).astype(np.float32)
+
+    async def main() -> tuple[np.ndarray, str]:
+        out = await backend.infer_async(x)  # 480 kB in: more than a pipe buffer
+        backend._proc.kill()
+        try:
+            await backend.infer_async(x)
+        except RuntimeError as exc:
+            return out, str(exc)
+        return out, ""
+
+    try:
+        out, error = asyncio.run(main())
+    finally:
+        backend.close()
+    np.testing.assert_allclose(out, _expected(model, x), rtol=1e-5, atol=1e-6)
+    assert "inference process died" in error
 
 
 def test_process_backend_load_errors_are_model_errors(tmp_path: Path) -> None:

@@ -195,9 +195,10 @@ def _print_loadtest(r: Any) -> None:
         if r.mode == "open"
         else f"closed loop, {r.concurrency} clients"
     )
-    table = Table(title=f"loadtest {r.url} ({mode}, {r.duration_s:g} s)", show_header=False)
+    table = Table(title=f"loadtest: {mode}, {r.duration_s:g} s", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
+    table.add_row("endpoint", r.url)
     table.add_row("requests sent", f"{r.sent:,}")
     table.add_row(
         "achieved rate",

@@ -10,9 +10,13 @@ backend in a child process and exchanges only the batch and its answer over a pi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
+import os
+import pickle
 import signal
+import struct
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
@@ -151,35 +155,94 @@ class OnnxBackend:
         self._session = None
 
 
+def _write_frame(fd: int, data: bytes) -> None:
+    view = memoryview(struct.pack("!Q", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
 def _serve_in_child(
-    conn: Connection, kind: str, export_dir: str, threads: int | None, device: str
+    requests: Connection,
+    answers: Connection,
+    kind: str,
+    export_dir: str,
+    threads: int | None,
+    device: str,
 ) -> None:
-    """Body of a ProcessBackend child: load, then answer batches until told to stop."""
+    """Body of a ProcessBackend child: load, then answer batches until told to stop.
+
+    Batches come in over `requests`; answers go out as length-prefixed pickles on the raw
+    `answers` pipe, which the parent reads from its event loop.
+    """
     # The parent decides when to stop (it drains first); Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    out = answers.fileno()
+
+    def answer(obj: object) -> None:
+        _write_frame(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
     try:
         backend = make_backend(kind, Path(export_dir), threads, device)
         backend.load()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", (isinstance(exc, ModelError), str(getattr(exc, "message", exc)))))
+        answer(("error", (isinstance(exc, ModelError), str(getattr(exc, "message", exc)))))
         return
-    conn.send(("ready", None))
+    answer(("ready", None))
     while True:
         try:
-            batch = conn.recv()
+            batch = requests.recv()
         except EOFError:  # the server is gone
             return
         if batch is None:
             return
         try:
-            conn.send(("ok", backend.infer(batch)))
+            answer(("ok", backend.infer(batch)))
         except Exception as exc:  # noqa: BLE001 - fails this batch only
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            answer(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class _Frames(asyncio.Protocol):
+    """Reassembles the child's length-prefixed answers as they arrive on the event loop."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[bytes] | None = None
+        self.closed = False
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) >= 8:
+            (n,) = struct.unpack("!Q", self.buffer[:8])
+            if len(self.buffer) >= 8 + n and self.waiter is not None and not self.waiter.done():
+                frame = bytes(self.buffer[8 : 8 + n])
+                del self.buffer[: 8 + n]
+                self.waiter.set_result(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(EOFError())
 
 
 class ProcessBackend:
-    """Another backend, run in a child process (spawned: safe next to threads and CUDA)."""
+    """Another backend, run in a child process (spawned: safe next to threads and CUDA).
+
+    The batcher awaits `infer_async`, which writes the batch and is woken by the event loop
+    when the answer is in: no thread sits between them (on a busy CPU every thread hop is a
+    scheduler wake-up, worth milliseconds). `infer` is the blocking form for use without a
+    loop; once `infer_async` has run, the answer pipe belongs to the loop.
+    """
 
     def __init__(
         self, kind: str, export_dir: Path, threads: int | None = None, device: str = "auto"
@@ -188,61 +251,110 @@ class ProcessBackend:
         self.name, self.platform = inner.name, inner.platform
         self.input, self.output = inner.input, inner.output
         self._args = (kind, str(export_dir), threads, device)
-        self._conn: Connection | None = None
+        self._requests: Connection | None = None
+        self._answers: Connection | None = None
+        self._frames: _Frames | None = None
+        self._transport: asyncio.BaseTransport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None
+
+    def _died(self) -> RuntimeError:
+        return RuntimeError(f"the inference process died (exit code {self._proc.exitcode})")
 
     def load(self) -> None:
         ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
+        requests_in, requests_out = ctx.Pipe(duplex=False)
+        answers_in, answers_out = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_serve_in_child,
-            args=(child, *self._args),
+            args=(requests_in, answers_out, *self._args),
             daemon=True,
             name=f"hpcml-{self.name}",
         )
         self._proc.start()
-        child.close()
+        requests_in.close()
+        answers_out.close()
+        self._requests, self._answers = requests_out, answers_in
         try:
-            status, detail = parent.recv()
+            status, detail = self._read_blocking()
         except EOFError:
+            self.close()
             raise ModelError(
                 f"the inference process for {self._args[1]} exited with code "
                 f"{self._proc.exitcode} while loading the model."
             ) from None
         if status == "error":
-            self._proc.join(5)
+            self.close()
             user_error, message = detail
             if user_error:
                 raise ModelError(message)
             raise ModelError(f"loading {self._args[1]} with backend {self.name} failed: {message}")
-        self._conn = parent
 
-    def infer(self, batch: np.ndarray) -> np.ndarray:
-        if self._conn is None:
-            raise RuntimeError("the backend is not loaded")
-        try:
-            self._conn.send(batch)
-            status, value = self._conn.recv()
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            raise RuntimeError(
-                f"the inference process died (exit code {self._proc.exitcode})"
-            ) from None
+    def _read_blocking(self) -> Any:
+        assert self._answers is not None
+        fd = self._answers.fileno()
+        (n,) = struct.unpack("!Q", _read_exact(fd, 8))
+        return pickle.loads(_read_exact(fd, n))
+
+    def _result(self, status: str, value: Any) -> np.ndarray:
         if status != "ok":
             raise RuntimeError(value)
         out: np.ndarray = value
         return out
 
+    def infer(self, batch: np.ndarray) -> np.ndarray:
+        if self._requests is None or self._frames is not None:
+            raise RuntimeError("the backend is not loaded (or is driven by infer_async)")
+        try:
+            self._requests.send(batch)
+            return self._result(*self._read_blocking())
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise self._died() from None
+
+    async def infer_async(self, batch: np.ndarray) -> np.ndarray:
+        if self._requests is None or self._answers is None:
+            raise RuntimeError("the backend is not loaded")
+        loop = asyncio.get_running_loop()
+        if self._frames is None:
+            frames = _Frames()
+            # A duplicate descriptor: the transport closes its own, the Connection its own.
+            pipe = os.fdopen(os.dup(self._answers.fileno()), "rb", buffering=0)
+            self._transport, _ = await loop.connect_read_pipe(lambda: frames, pipe)
+            self._frames, self._loop = frames, loop
+        if self._frames.closed:
+            raise self._died()
+        self._frames.waiter = loop.create_future()
+        try:
+            # The child waits in recv, so this write drains as fast as the pipe copies.
+            self._requests.send(batch)
+            frame = await self._frames.waiter
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise self._died() from None
+        finally:
+            self._frames.waiter = None
+        return self._result(*pickle.loads(frame))
+
     def close(self) -> None:
-        if self._conn is not None:
+        if self._requests is not None:
             with contextlib.suppress(OSError):  # the child may be gone already
-                self._conn.send(None)
-            self._conn.close()
-            self._conn = None
+                self._requests.send(None)
+            self._requests.close()
+            self._requests = None
         if self._proc is not None:
             self._proc.join(10)
             if self._proc.is_alive():
                 self._proc.terminate()
                 self._proc.join(5)
+        if self._transport is not None:
+            # Transports belong to their loop's thread; close() may run in another.
+            if self._loop is not None and self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._transport.close)
+            else:
+                self._transport.close()
+            self._transport = None
+        if self._answers is not None:
+            self._answers.close()
+            self._answers = None
 
 
 def make_backend(

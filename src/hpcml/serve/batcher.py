@@ -225,7 +225,12 @@ class DynamicBatcher:
         x = batch[0].x if len(batch) == 1 else np.concatenate([it.x for it in batch])
         size = int(x.shape[0])
         try:
-            out = await loop.run_in_executor(self._executor, backend.infer, x)
+            # Backends that can be driven from the loop skip the thread hop.
+            infer_async = getattr(backend, "infer_async", None)
+            if infer_async is not None:
+                out = await infer_async(x)
+            else:
+                out = await loop.run_in_executor(self._executor, backend.infer, x)
             if out.shape[0] != size:
                 raise RuntimeError(f"backend returned {out.shape[0]} rows for a batch of {size}")
         except Exception as exc:  # noqa: BLE001 - the requests fail, the worker lives on
