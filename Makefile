@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit

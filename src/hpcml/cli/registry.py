@@ -46,7 +46,7 @@ def _versions_table(title: str, rows: list[dict[str, Any]]) -> Table:
         ("run", "left"),
         ("trained in", "left"),
     ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for r in rows:
         table.add_row(
             str(r["version"]),
