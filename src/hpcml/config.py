@@ -28,7 +28,7 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     source: str = "digits"
-    """`digits`, `cifar10`, `synthetic` (and sources later issues add)."""
+    """`digits`, `cifar10`, `synthetic`, `tokens` (and sources later issues add)."""
     path: str | None = None
     """Folder for file-backed sources (cifar10: the `cifar-10-batches-py` folder or its parent)."""
     batch_size: int = Field(64, gt=0)
@@ -47,6 +47,12 @@ class DataConfig(_Section):
     """Random crop + horizontal flip on image training data."""
     limit_train: int | None = Field(None, gt=0)
     """Use only the first N training samples (smoke tests)."""
+    seq_len: int = Field(256, gt=0)
+    """Tokens per training window (data.source tokens); the model's context is set to match."""
+    eval_windows: int | None = Field(256, gt=0)
+    """Validation windows, evenly spaced through the validation tokens; null means all of them."""
+    vocab_size: int | None = Field(None, gt=1)
+    """Token vocabulary; null reads it from meta.json beside the token files."""
 
 
 class OptimConfig(_Section):
@@ -81,13 +87,27 @@ class TrainConfig(_Section):
     """Flush step records (and the progress line) every N steps; each step still gets a record."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     channels_last: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: every block (full) or every `ac_every`-th one."""
+    ac_every: int = Field(2, gt=0)
+    compile: bool = False
+    """torch.compile each block (or the whole model when it has no blocks)."""
+    peak_flops: float | None = Field(None, gt=0)
+    """Peak FLOP/s of one device for the precision in use, for MFU; null looks it up by name."""
     checkpoint_async: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint.async_save): training
     stalls only for the copy to host memory."""
 
 
 class ParallelConfig(_Section):
-    strategy: Literal["ddp"] = "ddp"
+    strategy: Literal["ddp", "zero1", "zero2", "zero3", "fsdp"] = "ddp"
+    """ddp replicates everything; zero1 shards optimizer state (ZeroRedundancyOptimizer under
+    DDP); zero2 shards optimizer state and gradients and keeps parameters gathered between
+    forward and backward (FSDP2); zero3 = fsdp shards parameters too (FSDP2)."""
+    tp: int = Field(1, gt=0)
+    """Tensor-parallel degree (gpt models); the data-parallel degree is world_size / tp."""
+    sequence_parallel: bool = False
+    """With tp > 1, also split norms and dropout along the sequence (Korthikanti et al. 2022)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     find_unused_parameters: bool = False
     bucket_cap_mb: float = Field(25.0, gt=0)

@@ -184,7 +184,9 @@ def test_register_refuses_unfinished_or_exportless_runs(store: str, tmp_path: Pa
         register_run(tmp_path / "failed", "bad'name", tracking_uri=store)
 
 
-def test_aliases_gate_and_resolve(store: str, tmp_path: Path) -> None:
+def test_aliases_gate_and_resolve(
+    store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     name = "digits"
     models = {}
     for version, (acc, loss) in enumerate([(0.90, 0.40), (0.85, 0.30), (0.95, 0.35)], start=1):
@@ -233,6 +235,17 @@ def test_aliases_gate_and_resolve(store: str, tmp_path: Path) -> None:
     assert resolve_model_uri(f"models:/{name}@production", tracking_uri=store) == resolve_model_uri(
         f"models:/{name}/1", tracking_uri=store
     )
+
+    # `hpcml serve models:/NAME@production` goes through the same resolution.
+    from hpcml.serve.repository import resolve_model_source
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    source = resolve_model_source(f"models:/{name}@production")
+    v1 = resolve_model_uri(f"models:/{name}/1", tracking_uri=store)
+    assert source.kind == "export" and source.models == {name: {"1": v1}}
+    assert resolve_model_source(f"models:/{name}/3", name="digits-v3").models == {
+        "digits-v3": {"3": prod}
+    }
 
 
 def test_registry_errors_say_what_to_do(store: str, tmp_path: Path) -> None:

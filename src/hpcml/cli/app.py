@@ -7,10 +7,12 @@ import sys
 
 import typer
 
+from hpcml.cli import data as data_cli
 from hpcml.cli import launch as launch_cli
 from hpcml.cli import model as model_cli
 from hpcml.cli import plan as plan_cli
 from hpcml.cli import registry as registry_cli
+from hpcml.cli import serve as serve_cli
 from hpcml.cli import train as train_cli
 from hpcml.cli.common import fail
 from hpcml.errors import HpcmlError
@@ -26,12 +28,14 @@ app = typer.Typer(
 app.command(
     "train",
     context_settings={"allow_extra_args": False},
-    help=train_cli.__doc__,
+    help="Train a model from a YAML config on one process or N (DDP, ZeRO/FSDP, TP).",
 )(train_cli.train)
 app.add_typer(model_cli.app, name="model")
+app.add_typer(data_cli.app, name="data")
 app.add_typer(plan_cli.app, name="plan")
 app.add_typer(registry_cli.app, name="registry")
 app.add_typer(launch_cli.app, name="launch")
+serve_cli.register(app)
 
 
 def main() -> None:

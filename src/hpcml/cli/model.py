@@ -41,10 +41,16 @@ def list_cmd(
 
 
 def model_info(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
     from hpcml.models.zoo import build_model, count_parameters, forward_flops_per_sample, get_spec
 
     spec = get_spec(name)
-    model = build_model(name, args)
+    # Zoo models are built on the meta device: shapes and FLOPs without allocating weights,
+    # so `model info gpt-1.3b` is instant; user models may need real tensors.
+    device = "meta" if ":" not in name else "cpu"
+    with torch.device(device):
+        model = build_model(name, args)
     shape = spec.shape_for(args)
     info = {
         "name": name,
@@ -52,11 +58,16 @@ def model_info(name: str, args: dict[str, Any]) -> dict[str, Any]:
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "input_shape": list(shape),
         "input_dtype": spec.input_dtype,
-        "forward_flops_per_sample": forward_flops_per_sample(model, shape, spec.input_dtype),
+        "forward_flops_per_sample": forward_flops_per_sample(
+            model, shape, spec.input_dtype, device=device
+        ),
         "param_bytes_fp32": sum(p.numel() * 4 for p in model.parameters()),
     }
     # Backward costs about twice the forward (Kaplan et al. 2020, sec. 2.1): training = 3x.
     info["train_flops_per_sample"] = 3 * int(info["forward_flops_per_sample"])  # type: ignore[call-overload]
+    if spec.train_flops_per_token_fn is not None:
+        info["tokens_per_sample"] = int(shape[0])
+        info["train_flops_per_token"] = spec.train_flops_per_token_fn(args)
     return info
 
 
@@ -88,5 +99,7 @@ def info_cmd(
     table.add_row("input shape (per sample)", "x".join(map(str, info["input_shape"])))
     table.add_row("forward FLOPs / sample", f"{info['forward_flops_per_sample']:,}")
     table.add_row("training FLOPs / sample (3x fwd)", f"{info['train_flops_per_sample']:,}")
+    if "train_flops_per_token" in info:
+        table.add_row("training FLOPs / token (6N + 12LHQT)", f"{info['train_flops_per_token']:,}")
     table.add_row("fp32 parameter bytes", f"{info['param_bytes_fp32']:,}")
     console.print(table)

@@ -113,5 +113,9 @@ def report(summary: dict[str, Any], json_out: bool) -> None:
     if thr.get("samples_per_s"):
         table.add_row("samples/s (median step)", f"{thr['samples_per_s']:,.0f}")
         table.add_row("step time (median)", f"{thr['step_time_s'] * 1000:.1f} ms")
+    if thr.get("tokens_per_s"):
+        table.add_row("tokens/s per device", f"{thr['tokens_per_s_per_device']:,.0f}")
+    if thr.get("mfu") is not None:
+        table.add_row("MFU", f"{thr['mfu']:.1%}")
     table.add_row("export", f"{summary['run_dir']}/export/model.safetensors")
     console.print(table)

@@ -32,13 +32,18 @@ class EpochLoader:
         seed: int,
         pin_memory: bool,
     ) -> None:
-        self.sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset,
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=cfg.shuffle,
-            seed=seed,
-            drop_last=True,
+        make_sampler = getattr(dataset, "make_sampler", None)  # e.g. random token windows
+        self.sampler: Any = (
+            make_sampler(rank, world_size, seed)
+            if make_sampler is not None
+            else DistributedSampler(
+                dataset,
+                num_replicas=world_size,
+                rank=rank,
+                shuffle=cfg.shuffle,
+                seed=seed,
+                drop_last=True,
+            )
         )
         workers = cfg.num_workers
         generator = torch.Generator().manual_seed(seed + rank)

@@ -3,6 +3,7 @@
 `digits` is scikit-learn's bundled handwritten digits (real data, offline), upsampled to
 3x32x32 so the CIFAR-shaped CNNs take it unchanged. `cifar10` reads the official
 python-pickle batches from a local folder. `synthetic` is random tensors of a given shape.
+`tokens` reads uint16 token files for language models (`hpcml.data.tokens`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Splits:
     num_classes: int
     fingerprint: str
     """sha256 over the bytes read, so a run can be traced to exactly the data it saw."""
+    input_dtype: str = "float32"
+    """Per-sample input dtype: token sources give int64 ids."""
+    target_shape: tuple[int, ...] = ()
+    """Per-sample target shape: () for one class per sample, (seq_len,) for next tokens."""
 
 
 def _split(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,10 +177,17 @@ def load_synthetic(cfg: DataConfig) -> Splits:
     )
 
 
+def load_token_source(cfg: DataConfig) -> Splits:
+    from hpcml.data.tokens import load_tokens
+
+    return load_tokens(cfg)  # type: ignore[no-any-return]
+
+
 SOURCES: dict[str, Callable[[DataConfig], Splits]] = {
     "digits": load_digits,
     "cifar10": load_cifar10,
     "synthetic": load_synthetic,
+    "tokens": load_token_source,
 }
 
 
@@ -187,6 +199,10 @@ def check_source(cfg: DataConfig) -> None:
         )
     if cfg.source == "cifar10":
         _cifar_dir(cfg)
+    if cfg.source == "tokens":
+        from hpcml.data.tokens import check_tokens
+
+        check_tokens(cfg)
 
 
 def load_source(cfg: DataConfig) -> Splits:

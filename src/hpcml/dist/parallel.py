@@ -1,16 +1,55 @@
-"""Wrapping a model for data parallelism. Later strategies (FSDP2, ZeRO, TP) add named
-functions here, applied per model family, apart from the model code."""
+"""Wrapping a model and its optimizer for a parallel strategy, and the helpers that must know
+how a model is sharded: full (unsharded) state dicts, checkpoint state dicts, gradient-norm
+clipping over DTensors, the gradient scaler, and per-rank model-state bytes.
+
+| strategy | parameters | gradients | optimizer state | how                                   |
+|----------|------------|-----------|-----------------|---------------------------------------|
+| ddp      | replicated | replicated| replicated      | DistributedDataParallel               |
+| zero1    | replicated | replicated| sharded         | DDP + ZeroRedundancyOptimizer         |
+| zero2    | sharded*   | sharded   | sharded         | FSDP2, reshard_after_forward=False    |
+| zero3    | sharded    | sharded   | sharded         | FSDP2 (= fsdp)                        |
+* gathered from forward until backward is done with them.
+`parallel.tp` adds tensor parallelism (per model family, see `parallelize_gpt`) on the inner
+axis of a (dp, tp) device mesh; FSDP then shards over the dp axis.
+"""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpcml.config import ParallelConfig
+from hpcml.config import ParallelConfig, TrainConfig
+from hpcml.dist import parallelize_gpt
+from hpcml.dist.precision import Precision
 from hpcml.dist.runtime import Runtime
+from hpcml.dist.wrapping import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
+from hpcml.errors import ConfigError
+
+SHARDED = ("zero2", "zero3", "fsdp")
+TP_PLANS: dict[str, Callable[[nn.Module, DeviceMesh, bool], None]] = {
+    "gpt": parallelize_gpt.apply_tp,
+}
+"""Model family (a model's `family` attribute) -> its tensor-parallel plan."""
 
 
 def apply_ddp(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
@@ -25,13 +64,80 @@ def apply_ddp(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
     )
 
 
-def parallelize(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
-    """Return the model wrapped for `cfg.strategy`; a single process gets the model unchanged."""
-    if not rt.distributed:
+def build_mesh(rt: Runtime) -> DeviceMesh:
+    if rt.tp == 1:
+        return init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("dp",))
+    return init_device_mesh(rt.device.type, (rt.dp_size, rt.tp), mesh_dim_names=("dp", "tp"))
+
+
+def parallelize(
+    model: nn.Module,
+    rt: Runtime,
+    cfg: ParallelConfig,
+    train: TrainConfig | None = None,
+    precision: str = "fp32",
+) -> nn.Module:
+    """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
+    the data-parallel strategy. A single process gets AC and compile only."""
+    train = train or TrainConfig()
+    mesh: DeviceMesh | None = None
+    if rt.tp > 1:
+        family = getattr(model, "family", None)
+        plan = TP_PLANS.get(str(family))
+        if plan is None:
+            raise ConfigError(
+                f"parallel.tp {rt.tp} needs a model family with a tensor-parallel plan "
+                f"({', '.join(TP_PLANS)}); this model has none, so set parallel.tp=1."
+            )
+        if rt.dp_size > 1 and cfg.strategy not in SHARDED:
+            raise ConfigError(
+                f"parallel.strategy {cfg.strategy} with parallel.tp {rt.tp} on {rt.world_size} "
+                "processes is not supported; combine tensor parallelism with zero2, zero3 or "
+                f"fsdp, or run {rt.tp} processes."
+            )
+        if precision == "fp16":
+            # Loss scaling would have to check plain and DTensor gradients on two meshes at once.
+            raise ConfigError(
+                "precision fp16 with parallel.tp > 1 is not supported; use precision=bf16, "
+                "which needs no loss scaling."
+            )
+        mesh = build_mesh(rt)
+        plan(model, mesh["tp"], cfg.sequence_parallel)
+    elif cfg.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set one of them.")
+    apply_ac(model, train.activation_checkpointing, train.ac_every)
+    if train.compile:
+        apply_compile(model)
+    if rt.dp_size == 1:
         return model
-    if cfg.strategy == "ddp":
+    if cfg.strategy in ("ddp", "zero1"):
         return apply_ddp(model, rt, cfg)
-    raise ValueError(f"unknown strategy {cfg.strategy}")  # config validation prevents this
+    mesh = mesh or build_mesh(rt)
+    dp_mesh = mesh["dp"] if rt.tp > 1 else mesh
+    apply_fsdp(model, dp_mesh, cfg.strategy != "zero2", mixed_precision_policy(precision))
+    return model
+
+
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime, cfg: ParallelConfig
+) -> torch.optim.Optimizer:
+    """zero1: rebuild `optimizer` as a ZeroRedundancyOptimizer of the same class and settings,
+    so each rank keeps the state of 1/world of the parameters (Rajbhandari et al. 2020)."""
+    if cfg.strategy != "zero1" or rt.dp_size == 1:
+        return optimizer
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **settings)
+
+
+def grad_scaler(precision: Precision, cfg: ParallelConfig, rt: Runtime) -> torch.amp.GradScaler:
+    """fp16 loss scaling; under sharding the inf/nan check must see every rank's shard."""
+    if precision.name == "fp16" and rt.distributed and (cfg.strategy in SHARDED or rt.tp > 1):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(precision.device_type)
+    return precision.make_scaler()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -46,8 +152,107 @@ def no_sync(model: nn.Module, skip: bool) -> AbstractContextManager[None]:
     return nullcontext()
 
 
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm over plain tensors and DTensors on any mesh (TP, FSDP,
+    both): the norm of each group of like-placed gradients is reduced to a full value first."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    if not squares:
+        return torch.zeros(())
+    total = torch.stack(squares).sum().sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for group in groups.values():
+            torch._foreach_mul_(group, coef)
+    return total
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole, unsharded model on CPU under its plain parameter names, on rank 0 (other
+    ranks get an empty dict). Every rank must call it: gathering shards is a collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+
+
+def _fqn_order(model: nn.Module) -> list[str]:
+    return list(get_model_state_dict(model).keys())
+
+
+def checkpoint_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state dicts for torch.distributed.checkpoint, keyed by parameter name
+    so that any strategy and world size can read them.
+
+    ZeroRedundancyOptimizer has no such form of its own: each rank contributes the state of the
+    parameters it owns, and the param groups list every parameter, exactly as a replicated
+    optimizer's state dict would, so DCP assembles the whole optimizer across ranks.
+    """
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return get_state_dict(model, optimizer)
+    local = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer.optim))
+    owned: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(owned, [g["params"] for g in local["param_groups"]])
+    order = {name: i for i, name in enumerate(_fqn_order(model))}
+    groups = []
+    for i, group in enumerate(local["param_groups"]):
+        names = {n for rank_groups in owned for n in rank_groups[i]}
+        # The wrapper's groups hold the current lr (schedulers set it there; the local
+        # optimizer sees it only at its next step).
+        current = {k: v for k, v in optimizer.param_groups[i].items() if k != "params"}
+        ordered = sorted(names, key=lambda n: order.get(n, len(order)))
+        groups.append({**group, **current, "params": ordered})
+    return get_model_state_dict(model), {"state": local["state"], "param_groups": groups}
+
+
+def load_checkpoint_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_sd: dict[str, Any],
+    optim_sd: dict[str, Any],
+) -> None:
+    """Load what `checkpoint_state` shaped (after DCP filled it) into model and optimizer."""
+    options = StateDictOptions(strict=True)
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        set_state_dict(
+            model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+        )
+        return
+    set_model_state_dict(model, model_sd, options=options)
+    local = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer.optim))
+    local_groups = local["param_groups"]
+    groups = [
+        {**loaded, "params": mine["params"]}
+        for loaded, mine in zip(optim_sd["param_groups"], local_groups, strict=True)
+    ]
+    loaded_sd: Any = {"state": optim_sd["state"], "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer.optim, loaded_sd)
+    # The wrapper keeps its own copy of the param groups (lr, betas); refresh it.
+    for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
+        outer.update({k: v for k, v in inner.items() if k != "params"})
+
+
+def reshard(model: nn.Module) -> None:
+    """Free FSDP's gathered parameters (the root keeps them after forward) so that what is
+    held is the shards alone."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds of parameters, gradients and optimizer state (its local shards)."""
+    reshard(model)
 
     def nbytes(t: torch.Tensor) -> int:
         local = getattr(t, "_local_tensor", t)  # DTensor shards count what is local
@@ -56,7 +261,9 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     params = sum(nbytes(p) for p in model.parameters())
     grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
     opt = 0
-    for state in optimizer.state.values():
+    # ZeroRedundancyOptimizer holds this rank's partition in its local optimizer.
+    held = getattr(optimizer, "optim", optimizer)
+    for state in held.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor):
                 opt += nbytes(v)

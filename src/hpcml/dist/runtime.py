@@ -26,10 +26,21 @@ class Runtime:
     local_world_size: int
     device: torch.device
     backend: str | None
+    tp: int = 1
+    """Tensor-parallel degree: ranks r and r+1 .. r+tp-1 share one model replica and one batch."""
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data-parallel replica (the mesh is (dp, tp), tp innermost)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
 
     @property
     def is_main(self) -> bool:
@@ -78,11 +89,20 @@ def _elastic_attempt_store(rank: int, world: int, timeout_s: float) -> dict[str,
     }
 
 
-def init_runtime(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> Runtime:
+def init_runtime(
+    device: str = "auto", backend: str = "auto", timeout_s: float = 600.0, tp: int = 1
+) -> Runtime:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world % tp:
+        from hpcml.errors import ConfigError
+
+        raise ConfigError(
+            f"parallel.tp {tp} does not divide the {world} processes; start a multiple of "
+            f"{tp} processes (--nproc) or lower parallel.tp."
+        )
     dev = choose_device(device, local_rank)
     chosen: str | None = None
     if world > 1:
@@ -99,7 +119,7 @@ def init_runtime(device: str = "auto", backend: str = "auto", timeout_s: float =
     if dev.type == "cpu" and local_world > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Several ranks on one CPU: split the cores instead of letting each grab all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    return Runtime(rank, local_rank, world, local_world, dev, chosen)
+    return Runtime(rank, local_rank, world, local_world, dev, chosen, tp)
 
 
 def shutdown(rt: Runtime, clean: bool = True) -> None:

@@ -36,12 +36,16 @@ def save_export(
     input_dtype: str = "float32",
     task: str = "classification",
     metadata: dict[str, Any] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
+    """`state` is the full state dict when the model is sharded (FSDP, tensor parallel), where
+    `model.state_dict()` would hold this rank's shards only."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    source = state if state is not None else model.state_dict()
     # safetensors refuses shared storage (tied weights); clone makes every tensor its own.
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in source.items()}
     tmp = out_dir / (WEIGHTS + ".tmp")
     save_file(state, str(tmp), metadata={"format": FORMAT, "architecture": architecture})
     tmp.replace(out_dir / WEIGHTS)

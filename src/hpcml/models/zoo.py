@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hpcml.errors import ModelError
+from hpcml.models import gpt
 from hpcml.models.cnn import MLP, SimpleCNN
 from hpcml.models.resnet import resnet18
 
@@ -30,6 +31,10 @@ class ModelSpec:
     description: str = ""
     defaults: dict[str, Any] = field(default_factory=dict)
     input_shape_fn: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
+    complete_fn: Callable[[dict[str, Any], tuple[int, ...], int], dict[str, Any]] | None = None
+    """Fills builder arguments from the data (e.g. vocabulary size and sequence length)."""
+    train_flops_per_token_fn: Callable[[dict[str, Any]], int] | None = None
+    """Analytic training FLOPs per token for language models (used for MFU)."""
 
     def shape_for(self, args: dict[str, Any]) -> tuple[int, ...]:
         return self.input_shape_fn(args) if self.input_shape_fn else self.input_shape
@@ -72,6 +77,43 @@ register(
         input_shape_fn=_mlp_shape,
     )
 )
+
+
+def _gpt_spec(size: str) -> ModelSpec:
+    defaults = gpt.SIZES[size]
+
+    def shape(args: dict[str, Any]) -> tuple[int, ...]:
+        return (int({**defaults, **args}["max_seq_len"]),)
+
+    def complete(
+        args: dict[str, Any], input_shape: tuple[int, ...], num_classes: int
+    ) -> dict[str, Any]:
+        # Token data decides the vocabulary and the context the model must cover.
+        return {"vocab_size": num_classes, "max_seq_len": int(input_shape[0]), **args}
+
+    def flops(args: dict[str, Any]) -> int:
+        return gpt.train_flops_per_token(gpt.config_of({**defaults, **args}))
+
+    cfg = gpt.config_of(defaults)
+    return ModelSpec(
+        size,
+        gpt.build_gpt,
+        (cfg.max_seq_len,),
+        task="language_modeling",
+        input_dtype="int64",
+        description=(
+            f"decoder-only transformer: {cfg.n_layer} layers, d_model {cfg.d_model}, "
+            f"{cfg.n_head} heads, context {cfg.max_seq_len}"
+        ),
+        defaults=dict(defaults),
+        input_shape_fn=shape,
+        complete_fn=complete,
+        train_flops_per_token_fn=flops,
+    )
+
+
+for _size in gpt.SIZES:
+    register(_gpt_spec(_size))
 
 
 def list_models() -> list[ModelSpec]:
@@ -136,6 +178,8 @@ def complete_args(
     import inspect
 
     spec = get_spec(name)
+    if spec.complete_fn is not None:
+        return spec.complete_fn(dict(args), input_shape, num_classes)
     try:
         params = inspect.signature(spec.builder).parameters
     except (TypeError, ValueError):

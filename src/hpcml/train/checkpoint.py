@@ -35,12 +35,8 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
+from hpcml.dist.parallel import checkpoint_state, load_checkpoint_state
 from hpcml.dist.runtime import Runtime, barrier, broadcast_object
 from hpcml.dist.sidechannel import checkpoint_group
 from hpcml.errors import CheckpointError, WorkFailed
@@ -252,10 +248,13 @@ def save(
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
     barrier(rt)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = checkpoint_state(model, optimizer)
     torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
     if rt.is_main:
-        torch.save({**trainer_state, "step": step, "world_size": rt.world_size}, tmp / "trainer.pt")
+        torch.save(
+            {**trainer_state, "step": step, "world_size": rt.world_size, "tp": rt.tp},
+            tmp / "trainer.pt",
+        )
     timing = SaveTiming(step, background, 0.0)
     timings.append(timing)
     if background:
@@ -309,7 +308,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Run
     problem = broadcast_object(rt, problem)
     if problem is not None:
         raise CheckpointError(f"{problem}; choose another checkpoint or use --resume auto.")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = checkpoint_state(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -318,16 +317,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Run
             f"checkpoint {path} does not fit this model or optimizer ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200]}); resume with the config that wrote it."
         ) from None
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=StateDictOptions(strict=True),
-    )
+    load_checkpoint_state(model, optimizer, state["model"], state["optim"])
     trainer = torch.load(path / "trainer.pt", weights_only=False)
     rank_file = path / f"rank-{rt.rank}.pt"
     rank_state = None
-    if trainer.get("world_size") == rt.world_size and rank_file.exists():
+    same_layout = trainer.get("world_size") == rt.world_size and trainer.get("tp", 1) == rt.tp
+    if same_layout and rank_file.exists():
         rank_state = torch.load(rank_file, weights_only=False)
     return Loaded(path, int(trainer["step"]), trainer, rank_state)

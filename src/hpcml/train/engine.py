@@ -14,14 +14,22 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hpcml import __version__
 from hpcml.config import RunConfig, dump_config
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
 from hpcml.data.sources import load_source
-from hpcml.dist.parallel import local_state_bytes, no_sync, parallelize, unwrap
+from hpcml.dist.parallel import (
+    clip_grad_norm,
+    full_state_dict,
+    grad_scaler,
+    local_state_bytes,
+    no_sync,
+    parallelize,
+    shard_optimizer,
+    unwrap,
+)
 from hpcml.dist.precision import setup_precision
 from hpcml.dist.runtime import (
     Runtime,
@@ -34,7 +42,13 @@ from hpcml.dist.runtime import (
 )
 from hpcml.errors import HpcmlError, Preempted
 from hpcml.models.export import save_export
-from hpcml.models.zoo import build_model, complete_args, count_parameters, forward_flops_per_sample
+from hpcml.models.zoo import (
+    build_model,
+    complete_args,
+    count_parameters,
+    forward_flops_per_sample,
+    get_spec,
+)
 from hpcml.records import (
     CONFIG,
     RunLog,
@@ -44,9 +58,10 @@ from hpcml.records import (
 )
 from hpcml.track.provenance import collect as collect_provenance
 from hpcml.train import checkpoint as ckpt
-from hpcml.train import rundir
+from hpcml.train import mfu, rundir
 from hpcml.train.fault import FaultGuard
 from hpcml.train.hooks import Hooks
+from hpcml.train.losses import cross_entropy
 from hpcml.train.metrics import LiveView, StepMeter
 from hpcml.train.schedule import build_optimizer, build_scheduler
 from hpcml.train.tracking import TrackingHook
@@ -79,10 +94,11 @@ def evaluate(
             x = x.contiguous(memory_format=torch.channels_last)
         with precision.autocast():
             logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
+        totals[0] += cross_entropy(logits.float(), y, reduction="sum").double()
         totals[1] += (logits.argmax(dim=-1) == y).sum().double()
         totals[2] += y.numel()
     all_reduce_sum(rt, totals)
+    totals /= rt.tp  # the ranks of one tensor-parallel group evaluate the same samples
     model.train(was_training)
     n = max(totals[2].item(), 1.0)
     return {
@@ -129,7 +145,9 @@ def run(
     config_path: Path | None = None,
     hooks: Hooks | None = None,
 ) -> dict[str, Any]:
-    rt = init_runtime(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    rt = init_runtime(
+        cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.tp
+    )
     guard = FaultGuard(cfg, rt)  # signal handlers first: a preemption during set-up counts too
     hooks = hooks or Hooks([TrackingHook(cfg.tracking)])
     log: RunLog | None = None
@@ -152,17 +170,21 @@ def run(
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         n_params = count_parameters(model)
-        flops_per_sample = forward_flops_per_sample(model, splits.input_shape, device=rt.device)
-        model = parallelize(model, rt, cfg.parallel)
-        optimizer = build_optimizer(model.parameters(), cfg.optim, rt.world_size)
+        flops_per_sample = forward_flops_per_sample(
+            model, splits.input_shape, splits.input_dtype, device=rt.device
+        )
+        model = parallelize(model, rt, cfg.parallel, cfg.train, cfg.precision)
+        optimizer = build_optimizer(model.parameters(), cfg.optim, rt.dp_size)
+        optimizer = shard_optimizer(optimizer, model, rt, cfg.parallel)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-        scaler = precision.make_scaler()
+        scaler = grad_scaler(precision, cfg.parallel, rt)
         pin = rt.device.type == "cuda" and cfg.data.pin_memory
+        # Data is split over data-parallel replicas; the ranks of a tensor-parallel group share it.
         train_data = EpochLoader(
-            splits.train, cfg.data, rt.rank, rt.world_size, cfg.train.seed, pin
+            splits.train, cfg.data, rt.dp_rank, rt.dp_size, cfg.train.seed, pin
         )
         val_data = eval_loader(
-            shard_for_eval(splits.val, rt.rank, rt.world_size), cfg.data.batch_size * 2, pin
+            shard_for_eval(splits.val, rt.dp_rank, rt.dp_size), cfg.data.batch_size * 2, pin
         )
         torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout, augmentation)
 
@@ -183,7 +205,7 @@ def run(
         step = restore(resume_from) if resume_from is not None else 0
 
         # --- run folder, live view --------------------------------------------------------------
-        global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.world_size
+        global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.dp_size
         if rt.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(out_dir / CONFIG, dump_config(cfg))
@@ -194,6 +216,17 @@ def run(
             if resume_from is not None:
                 view.message(f"resumed from {resume_from} at step {step}")
         meter = StepMeter(rt, global_batch, log, view)
+        spec = get_spec(cfg.model.name)
+        meter.workload = mfu.workload(
+            spec.train_flops_per_token_fn(model_args) if spec.train_flops_per_token_fn else None,
+            flops_per_sample,
+            splits.input_shape,
+            splits.input_dtype,
+            device_info(rt),
+            cfg.precision,
+            cfg.train.peak_flops,
+            rt.world_size,
+        )
         ctx = {"cfg": cfg, "rt": rt, "run_dir": out_dir, "resumed_from": resume_from, "step": step}
         provenance: dict[str, Any] = {}
         if rt.is_main:
@@ -241,7 +274,7 @@ def run(
                 if cfg.train.channels_last and x.dim() == 4:
                     x = x.contiguous(memory_format=torch.channels_last)
                 with no_sync(model, skip=micro < accum - 1), precision.autocast():
-                    loss = F.cross_entropy(model(x), y) / accum
+                    loss = cross_entropy(model(x), y) / accum
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             verdict = guard.check(step, loss_sum, data_wait)
@@ -253,7 +286,7 @@ def run(
                 continue
             if cfg.optim.grad_clip is not None:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                clip_grad_norm(model, cfg.optim.grad_clip)
             lr = optimizer.param_groups[0]["lr"]
             scaler.step(optimizer)
             scaler.update()
@@ -295,6 +328,7 @@ def run(
         )
         memory["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         per_rank = all_gather_object(rt, memory)
+        weights = full_state_dict(model)  # a collective: every rank gathers its shards
         status = "finished"
         if rt.is_main:
             summary = {
@@ -310,6 +344,7 @@ def run(
                     "args": model_args,
                     "parameters": n_params,
                     "forward_flops_per_sample": flops_per_sample,
+                    "train_flops_per_sample": meter.workload.train_flops_per_sample,
                 },
                 "data": {
                     "source": cfg.data.source,
@@ -339,7 +374,10 @@ def run(
                 cfg.model.name,
                 model_args,
                 splits.input_shape,
-                (splits.num_classes,),
+                (*splits.target_shape, splits.num_classes),
+                input_dtype=splits.input_dtype,
+                task=spec.task,
+                state=weights,
                 metadata={
                     "data": cfg.data.model_dump(mode="json"),
                     "run_dir": str(out_dir),

@@ -21,6 +21,7 @@ from rich.progress import (
 
 from hpcml.dist.runtime import Runtime, all_reduce_mean
 from hpcml.records import RunLog
+from hpcml.train.mfu import Workload
 
 
 class StepMeter:
@@ -37,6 +38,8 @@ class StepMeter:
         self.data_waits: list[float] = []
         self.last_loss: float | None = None
         self.extra_sinks: list[Any] = []
+        self.workload: Workload | None = None
+        """When set, records also carry tokens/s and MFU."""
 
     def record(
         self,
@@ -48,6 +51,7 @@ class StepMeter:
         **extra: Any,
     ) -> None:
         self._losses.append(loss.detach().float().reshape(()))
+        sps = self.global_batch / step_time_s if step_time_s > 0 else None
         self._pending.append(
             {
                 "kind": "step",
@@ -55,7 +59,8 @@ class StepMeter:
                 "lr": lr,
                 "step_time_s": step_time_s,
                 "data_wait_s": data_wait_s,
-                "samples_per_s": self.global_batch / step_time_s if step_time_s > 0 else None,
+                "samples_per_s": sps,
+                **(self.workload.rates(sps) if self.workload else {}),
                 "time": time.time(),
                 **extra,
             }
@@ -92,6 +97,7 @@ class StepMeter:
         return {
             "samples_per_s": self.global_batch / med,
             "samples_per_s_per_device": self.global_batch / med / self.rt.world_size,
+            **(self.workload.rates(self.global_batch / med) if self.workload else {}),
             "step_time_s": med,
             "data_wait_s": statistics.median(waits),
             "steps_measured": len(times),

@@ -1,0 +1,273 @@
+"""`hpcml serve`, `hpcml loadtest` and `hpcml export onnx`: answer requests, measure, convert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from hpcml.cli.common import console, err_console, print_json
+
+export_app = typer.Typer(help="Convert an exported model to other formats.", no_args_is_help=True)
+
+
+def serve(
+    path: Path | None = typer.Argument(
+        None, help="Export folder, run folder, or model repository (NAME/VERSION/ folders)."
+    ),
+    name: str | None = typer.Option(
+        None, "--name", help="Name to serve one export under (default: its architecture)."
+    ),
+    config: Path | None = typer.Option(
+        None, "--config", help="Serve config YAML (batching, versions, traffic, limits)."
+    ),
+    host: str | None = typer.Option(
+        None, "--host", help="Address to listen on (default 127.0.0.1)."
+    ),
+    port: int | None = typer.Option(None, "--port", help="Port to listen on (default 8000)."),
+    backend: str | None = typer.Option(
+        None, "--backend", help="torch, compile, onnx or onnx-int8 (all models)."
+    ),
+    max_batch_size: int | None = typer.Option(
+        None, "--max-batch-size", help="Most samples per forward pass."
+    ),
+    max_queue_delay_ms: float | None = typer.Option(
+        None, "--max-queue-delay-ms", help="Longest wait for a batch to fill."
+    ),
+    instances: int | None = typer.Option(
+        None, "--instances", help="Model copies computing concurrently."
+    ),
+    threads: int | None = typer.Option(None, "--threads", help="Intra-op threads per instance."),
+    admin_token_env: str | None = typer.Option(
+        None,
+        "--admin-token-env",
+        help="Environment variable holding the admin bearer token (admin endpoints are off without it).",
+    ),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+    json_out: bool = typer.Option(False, "--json", help="Print the startup summary as JSON."),
+) -> None:
+    """Serve models over the Open Inference Protocol v2 (REST) with dynamic batching."""
+    from hpcml.serve.app import uvicorn_server
+    from hpcml.serve.config import build_serve_config, load_serve_config
+
+    cfg = load_serve_config(config)
+    data = cfg.model_dump()
+    for key, value in (("host", host), ("port", port), ("admin_token_env", admin_token_env)):
+        if value is not None:
+            data[key] = value
+    per_model = {
+        "backend": backend,
+        "max_batch_size": max_batch_size,
+        "max_queue_delay_ms": max_queue_delay_ms,
+        "instances": instances,
+        "threads": threads,
+    }
+    for section in [data["defaults"], *data["models"].values()]:
+        section.update({k: v for k, v in per_model.items() if v is not None})
+    cfg = build_serve_config(data, "--config and command-line options")
+    app, summary = _build(path, cfg, name)
+    if json_out:
+        print_json(summary)
+    else:
+        _print_summary(summary)
+    uvicorn_server(app, cfg, log_level).run()
+
+
+def _build(path: Path | None, cfg: Any, name: str | None) -> tuple[Any, dict[str, Any]]:
+    from hpcml.serve.app import build_app
+
+    app = build_app(path, cfg, name=name)
+    router = app.state.router
+    with err_console.status("loading models"):
+        router.load()
+    summary = {
+        "url": f"http://{cfg.host}:{cfg.port}",
+        "admin": bool(cfg.admin_token_env),
+        "models": [m.describe() for m in router.models.values()],
+        "batching": {
+            name: {
+                "max_batch_size": m.newest.config.max_batch_size,
+                "max_queue_delay_ms": m.newest.config.max_queue_delay_ms,
+                "instances": m.newest.config.instances,
+                "max_queue_size": m.newest.config.max_queue_size,
+            }
+            for name, m in router.models.items()
+        },
+    }
+    return app, summary
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    table = Table(title=f"hpcml serve  {summary['url']}")
+    for col in ("model", "version", "backend", "traffic", "shadow", "batching"):
+        table.add_column(col)
+    for m in summary["models"]:
+        b = summary["batching"][m["name"]]
+        for v, info in m["versions"].items():
+            share = m["traffic"].get(v)
+            shadow = m["shadow"]
+            table.add_row(
+                m["name"],
+                v,
+                info["backend"],
+                f"{share:.0%}" if share else "-",
+                f"{shadow['fraction']:.0%} mirrored" if shadow and shadow["version"] == v else "-",
+                f"max {b['max_batch_size']}, {b['max_queue_delay_ms']:g} ms, x{b['instances']}",
+            )
+    console.print(table)
+    console.print(
+        f"OIP v2 at {summary['url']}/v2 · metrics {summary['url']}/metrics · API docs "
+        f"{summary['url']}/docs · admin endpoints {'on' if summary['admin'] else 'off'}"
+    )
+
+
+def loadtest(
+    url: str = typer.Argument(..., help="Server base URL, e.g. http://127.0.0.1:8000."),
+    model: str = typer.Option(..., "--model", help="Model name."),
+    version: str | None = typer.Option(
+        None, "--version", help="Model version (default: the server's routing)."
+    ),
+    rate: float | None = typer.Option(
+        None, "--rate", help="Open loop: Poisson arrivals at this many requests/s."
+    ),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", help="Closed loop: this many clients."
+    ),
+    duration: float = typer.Option(10.0, "--duration", help="Seconds of load."),
+    batch: int = typer.Option(1, "--batch", help="Samples per request."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Client timeout per request, seconds."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a latency plot (PNG)."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Write the result JSON (with the latency timeline) here."
+    ),
+) -> None:
+    """Load-test an Open Inference Protocol server: open loop (--rate) or closed loop (--concurrency)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hpcml.errors import WorkFailed
+    from hpcml.records import write_json_atomic
+    from hpcml.serve.loadtest import loadtest as run
+    from hpcml.serve.loadtest import plot_results
+
+    with Progress(
+        TextColumn("[bold]loadtest"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=err_console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("load", total=duration, info="")
+
+        def progress(elapsed: float, sent: int, ok: int, errors: int) -> None:
+            bar.update(task, completed=elapsed, info=f"sent {sent}  ok {ok}  errors {errors}")
+
+        result = run(
+            base_url=url,
+            model=model,
+            version=version,
+            rate=rate,
+            concurrency=concurrency,
+            duration_s=duration,
+            batch=batch,
+            timeout_s=timeout,
+            progress=progress,
+        )
+    if out is not None:
+        write_json_atomic(out, result.to_json(with_timeline=True))
+    if plot is not None:
+        label = f"rate {rate:g}/s" if rate is not None else f"{concurrency} clients"
+        plot_results([(label, result)], plot, title=f"{model} {label}")
+    if json_out:
+        print_json(result.to_json())
+    else:
+        _print_loadtest(result)
+    if result.ok == 0:
+        raise WorkFailed(f"no request to {result.url} succeeded (errors: {result.errors}).")
+
+
+def _print_loadtest(r: Any) -> None:
+    mode = (
+        f"open loop, target {r.target_rate:g}/s"
+        if r.mode == "open"
+        else f"closed loop, {r.concurrency} clients"
+    )
+    table = Table(title=f"loadtest: {mode}, {r.duration_s:g} s", show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("endpoint", r.url)
+    table.add_row("requests sent", f"{r.sent:,}")
+    table.add_row(
+        "achieved rate",
+        f"{r.achieved_rate:,.1f}/s" + (f" of {r.target_rate:g}/s" if r.target_rate else ""),
+    )
+    table.add_row("throughput (ok)", f"{r.throughput:,.1f}/s")
+    for key in ("p50", "p90", "p99", "p99.9", "max"):
+        if key in r.latency_ms:
+            table.add_row(f"latency {key}", f"{r.latency_ms[key]:,.2f} ms")
+    table.add_row("ok", f"{r.ok:,}")
+    for status, n in r.errors.items():
+        table.add_row(f"errors {status}", f"{n:,}")
+    if r.mode == "open":
+        table.add_row("client send lag p99", f"{r.send_lag_ms_p99:,.2f} ms")
+    console.print(table)
+
+
+@export_app.command("onnx")
+def export_onnx_cmd(
+    path: Path = typer.Argument(..., help="Run folder or export folder."),
+    int8: bool = typer.Option(
+        False, "--int8", help="Also write model.int8.onnx (ONNX Runtime dynamic quantization)."
+    ),
+    opset: int | None = typer.Option(None, "--opset", help="ONNX opset (default: the exporter's)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Export to ONNX with a dynamic batch axis, check it against torch, optionally quantize to INT8."""
+    from hpcml.serve.onnx_export import check_export_dir, export_onnx
+
+    export_dir = check_export_dir(path)
+    with err_console.status("exporting to ONNX and measuring"):
+        report = export_onnx(export_dir, int8=int8, opset=opset)
+    if json_out:
+        print_json(report)
+        return
+    console.print(f"wrote {report['onnx']}" + (f" and {report['onnx_int8']}" if int8 else ""))
+    checks = ", ".join(
+        f"batch {c['batch']}: max |diff| {c['max_abs_diff']:.2g}" for c in report["check"]
+    )
+    console.print(f"matches torch ({checks})")
+    acc = report["accuracy"]
+    speed = report["speed"]
+    runners = list(speed["batch_1_samples_per_s"])
+    runners = [r for r in runners if not r.startswith("int8_")]
+    table = Table(title="torch vs ONNX Runtime" + (" vs INT8" if int8 else ""))
+    table.add_column("")
+    for r in runners:
+        table.add_column(r, justify="right")
+    if acc.get("measured"):
+        table.add_row(
+            f"val accuracy ({acc['samples']} samples)", *[f"{acc[r]:.4f}" for r in runners]
+        )
+    for key, row in speed.items():
+        label = key.replace("_samples_per_s", "").replace("_", " ") + " samples/s"
+        table.add_row(label, *[f"{row[r]:,.0f}" for r in runners])
+    console.print(table)
+    if not acc.get("measured"):
+        console.print(f"accuracy change {acc['reason']}")
+    elif int8:
+        console.print(
+            f"INT8 accuracy change {acc['int8_minus_fp32']:+.4f} "
+            f"(top-1 agreement with fp32 {acc['int8_agreement_with_fp32']:.2%}); speed "
+            f"x{speed['batch_1_samples_per_s']['int8_speedup_vs_fp32']:.2f} at batch 1, "
+            f"x{speed['batch_32_samples_per_s']['int8_speedup_vs_fp32']:.2f} at batch 32."
+        )
+
+
+def register(app: typer.Typer) -> None:
+    """Add `serve`, `loadtest` and `export` to the hpcml app."""
+    app.command("serve", help=serve.__doc__)(serve)
+    app.command("loadtest", help=loadtest.__doc__)(loadtest)
+    app.add_typer(export_app, name="export")

@@ -1,0 +1,85 @@
+"""Parallelism for the `gpt` family (torchtitan's parallelize.py pattern): named functions that
+know the model's layout (`emb.tok`, `blocks[i].attn.wq`, `lm_head` ...), kept apart from the
+model code. Order: tensor parallel, activation checkpointing, compile, FSDP.
+
+Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019): q/k/v and the first MLP layer
+are split column-wise (by heads / hidden units), the output projections row-wise, so each
+block needs one all-reduce in forward per sublayer. With sequence parallelism the norms and
+dropouts work on a slice of the sequence and the all-reduces become reduce-scatter +
+all-gather (Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from hpcml.errors import ConfigError
+
+
+def check_tp(model: nn.Module, tp: int) -> None:
+    cfg: Any = model.cfg  # type: ignore[assignment]
+    for what, n in (("n_head", cfg.n_head), ("MLP hidden size", cfg.mlp_hidden)):
+        if n % tp:
+            raise ConfigError(
+                f"parallel.tp {tp} does not divide the model's {what} ({n}); choose a tp that "
+                "divides the number of attention heads and the MLP width."
+            )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard every block's attention and MLP, the token embedding (by vocabulary rows) and the
+    output head (by vocabulary columns) over `tp_mesh`; logits come out whole on every rank."""
+    check_tp(model, tp_mesh.size())
+    tied = model.lm_head.weight is model.emb.tok.weight  # type: ignore[union-attr]
+    seq = Shard(1)
+    residual = seq if sequence_parallel else Replicate()
+    top: dict[str, Any] = {
+        "emb.tok": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        # Positions are added to the whole sequence, then each rank keeps its slice (no comm).
+        top["emb"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=True
+        )
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    for block in model.blocks:  # type: ignore[union-attr]
+        plan: dict[str, Any] = {
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=residual),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if block.mlp.w3 is not None:
+            plan["mlp.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            plan.update(
+                {
+                    "attn_norm": SequenceParallel(),
+                    "attn": gather,
+                    "mlp_norm": SequenceParallel(),
+                    "mlp": PrepareModuleInput(
+                        input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
+        parallelize_module(block, tp_mesh, plan)
+    if tied:
+        # Both are vocabulary-row shards (Shard(0)) on the same mesh: share one parameter again.
+        model.lm_head.weight = model.emb.tok.weight  # type: ignore[union-attr]

@@ -1,0 +1,84 @@
+"""Model-family-independent wrapping pieces: which submodules are the repeated "units" (blocks),
+and the functions that apply activation checkpointing, torch.compile and FSDP2 to them.
+
+Per-family plans (`parallelize_gpt`) call these in torchtitan's order: TP, AC, compile, FSDP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def units(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute name) of each repeated unit: a model's `blocks` ModuleList when it has
+    one (gpt), else its top-level children that hold parameters (CNN stages, ResNet layers)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return [(blocks, str(i)) for i in range(len(blocks))]
+    found: list[tuple[nn.Module, str]] = []
+    for name, child in model.named_children():
+        inner = [(sub, m) for sub, m in child.named_children() if _has_params(m)]
+        # A Sequential of composite modules (stages, residual blocks) is a list of units; a
+        # Sequential of plain layers (conv, norm, linear) is one unit.
+        if isinstance(child, nn.Sequential) and any(_is_composite(m) for _, m in inner):
+            found += [(child, sub) for sub, _ in inner]
+        elif _has_params(child):
+            found.append((model, name))
+    return found
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _is_composite(m: nn.Module) -> bool:
+    return any(True for _ in m.children())
+
+
+def apply_ac(model: nn.Module, mode: str, every: int) -> int:
+    """Recompute activations in backward for every unit (`full`) or every `every`-th one
+    (`selective`, counting from the first). Returns how many units were wrapped."""
+    if mode == "none":
+        return 0
+    wrapped = 0
+    for i, (parent, name) in enumerate(units(model)):
+        if mode == "full" or i % every == 0:
+            # Non-reentrant checkpointing composes with FSDP2, DTensor and compile; the wrapper's
+            # state-dict hooks keep parameter names unchanged.
+            setattr(parent, name, checkpoint_wrapper(getattr(parent, name)))
+            wrapped += 1
+    return wrapped
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each unit in place (names unchanged); the whole model when it has no units."""
+    found = units(model)
+    if not found:
+        model.compile()
+        return
+    for parent, name in found:
+        getattr(parent, name).compile()
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """Low-precision compute with fp32 gradient reduction, so sums over many ranks stay exact."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy
+) -> None:
+    """FSDP2 per unit, then the root for the remaining parameters (embeddings, head)."""
+    found = units(model)
+    for i, (parent, name) in enumerate(found):
+        # The last unit's parameters are needed again at once by backward: keep them gathered.
+        keep = reshard_after_forward and i < len(found) - 1
+        fully_shard(getattr(parent, name), mesh=mesh, reshard_after_forward=keep, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)

@@ -1,0 +1,218 @@
+"""A decoder-only transformer (GPT) in one readable file, after nanoGPT.
+
+Pre-norm blocks, causal attention through `scaled_dot_product_attention` (FlashAttention on
+GPUs), GELU or SwiGLU MLP, learned positions, optionally tied input/output embeddings. The
+layout (`blocks[i].attn.wq` ...) is what `hpcml.dist.parallelize_gpt` shards; the model itself
+knows nothing about parallelism. Input (B, T) int64 token ids; output (B, T, vocab) logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        hidden = int(self.mlp_ratio * self.d_model)
+        if self.mlp == "swiglu":
+            # Two input projections instead of one: 2/3 of the width keeps the parameter count
+            # of the GELU MLP (Shazeer 2020); round up to a multiple of 64 for kernels.
+            hidden = 64 * math.ceil(2 * hidden / 3 / 64)
+        return hidden
+
+
+SIZES: dict[str, dict[str, Any]] = {
+    # CPU tests: a few hundred thousand parameters, byte vocabulary.
+    "gpt-tiny": dict(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, d_model=64),
+    # GPT-2 small / medium and GPT-3 XL shapes (Radford et al. 2019; Brown et al. 2020).
+    "gpt2-small": dict(vocab_size=50257, max_seq_len=1024, n_layer=12, n_head=12, d_model=768),
+    "gpt-350m": dict(vocab_size=50257, max_seq_len=1024, n_layer=24, n_head=16, d_model=1024),
+    "gpt-1.3b": dict(vocab_size=50257, max_seq_len=2048, n_layer=24, n_head=16, d_model=2048),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        # Separate q/k/v projections (not one fused qkv) so column-wise tensor parallelism
+        # splits each by heads.
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape[0], x.shape[1]
+        # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))  # type: ignore[no-any-return]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        hidden = cfg.mlp_hidden
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))  # type: ignore[no-any-return]
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))  # type: ignore[no-any-return]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x)))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))  # type: ignore[no-any-return]
+
+
+class Embeddings(nn.Module):
+    """Token + learned position embeddings, one module so sequence parallelism can split its
+    output along the sequence in one place."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(positions))  # type: ignore[no-any-return]
+
+
+class GPT(nn.Module):
+    family = "gpt"
+    """Read by `hpcml.dist.parallelize` to pick this family's tensor-parallel plan."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.d_model % cfg.n_head:
+            from hpcml.errors import ModelError
+
+            raise ModelError(
+                f"gpt d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}; "
+                "choose sizes where d_model / n_head is a whole head dimension."
+            )
+        self.cfg = cfg
+        self.emb = Embeddings(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.emb.tok.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the projections that write into the residual stream.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))  # type: ignore[no-any-return]
+
+
+def build_gpt(**kwargs: Any) -> GPT:
+    known = set(GPTConfig.__dataclass_fields__)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        from hpcml.errors import ModelError
+
+        raise ModelError(
+            f"gpt does not take argument(s) {', '.join(unknown)}; known arguments are: "
+            f"{', '.join(sorted(known))}."
+        )
+    return GPT(GPTConfig(**kwargs))
+
+
+def matmul_parameters(cfg: GPTConfig) -> int:
+    """Parameters that take part in a matrix multiply per token: every weight except the
+    position table, and except the token table when it is not also the output projection
+    (an embedding lookup is not a matmul). Norm and bias parameters are included; they are
+    well under 1% of the total."""
+    model_params = parameters(cfg)
+    excluded = cfg.max_seq_len * cfg.d_model
+    if not cfg.tie_embeddings:
+        excluded += cfg.vocab_size * cfg.d_model
+    return model_params - excluded
+
+
+def parameters(cfg: GPTConfig) -> int:
+    d, v, h, n = cfg.d_model, cfg.vocab_size, cfg.mlp_hidden, cfg.n_layer
+    b = 1 if cfg.bias else 0
+    attn = 4 * (d * d + b * d)
+    mlp_in = (2 if cfg.mlp == "swiglu" else 1) * (d * h + b * h)
+    mlp = mlp_in + h * d + b * d
+    norms = 2 * (d + b * d)
+    block = attn + mlp + norms
+    emb = v * d + cfg.max_seq_len * d
+    head = 0 if cfg.tie_embeddings else v * d
+    return n * block + emb + (d + b * d) + head
+
+
+def train_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
+    """6N + 12 L H Q T (PaLM, Chowdhery et al. 2022, appendix B): 6 FLOPs per matmul parameter
+    (forward 2, backward 4) plus the attention scores and their weighted sum, counted for the
+    full T x T matrix as the kernels compute it."""
+    t = seq_len or cfg.max_seq_len
+    return 6 * matmul_parameters(cfg) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * t
+
+
+def config_of(args: dict[str, Any]) -> GPTConfig:
+    return GPTConfig(**args)
+
+
+def describe(cfg: GPTConfig) -> dict[str, Any]:
+    return asdict(cfg)

@@ -1,0 +1,378 @@
+"""Inference backends behind one small protocol: `load()`, then `infer(batch) -> batch`.
+
+Torch eager, torch.compile and ONNX Runtime (fp32 or dynamically quantized INT8) take and give
+numpy arrays with the batch axis first, so the batcher and the server never see a framework.
+`infer` is called from the batcher's threads. ONNX Runtime releases the GIL for a whole run;
+torch eager takes it back between every two kernels, so next to a busy event loop each forward
+pass queues for the GIL many times (the convoy effect). `ProcessBackend` therefore runs a
+backend in a child process and exchanges only the batch and its answer over a pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import struct
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from hpcml.errors import ModelError
+from hpcml.models.export import read_export_meta
+from hpcml.serve.protocol import DATATYPES, TensorSpec, datatype_of
+
+ONNX_FILE = "model.onnx"
+ONNX_INT8_FILE = "model.int8.onnx"
+
+
+class Backend(Protocol):
+    name: str
+    platform: str
+    input: TensorSpec
+    output: TensorSpec
+
+    def load(self) -> None: ...
+
+    def infer(self, batch: np.ndarray) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+def export_dir_of(path: Path) -> Path:
+    """An export folder, given it or the run folder holding it in `export/`."""
+    path = Path(path)
+    if (path / "export" / "model.json").exists():
+        return path / "export"
+    return path
+
+
+def signature(meta: dict[str, Any]) -> tuple[TensorSpec, TensorSpec]:
+    inp, out = meta["input"], meta["output"]
+    return (
+        TensorSpec(
+            inp.get("name", "input"), datatype_of(inp.get("dtype", "float32")), tuple(inp["shape"])
+        ),
+        TensorSpec(
+            out.get("name", "logits"), datatype_of(out.get("dtype", "float32")), tuple(out["shape"])
+        ),
+    )
+
+
+class TorchBackend:
+    """The exported nn.Module in eval mode under `torch.inference_mode`; optionally compiled."""
+
+    def __init__(
+        self,
+        export_dir: Path,
+        compile: bool = False,
+        threads: int | None = None,
+        device: str = "auto",
+    ) -> None:
+        self.export_dir = export_dir_of(export_dir)
+        self.device = device
+        self.meta = read_export_meta(self.export_dir)
+        self.input, self.output = signature(self.meta)
+        self.compile = compile
+        self.threads = threads
+        self.name = "compile" if compile else "torch"
+        self.platform = "pytorch_torch"
+        self._model: Any = None
+
+    def load(self) -> None:
+        import torch
+
+        from hpcml.models.export import load_export
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, _ = load_export(self.export_dir, device=self.device)
+        # dynamic=True: one graph for every batch size, instead of a recompile per size.
+        self._model = torch.compile(model, dynamic=True) if self.compile else model
+        if self.compile:
+            # Compile now, not on the first request: that one would otherwise wait seconds.
+            dtype = DATATYPES[self.input.datatype]
+            for batch in (1, 2):
+                self.infer(np.zeros((batch, *self.input.shape), dtype=dtype))
+
+    def infer(self, batch: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            out = self._model(torch.from_numpy(batch).to(self.device))
+        return out.cpu().numpy()
+
+    def close(self) -> None:
+        self._model = None
+
+
+class OnnxBackend:
+    """ONNX Runtime on CPU (or CUDA where its provider is installed) over `model[.int8].onnx`."""
+
+    def __init__(self, export_dir: Path, int8: bool = False, threads: int | None = None) -> None:
+        self.export_dir = export_dir_of(export_dir)
+        self.meta = read_export_meta(self.export_dir)
+        self.input, self.output = signature(self.meta)
+        self.file = self.export_dir / (ONNX_INT8_FILE if int8 else ONNX_FILE)
+        self.threads = threads
+        self.name = "onnx-int8" if int8 else "onnx"
+        self.platform = "onnxruntime_onnx"
+        self._session: Any = None
+
+    def load(self) -> None:
+        import onnxruntime as ort
+
+        if not self.file.exists():
+            flag = " --int8" if self.name == "onnx-int8" else ""
+            raise ModelError(
+                f"{self.file} does not exist; create it with `hpcml export onnx {self.export_dir}{flag}`."
+            )
+        opts = ort.SessionOptions()
+        # Spinning idle threads would take the CPU the event loop needs to parse requests.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        providers = [
+            p
+            for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
+            if p in ort.get_available_providers()
+        ]
+        self._session = ort.InferenceSession(str(self.file), opts, providers=providers)
+        self._input_name = self._session.get_inputs()[0].name
+
+    def infer(self, batch: np.ndarray) -> np.ndarray:
+        out: np.ndarray = self._session.run(None, {self._input_name: batch})[0]
+        return out
+
+    def close(self) -> None:
+        self._session = None
+
+
+def _write_frame(fd: int, data: bytes) -> None:
+    view = memoryview(struct.pack("!Q", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def _serve_in_child(
+    requests: Connection,
+    answers: Connection,
+    kind: str,
+    export_dir: str,
+    threads: int | None,
+    device: str,
+) -> None:
+    """Body of a ProcessBackend child: load, then answer batches until told to stop.
+
+    Batches come in over `requests`; answers go out as length-prefixed pickles on the raw
+    `answers` pipe, which the parent reads from its event loop.
+    """
+    # The parent decides when to stop (it drains first); Ctrl-C reaches the whole process group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    out = answers.fileno()
+
+    def answer(obj: object) -> None:
+        _write_frame(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        backend = make_backend(kind, Path(export_dir), threads, device)
+        backend.load()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        answer(("error", (isinstance(exc, ModelError), str(getattr(exc, "message", exc)))))
+        return
+    answer(("ready", None))
+    while True:
+        try:
+            batch = requests.recv()
+        except EOFError:  # the server is gone
+            return
+        if batch is None:
+            return
+        try:
+            answer(("ok", backend.infer(batch)))
+        except Exception as exc:  # noqa: BLE001 - fails this batch only
+            answer(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class _Frames(asyncio.Protocol):
+    """Reassembles the child's length-prefixed answers as they arrive on the event loop."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[bytes] | None = None
+        self.closed = False
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) >= 8:
+            (n,) = struct.unpack("!Q", self.buffer[:8])
+            if len(self.buffer) >= 8 + n and self.waiter is not None and not self.waiter.done():
+                frame = bytes(self.buffer[8 : 8 + n])
+                del self.buffer[: 8 + n]
+                self.waiter.set_result(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(EOFError())
+
+
+class ProcessBackend:
+    """Another backend, run in a child process (spawned: safe next to threads and CUDA).
+
+    The batcher awaits `infer_async`, which writes the batch and is woken by the event loop
+    when the answer is in: no thread sits between them (on a busy CPU every thread hop is a
+    scheduler wake-up, worth milliseconds). `infer` is the blocking form for use without a
+    loop; once `infer_async` has run, the answer pipe belongs to the loop.
+    """
+
+    def __init__(
+        self, kind: str, export_dir: Path, threads: int | None = None, device: str = "auto"
+    ) -> None:
+        inner = make_backend(kind, export_dir, threads, device)  # signature only, nothing loaded
+        self.name, self.platform = inner.name, inner.platform
+        self.input, self.output = inner.input, inner.output
+        self._args = (kind, str(export_dir), threads, device)
+        self._requests: Connection | None = None
+        self._answers: Connection | None = None
+        self._frames: _Frames | None = None
+        self._transport: asyncio.BaseTransport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._proc: Any = None
+
+    def _died(self) -> RuntimeError:
+        return RuntimeError(f"the inference process died (exit code {self._proc.exitcode})")
+
+    def load(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        requests_in, requests_out = ctx.Pipe(duplex=False)
+        answers_in, answers_out = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_serve_in_child,
+            args=(requests_in, answers_out, *self._args),
+            daemon=True,
+            name=f"hpcml-{self.name}",
+        )
+        self._proc.start()
+        requests_in.close()
+        answers_out.close()
+        self._requests, self._answers = requests_out, answers_in
+        try:
+            status, detail = self._read_blocking()
+        except EOFError:
+            self.close()
+            raise ModelError(
+                f"the inference process for {self._args[1]} exited with code "
+                f"{self._proc.exitcode} while loading the model."
+            ) from None
+        if status == "error":
+            self.close()
+            user_error, message = detail
+            if user_error:
+                raise ModelError(message)
+            raise ModelError(f"loading {self._args[1]} with backend {self.name} failed: {message}")
+
+    def _read_blocking(self) -> Any:
+        assert self._answers is not None
+        fd = self._answers.fileno()
+        (n,) = struct.unpack("!Q", _read_exact(fd, 8))
+        return pickle.loads(_read_exact(fd, n))
+
+    def _result(self, status: str, value: Any) -> np.ndarray:
+        if status != "ok":
+            raise RuntimeError(value)
+        out: np.ndarray = value
+        return out
+
+    def infer(self, batch: np.ndarray) -> np.ndarray:
+        if self._requests is None or self._frames is not None:
+            raise RuntimeError("the backend is not loaded (or is driven by infer_async)")
+        try:
+            self._requests.send(batch)
+            return self._result(*self._read_blocking())
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise self._died() from None
+
+    async def infer_async(self, batch: np.ndarray) -> np.ndarray:
+        if self._requests is None or self._answers is None:
+            raise RuntimeError("the backend is not loaded")
+        loop = asyncio.get_running_loop()
+        if self._frames is None:
+            frames = _Frames()
+            # A duplicate descriptor: the transport closes its own, the Connection its own.
+            pipe = os.fdopen(os.dup(self._answers.fileno()), "rb", buffering=0)
+            self._transport, _ = await loop.connect_read_pipe(lambda: frames, pipe)
+            self._frames, self._loop = frames, loop
+        if self._frames.closed:
+            raise self._died()
+        self._frames.waiter = loop.create_future()
+        try:
+            # The child waits in recv, so this write drains as fast as the pipe copies.
+            self._requests.send(batch)
+            frame = await self._frames.waiter
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise self._died() from None
+        finally:
+            self._frames.waiter = None
+        return self._result(*pickle.loads(frame))
+
+    def close(self) -> None:
+        if self._requests is not None:
+            with contextlib.suppress(OSError):  # the child may be gone already
+                self._requests.send(None)
+            self._requests.close()
+            self._requests = None
+        if self._proc is not None:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+        if self._transport is not None:
+            # Transports belong to their loop's thread; close() may run in another.
+            if self._loop is not None and self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._transport.close)
+            else:
+                self._transport.close()
+            self._transport = None
+        if self._answers is not None:
+            self._answers.close()
+            self._answers = None
+
+
+def make_backend(
+    kind: str,
+    export_dir: Path,
+    threads: int | None = None,
+    device: str = "auto",
+    isolation: str = "thread",
+) -> Backend:
+    """A backend of `kind`; `isolation="process"` runs it in a child process."""
+    if isolation == "process":
+        return ProcessBackend(kind, export_dir, threads, device)
+    if kind == "torch":
+        return TorchBackend(export_dir, threads=threads, device=device)
+    if kind == "compile":
+        return TorchBackend(export_dir, compile=True, threads=threads, device=device)
+    if kind == "onnx":
+        return OnnxBackend(export_dir, threads=threads)
+    if kind == "onnx-int8":
+        return OnnxBackend(export_dir, int8=True, threads=threads)
+    raise ModelError(f"backend '{kind}' is not known; use torch, compile, onnx or onnx-int8.")

@@ -1,0 +1,150 @@
+"""The `hpcml serve` configuration: server limits, per-model batching, versions and traffic.
+
+A YAML file (`hpcml serve PATH --config serve.yaml`) fills `ServeConfig`; command-line options
+override its top-level fields. Unknown keys are errors, as in the training config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hpcml.errors import ConfigError
+
+BackendName = Literal["torch", "compile", "onnx", "onnx-int8"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ShadowConfig(_Section):
+    version: str
+    """Candidate version that receives a copy of unversioned requests; its answer is never sent."""
+    fraction: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Share of unversioned requests mirrored to the candidate."""
+
+
+class VersionConfig(_Section):
+    path: str | None = None
+    """Export folder (or run folder) of this version; null keeps the one found in the repository."""
+    backend: BackendName | None = None
+    """Overrides the model's backend for this version only."""
+
+
+class ModelServeConfig(_Section):
+    backend: BackendName = "torch"
+    """torch (eager), compile (torch.compile), onnx (model.onnx), onnx-int8 (model.int8.onnx)."""
+    isolation: Literal["auto", "process", "thread"] = "auto"
+    """Where instances compute: process (a child process each, so the forward pass never waits
+    for the server's GIL), thread (in the server, starts faster); auto = process for torch
+    backends, thread for ONNX Runtime (which releases the GIL for a whole run)."""
+    max_batch_size: int = Field(default=32, gt=0)
+    """Most samples merged into one forward pass; a request may not carry more than this."""
+    max_queue_delay_ms: float = Field(default=0.0, ge=0.0)
+    """How long the oldest queued request waits for others before its batch is cut anyway.
+    0 (Triton's default too) still batches under load: whatever queued while an instance was
+    computing leaves as one batch; a small delay buys bigger batches at moderate load."""
+    preferred_batch_sizes: list[int] = Field(default_factory=list)
+    """Batches are cut to the largest of these sizes the queue can fill (shape-stable backends)."""
+    instances: int = Field(default=1, gt=0)
+    """Model copies computing batches concurrently."""
+    max_queue_size: int = Field(default=256, gt=0)
+    """Samples allowed to wait; beyond it requests are refused at once (503 or 429)."""
+    timeout_ms: float = Field(default=10_000.0, gt=0.0)
+    """A request not answered within this time gets 504 and its result is dropped."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where torch backends compute; auto picks cuda when present (ONNX Runtime picks its own)."""
+    threads: int | None = Field(default=None, gt=0)
+    """Intra-op threads per instance (torch and ONNX Runtime); null splits the cores between
+    instances. torch's setting is process-wide: the last model loaded sets it for all."""
+    versions: dict[str, VersionConfig] = Field(default_factory=dict)
+    traffic: dict[str, float] = Field(default_factory=dict)
+    """Weights of versions for unversioned requests (canary); empty sends all to the newest."""
+    shadow: ShadowConfig | None = None
+
+    @field_validator("preferred_batch_sizes")
+    @classmethod
+    def _positive_sizes(cls, v: list[int]) -> list[int]:
+        if any(s <= 0 for s in v):
+            raise ValueError("preferred batch sizes must be positive")
+        return sorted(set(v))
+
+    @field_validator("traffic")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(w < 0 for w in v.values()):
+            raise ValueError("traffic weights must not be negative")
+        if v and sum(v.values()) <= 0:
+            raise ValueError("traffic weights must not all be zero")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes_fit(self) -> ModelServeConfig:
+        too_big = [s for s in self.preferred_batch_sizes if s > self.max_batch_size]
+        if too_big:
+            raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size")
+        return self
+
+
+class ServeConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, lt=65536)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    """Larger request bodies get 413 before they are read in full."""
+    overload_status: Literal[503, 429] = 503
+    """Status when a queue is full: 503, or 429 with a Retry-After header."""
+    retry_after_s: int = Field(default=1, ge=0)
+    admin_token_env: str | None = None
+    """Environment variable that holds the admin bearer token; unset disables admin endpoints."""
+    graceful_timeout_s: float = Field(default=30.0, gt=0.0)
+    """On SIGTERM, in-flight requests get this long to finish."""
+    defaults: ModelServeConfig = Field(default_factory=ModelServeConfig)
+    """Settings for models that `models` does not list."""
+    models: dict[str, ModelServeConfig] = Field(default_factory=dict)
+
+    def for_model(self, name: str) -> ModelServeConfig:
+        return self.models.get(name, self.defaults)
+
+
+def _format(err: ValidationError, origin: str) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+    if e["type"] == "extra_forbidden":
+        return f"serve config key '{key}' (from {origin}) is not known; check its spelling."
+    return (
+        f"serve config key '{key}' has value {e.get('input')!r} (from {origin}), which is not "
+        f"allowed: {e['msg']}."
+    )
+
+
+def build_serve_config(data: dict, origin: str = "the serve config") -> ServeConfig:
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format(err, origin)) from None
+
+
+def load_serve_config(path: Path | None) -> ServeConfig:
+    if path is None:
+        return ServeConfig()
+    if not path.exists():
+        raise ConfigError(f"serve config {path} does not exist; pass the path of a YAML file.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        raise ConfigError(f"serve config {path} is not valid YAML; fix its syntax.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"serve config {path} must hold a mapping at the top level.")
+    # YAML reads `1:` as an int; version names are strings in the protocol.
+    for model in (data.get("models") or {}).values():
+        if isinstance(model, dict):
+            for key in ("versions", "traffic"):
+                if isinstance(model.get(key), dict):
+                    model[key] = {str(k): v for k, v in model[key].items()}
+            if isinstance(model.get("shadow"), dict) and "version" in model["shadow"]:
+                model["shadow"]["version"] = str(model["shadow"]["version"])
+    return build_serve_config(data, str(path))

@@ -1,0 +1,361 @@
+"""Load generator for Open Inference Protocol servers: open loop (Poisson) and closed loop.
+
+Open loop sends at the times a Poisson process of the target rate draws, whatever the server
+does, and measures each latency from the *intended* send time: a stalled server or a late
+client shows up as latency instead of silently lowering the rate (no coordinated omission).
+Closed loop runs C clients that each send their next request when the last one returns.
+Latencies go into an HdrHistogram (1 us .. 10 min, 3 significant digits).
+
+The HTTP client is aiohttp: on these CPUs httpx spends about 10x more CPU per request, which
+the load generator would take from the server under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcml.errors import ConfigError, WorkFailed
+
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+_SPECTRUM = (0.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95, 99.99, 100.0)
+_MAX_TIMELINE = 20_000
+
+
+@dataclass
+class LoadtestResult:
+    mode: str
+    url: str
+    duration_s: float
+    target_rate: float | None
+    concurrency: int | None
+    sent: int = 0
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    achieved_rate: float = 0.0
+    """Requests sent per second (open loop: compare with target_rate)."""
+    throughput: float = 0.0
+    """Successful responses per second."""
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    spectrum_ms: dict[str, float] = field(default_factory=dict)
+    send_lag_ms_p99: float = 0.0
+    """How late the client sent (open loop); large values mean the client, not the server, lagged."""
+    timeline: list[tuple[float, float, int]] = field(default_factory=list)
+    """(seconds since start, latency ms, status) for up to 20k requests, for plots."""
+
+    def to_json(self, with_timeline: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_timeline:
+            d.pop("timeline")
+        return d
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        from hdrh.histogram import HdrHistogram
+
+        self.hist = HdrHistogram(1, 600_000_000, 3)  # microseconds
+        self.lag = HdrHistogram(1, 600_000_000, 3)
+        self.ok = 0
+        self.sent = 0
+        self.errors: dict[str, int] = {}
+        self.timeline: list[tuple[float, float, int]] = []
+        self._rng = random.Random(0)
+        self._seen = 0
+
+    def record(self, t_rel_s: float, latency_s: float, status: int | str) -> None:
+        if status == 200:
+            self.ok += 1
+            self.hist.record_value(max(1, int(latency_s * 1e6)))
+        else:
+            key = str(status)
+            self.errors[key] = self.errors.get(key, 0) + 1
+        # Reservoir sample: the plot shows the whole run, not its first 20k requests.
+        self._seen += 1
+        point = (
+            round(t_rel_s, 4),
+            round(latency_s * 1e3, 3),
+            status if isinstance(status, int) else 0,
+        )
+        if len(self.timeline) < _MAX_TIMELINE:
+            self.timeline.append(point)
+        else:
+            j = self._rng.randrange(self._seen)
+            if j < _MAX_TIMELINE:
+                self.timeline[j] = point
+
+
+async def fetch_payload(
+    session: Any, base_url: str, model: str, version: str | None, batch: int
+) -> bytes:
+    """A random request body that fits the model's signature, read from its metadata."""
+    from hpcml.serve.protocol import DATATYPES, encode_request_bytes
+
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
+    try:
+        async with session.get(base_url + path) as resp:
+            meta = await resp.json(content_type=None)
+            status = resp.status
+    except Exception as exc:  # noqa: BLE001 - any connection problem is one user-facing error
+        raise WorkFailed(
+            f"cannot reach {base_url}{path} ({type(exc).__name__}); is the server running?"
+        ) from None
+    if status != 200:
+        raise ConfigError(f"{base_url}{path} answered {status}: {meta.get('error', meta)}")
+    spec = meta["inputs"][0]
+    shape = [batch, *[d for d in spec["shape"][1:]]]
+    dtype = DATATYPES[spec["datatype"]]
+    rng = np.random.default_rng(0)
+    if np.issubdtype(dtype, np.floating):
+        x = rng.standard_normal(shape).astype(dtype)
+    else:
+        x = np.zeros(shape, dtype=dtype)
+    return encode_request_bytes(x, spec["name"])
+
+
+async def _send(session: Any, url: str, body: bytes, timeout_s: float) -> int | str:
+    import aiohttp
+
+    try:
+        async with session.post(
+            url,
+            data=body,
+            headers={"content-type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            await resp.read()
+            return int(resp.status)
+    except TimeoutError:
+        return "client_timeout"
+    except aiohttp.ClientError as exc:
+        return type(exc).__name__
+
+
+async def run_loadtest(
+    base_url: str,
+    model: str,
+    duration_s: float,
+    rate: float | None = None,
+    concurrency: int | None = None,
+    version: str | None = None,
+    batch: int = 1,
+    payload: bytes | None = None,
+    infer_path: str | None = None,
+    timeout_s: float = 30.0,
+    max_inflight: int = 4096,
+    seed: int = 0,
+    progress: Callable[[float, int, int, int], None] | None = None,
+) -> LoadtestResult:
+    """Drive `base_url` for `duration_s`; exactly one of `rate` (open) or `concurrency` (closed)."""
+    import aiohttp
+
+    if (rate is None) == (concurrency is None):
+        raise ConfigError("give exactly one of --rate (open loop) or --concurrency (closed loop).")
+    if rate is not None and rate <= 0:
+        raise ConfigError(f"--rate {rate} must be positive (requests per second).")
+    if concurrency is not None and concurrency <= 0:
+        raise ConfigError(f"--concurrency {concurrency} must be positive.")
+    if duration_s <= 0:
+        raise ConfigError(f"--duration {duration_s} must be positive (seconds).")
+    base_url = base_url.rstrip("/")
+    path = infer_path or (
+        f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
+    )
+    url = base_url + path
+    rec = _Recorder()
+    limit = concurrency if concurrency is not None else max_inflight
+    connector = aiohttp.TCPConnector(limit=limit, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        body = (
+            payload
+            if payload is not None
+            else await fetch_payload(session, base_url, model, version, batch)
+        )
+        loop = asyncio.get_running_loop()
+        start = loop.time() + 0.05
+        end = start + duration_s
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(0.25)
+                if progress is not None:
+                    progress(
+                        min(loop.time() - start, duration_s),
+                        rec.sent,
+                        rec.ok,
+                        sum(rec.errors.values()),
+                    )
+
+        tick = asyncio.create_task(ticker())
+        try:
+            if rate is not None:
+                await _open_loop(
+                    session, url, body, rate, start, end, timeout_s, max_inflight, seed, rec
+                )
+            else:
+                assert concurrency is not None
+                await _closed_loop(session, url, body, concurrency, start, end, timeout_s, rec)
+        finally:
+            tick.cancel()
+        elapsed = max(loop.time() - start, 1e-9)
+    if progress is not None:
+        progress(duration_s, rec.sent, rec.ok, sum(rec.errors.values()))
+    result = LoadtestResult(
+        mode="open" if rate is not None else "closed",
+        url=url,
+        duration_s=duration_s,
+        target_rate=rate,
+        concurrency=concurrency,
+        sent=rec.sent,
+        ok=rec.ok,
+        errors=dict(sorted(rec.errors.items())),
+        achieved_rate=rec.sent / duration_s,
+        throughput=rec.ok / elapsed,
+        timeline=rec.timeline,
+    )
+    h = rec.hist
+    if h.get_total_count():
+        result.latency_ms = {
+            **{f"p{p:g}": h.get_value_at_percentile(p) / 1e3 for p in PERCENTILES},
+            "mean": h.get_mean_value() / 1e3,
+            "max": h.get_max_value() / 1e3,
+            "min": h.get_min_value() / 1e3,
+        }
+        result.spectrum_ms = {f"{p:g}": h.get_value_at_percentile(p) / 1e3 for p in _SPECTRUM}
+    if rec.lag.get_total_count():
+        result.send_lag_ms_p99 = rec.lag.get_value_at_percentile(99.0) / 1e3
+    return result
+
+
+async def _open_loop(
+    session: Any,
+    url: str,
+    body: bytes,
+    rate: float,
+    start: float,
+    end: float,
+    timeout_s: float,
+    max_inflight: int,
+    seed: int,
+    rec: _Recorder,
+) -> None:
+    loop = asyncio.get_running_loop()
+    rng = random.Random(seed)
+    inflight: set[asyncio.Task[None]] = set()
+
+    async def one(intended: float) -> None:
+        rec.lag.record_value(max(1, int((loop.time() - intended) * 1e6)))
+        status = await _send(session, url, body, timeout_s)
+        rec.record(intended - start, loop.time() - intended, status)
+
+    intended = start
+    while True:
+        intended += rng.expovariate(rate)
+        if intended >= end:
+            break
+        delay = intended - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec.sent += 1
+        if len(inflight) >= max_inflight:
+            # The client would need unbounded memory to keep the schedule: count it, don't send.
+            rec.record(intended - start, 0.0, "client_overflow")
+            continue
+        task = asyncio.create_task(one(intended))
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+    if inflight:
+        await asyncio.gather(*inflight)
+
+
+async def _closed_loop(
+    session: Any,
+    url: str,
+    body: bytes,
+    concurrency: int,
+    start: float,
+    end: float,
+    timeout_s: float,
+    rec: _Recorder,
+) -> None:
+    loop = asyncio.get_running_loop()
+
+    async def client(i: int) -> None:
+        # Stagger starts over 10 ms so the first requests do not land as one burst.
+        await asyncio.sleep(max(0.0, start - loop.time()) + 0.01 * i / concurrency)
+        while (sent_at := loop.time()) < end:
+            rec.sent += 1
+            status = await _send(session, url, body, timeout_s)
+            rec.record(sent_at - start, loop.time() - sent_at, status)
+
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+
+
+def loadtest(**kwargs: Any) -> LoadtestResult:
+    """Synchronous wrapper of `run_loadtest` (its own event loop)."""
+    return asyncio.run(run_loadtest(**kwargs))
+
+
+def plot_results(runs: list[tuple[str, LoadtestResult]], out: Path, title: str = "latency") -> Path:
+    """Latency by percentile (HdrHistogram style) and latency over time, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, r in runs:
+        if not r.spectrum_ms:
+            continue
+        ps = [float(p) for p in r.spectrum_ms if float(p) < 100.0]
+        xs = [1.0 / (1.0 - p / 100.0) for p in ps]
+        ax1.plot(xs, [r.spectrum_ms[f"{p:g}"] for p in ps], marker="o", ms=3, label=label)
+        if r.timeline:
+            t = sorted(r.timeline)
+            ax2.scatter([p[0] for p in t], [p[1] for p in t], s=2, alpha=0.4, label=label)
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ticks = [1, 2, 10, 100, 1000, 10000]
+    ax1.set_xticks(ticks)
+    ax1.set_xticklabels(["0%", "50%", "90%", "99%", "99.9%", "99.99%"])
+    ax1.set_xlabel("percentile")
+    ax1.set_ylabel("latency (ms)")
+    ax1.set_title(f"{title}: latency by percentile")
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("time since start (s)")
+    ax2.set_ylabel("latency (ms)")
+    ax2.set_title("latency over time (sampled)")
+    ax2.grid(True, alpha=0.3)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def wait_ready(base_url: str, timeout_s: float = 60.0) -> None:
+    """Block until GET /v2/health/ready answers 200 (used by benchmarks and scripts)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(
+                base_url.rstrip("/") + "/v2/health/ready", timeout=2
+            ) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.1)
+    raise WorkFailed(f"{base_url} did not become ready within {timeout_s:g} s.")

@@ -1,0 +1,184 @@
+"""The Open Inference Protocol over a real uvicorn on loopback: endpoints, answers, errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from hpcml.models.export import save_export
+from hpcml.models.zoo import build_model
+from hpcml.serve.app import build_app
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.protocol import decode_output, encode_request
+from hpcml.serve.testing import running_server
+
+ARGS = {"hidden": 16, "depth": 1}
+
+
+@pytest.fixture(scope="module")
+def model_and_url(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[torch.nn.Module, str]]:
+    torch.manual_seed(0)
+    model = build_model("mlp", ARGS).eval()
+    export = save_export(
+        tmp_path_factory.mktemp("run") / "export", model, "mlp", ARGS, (3, 32, 32), (10,)
+    )
+    cfg = ServeConfig.model_validate({"max_body_bytes": 200_000, "defaults": {"max_batch_size": 8}})
+    with running_server(build_app(export, cfg, name="digits")) as url:
+        yield model, url
+
+
+def test_health_and_metadata(model_and_url: tuple[torch.nn.Module, str]) -> None:
+    _, url = model_and_url
+    with httpx.Client(base_url=url) as c:
+        assert c.get("/v2/health/live").status_code == 200
+        assert c.get("/v2/health/ready").json() == {"ready": True}
+        server = c.get("/v2").json()
+        assert server["name"] == "hpcml" and "extensions" in server
+        meta = c.get("/v2/models/digits").json()
+        assert meta["versions"] == ["1"]
+        assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 32, 32]}]
+        assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+        assert c.get("/v2/models/digits/versions/1").json()["versions"] == ["1"]
+        assert c.get("/v2/models/digits/ready").json() == {"name": "digits", "ready": True}
+        assert c.get("/v2/models/digits/versions/1/ready").status_code == 200
+        missing = c.get("/v2/models/cifar")
+        assert missing.status_code == 404 and "not served here" in missing.json()["error"]
+        assert c.get("/v2/models/digits/versions/7/ready").status_code == 404
+        paths = c.get("/openapi.json").json()["paths"]
+        assert (
+            "/v2/models/{name}/infer" in paths
+            and "/v2/models/{name}/versions/{version}/infer" in paths
+        )
+
+
+def test_inference_matches_torch_and_echoes_the_request_id(
+    model_and_url: tuple[torch.nn.Module, str],
+) -> None:
+    model, url = model_and_url
+    x = np.random.default_rng(1).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    with httpx.Client(base_url=url) as c:
+        r = c.post("/v2/models/digits/infer", json=encode_request(x, request_id="abc"))
+        assert r.status_code == 200
+        body = r.json()
+        assert (
+            body["model_name"] == "digits" and body["model_version"] == "1" and body["id"] == "abc"
+        )
+        assert body["outputs"][0]["name"] == "logits" and body["outputs"][0]["shape"] == [3, 10]
+        with torch.inference_mode():
+            expected = model(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(decode_output(body), expected, rtol=1e-5, atol=1e-6)
+        nested = {
+            "inputs": [
+                {"name": "input", "shape": [3, 3, 32, 32], "datatype": "FP32", "data": x.tolist()}
+            ]
+        }
+        r2 = c.post("/v2/models/digits/versions/1/infer", json=nested)
+        np.testing.assert_allclose(decode_output(r2.json()), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "status", "message"),
+    [
+        ({"name": "image"}, 400, "has input 'input' but the request sent 'image'"),
+        ({"shape": [1, 3, 16, 16], "data": [0.0] * 768}, 400, "has shape [-1, 3, 32, 32]"),
+        (
+            {"datatype": "INT64", "data": [0] * 3072},
+            400,
+            "has datatype FP32, but the request sent INT64",
+        ),
+        ({"shape": [9, 3, 32, 32], "data": [0.0] * 9 * 3072}, 400, "accepts 1 to 8"),
+        ({"data": [0.0] * 10}, 400, "needs 3072"),
+    ],
+)
+def test_bad_inputs_are_400_with_a_clear_error(
+    model_and_url: tuple[torch.nn.Module, str], tensor: dict, status: int, message: str
+) -> None:
+    _, url = model_and_url
+    req = {"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.0] * 3072}
+    req.update(tensor)
+    r = httpx.post(f"{url}/v2/models/digits/infer", json={"inputs": [req]})
+    assert r.status_code == status
+    assert message in r.json()["error"]
+
+
+def test_unknown_model_version_body_and_path_errors(
+    model_and_url: tuple[torch.nn.Module, str],
+) -> None:
+    _, url = model_and_url
+    ok = encode_request(np.zeros((1, 3, 32, 32), dtype=np.float32))
+    with httpx.Client(base_url=url) as c:
+        assert c.post("/v2/models/cifar/infer", json=ok).status_code == 404
+        r = c.post("/v2/models/digits/versions/2/infer", json=ok)
+        assert r.status_code == 404 and "no version '2'" in r.json()["error"]
+        r = c.post(
+            "/v2/models/digits/infer",
+            content=b"{oops",
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+        big = {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": [8, 3, 32, 32],
+                    "datatype": "FP32",
+                    "data": [0.123456] * 8 * 3072,
+                }
+            ]
+        }
+        r = c.post("/v2/models/digits/infer", json=big)
+        assert r.status_code == 413 and "limit of 200000 bytes" in r.json()["error"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is enforced while reading
+            payload = json.dumps(big).encode()
+            for i in range(0, len(payload), 65536):
+                yield payload[i : i + 65536]
+
+        r = c.post(
+            "/v2/models/digits/infer",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 413
+        r = c.get("/v3/whatever")
+        assert r.status_code == 404 and "error" in r.json()
+        assert c.get("/v2/health/live").status_code == 200
+
+
+def test_metrics_count_requests_by_model_version_and_status(
+    model_and_url: tuple[torch.nn.Module, str],
+) -> None:
+    _, url = model_and_url
+    with httpx.Client(base_url=url) as c:
+        ok = encode_request(np.zeros((1, 3, 32, 32), dtype=np.float32))
+        c.post("/v2/models/digits/infer", json=ok)
+        c.post("/v2/models/nope/infer", json=ok)
+        text = c.get("/metrics").text
+    assert 'hpcml_requests_total{model="digits",status="200",version="1"}' in text
+    assert 'hpcml_requests_total{model="",status="404",version=""}' in text
+    assert 'model="nope"' not in text  # unknown names do not create series
+    for name in (
+        "hpcml_request_latency_seconds_bucket",
+        "hpcml_queue_latency_seconds_bucket",
+        "hpcml_compute_latency_seconds_bucket",
+        "hpcml_batch_size_bucket",
+        "hpcml_queue_depth",
+    ):
+        assert f"{name}{{" in text and 'model="digits"' in text
+
+
+def test_admin_endpoints_are_off_without_a_configured_token(
+    model_and_url: tuple[torch.nn.Module, str],
+) -> None:
+    _, url = model_and_url
+    r = httpx.post(
+        f"{url}/admin/models/digits/rollback", headers={"Authorization": "Bearer anything"}
+    )
+    assert r.status_code == 403 and "disabled" in r.json()["error"]

@@ -1,0 +1,134 @@
+"""`hpcml loadtest` against real servers: open and closed loop, coordinated omission, CLI output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from hpcml.errors import ConfigError
+from hpcml.models.export import save_export
+from hpcml.models.zoo import build_model
+from hpcml.serve.app import build_app
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.loadtest import loadtest
+from hpcml.serve.testing import running_server
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ARGS = {"hidden": 16, "depth": 1}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    torch.manual_seed(0)
+    export = save_export(
+        tmp_path_factory.mktemp("run") / "export",
+        build_model("mlp", ARGS),
+        "mlp",
+        ARGS,
+        (3, 32, 32),
+        (10,),
+    )
+    with running_server(build_app(export, ServeConfig(), name="digits")) as base:
+        yield base
+
+
+def test_open_loop_sends_poisson_arrivals_at_the_target_rate(url: str) -> None:
+    r = loadtest(base_url=url, model="digits", rate=100, duration_s=1.5)
+    assert r.mode == "open" and r.target_rate == 100
+    assert 90 <= r.sent <= 210  # Poisson(150): more than 4 standard deviations either way
+    assert r.ok == r.sent and r.errors == {}
+    lat = r.latency_ms
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
+    assert r.achieved_rate == pytest.approx(r.sent / 1.5)
+
+
+def test_closed_loop_keeps_c_requests_in_flight(url: str) -> None:
+    r = loadtest(base_url=url, model="digits", concurrency=4, duration_s=1.0)
+    assert r.mode == "closed" and r.concurrency == 4
+    assert r.ok > 4 and r.errors == {}
+    assert r.throughput > 0
+
+
+def test_errors_are_counted_by_status(url: str) -> None:
+    r = loadtest(base_url=url, model="nope", rate=50, duration_s=0.5, payload=b'{"inputs": []}')
+    assert r.ok == 0 and r.errors == {"404": r.sent}
+    with pytest.raises(ConfigError, match="exactly one of"):
+        loadtest(base_url=url, model="digits", rate=10, concurrency=2, duration_s=1)
+    with pytest.raises(ConfigError, match="answered 404"):
+        loadtest(base_url=url, model="nope", rate=10, duration_s=1)
+
+
+def _stalling_app(stall_s: float, after_s: float) -> Starlette:
+    """Answers at once, except that once it blocks its event loop for `stall_s`."""
+    state = {"start": None, "stalled": False}
+
+    async def infer(request: Request) -> JSONResponse:
+        await request.body()
+        now = time.monotonic()
+        state["start"] = state["start"] or now
+        if not state["stalled"] and now - state["start"] > after_s:
+            state["stalled"] = True
+            time.sleep(stall_s)  # a GC pause, a page fault storm, a noisy neighbour
+        return JSONResponse({"model_name": "m", "outputs": []})
+
+    return Starlette(routes=[Route("/v2/models/m/infer", infer, methods=["POST"])])
+
+
+def test_open_loop_latency_includes_time_a_stalled_server_made_requests_wait() -> None:
+    with running_server(_stalling_app(0.6, 0.3)) as base:
+        open_loop = loadtest(base_url=base, model="m", rate=100, duration_s=1.5, payload=b"{}")
+    with running_server(_stalling_app(0.6, 0.3)) as base:
+        closed = loadtest(base_url=base, model="m", concurrency=2, duration_s=1.5, payload=b"{}")
+    slow_open = sum(1 for _, latency_ms, _ in open_loop.timeline if latency_ms >= 300)
+    slow_closed = sum(1 for _, latency_ms, _ in closed.timeline if latency_ms >= 300)
+    # Open loop: every request scheduled during the first half of the stall waited >= 300 ms
+    # (about 30 at 100/s). Closed loop hides them: its clients were waiting, not sending.
+    assert slow_open >= 12
+    assert slow_closed <= 2
+    assert open_loop.latency_ms["max"] >= 550
+
+
+def test_cli_prints_json_and_writes_the_plot_and_timeline(url: str, tmp_path: Path) -> None:
+    plot, out = tmp_path / "latency.png", tmp_path / "result.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcml",
+            "loadtest",
+            url,
+            "--model",
+            "digits",
+            "--rate",
+            "40",
+            "--duration",
+            "1",
+            "--json",
+            "--plot",
+            str(plot),
+            "--out",
+            str(out),
+        ],
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["ok"] == result["sent"] > 0
+    assert set(result["latency_ms"]) >= {"p50", "p90", "p99", "p99.9"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(json.loads(out.read_text())["timeline"]) == result["sent"]
