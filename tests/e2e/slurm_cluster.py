@@ -102,8 +102,7 @@ class SlurmCluster:
             for p in self.procs:
                 if p.poll() is not None:
                     raise RuntimeError(f"a SLURM daemon exited ({p.args}): {self.logs()}")
-            state = self.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
-            if state in ("idle", "idle*") or state.startswith("idle"):
+            if self.node_state().startswith("idle"):
                 return
             time.sleep(0.5)
         raise RuntimeError(f"the SLURM node did not become idle in {timeout} s: {self.logs()}")
@@ -130,6 +129,20 @@ class SlurmCluster:
             key, _, value = token.partition("=")
             fields.setdefault(key, value)
         return fields
+
+    def batch_step_alive(self, job_id: str) -> bool:
+        """Whether the slurmstepd of the job's batch step still runs on this (the only) node."""
+        tag = f"[{job_id}.batch]".encode()
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if tag in cmdline.read_bytes():
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def node_state(self) -> str:
+        return self.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
 
     def stop(self) -> None:
         self.run("scancel", "--full", "--user=root", check=False)

@@ -117,14 +117,18 @@ def test_preempted_job_checkpoints_is_requeued_and_finishes_like_an_uninterrupte
     slurm.run("scancel", "--signal=USR1", job_id)
 
     # The job saves, stops with the requeue code and requeues itself. SLURM holds a requeued
-    # job for two minutes (its BeginTime); once it is back in the queue (not while it is still
-    # completing: that would cancel the requeue), let it start now to keep the test short.
+    # job for two minutes (its BeginTime), so that the first attempt is gone and its revoked
+    # credential (revocation is kept with one-second resolution) cannot refuse the second.
+    # To keep the test short: wait until the first attempt's batch step is gone, let those
+    # seconds pass, and release the job.
     wait(
         "the requeue",
         lambda: (s := slurm.job_state(job_id)).get("Restarts", "0") != "0"
-        and s.get("JobState") == "PENDING",
+        and s.get("JobState") == "PENDING"
+        and not slurm.batch_step_alive(job_id),
         slurm,
     )
+    time.sleep(2.5)
     slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     state = wait(
         "the job to complete",
