@@ -56,6 +56,10 @@ def test_process_backend_driven_from_an_event_loop(tmp_path: Path) -> None:
     x = np.random.default_rng(1).standard_normal((40, 3, 32, 32)).astype(np.float32)
 
     async def main() -> tuple[np.ndarray, str]:
+        await backend.infer_async(x[:1])  # the answer pipe is now read by this loop
+        abandoned = asyncio.create_task(backend.infer_async(-x))
+        await asyncio.sleep(0)  # sent; now the caller gives up before the answer is back
+        abandoned.cancel()
         out = await backend.infer_async(x)  # 480 kB in: more than a pipe buffer
         backend._proc.kill()
         try:

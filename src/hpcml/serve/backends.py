@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import struct
+from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
@@ -213,26 +214,36 @@ def _serve_in_child(
 
 
 class _Frames(asyncio.Protocol):
-    """Reassembles the child's length-prefixed answers as they arrive on the event loop."""
+    """Reassembles the child's length-prefixed answers as they arrive on the event loop.
+
+    The child answers in request order, so each complete frame goes to the oldest waiting
+    caller; a caller that gave up (cancelled) still owns its frame, which is then dropped.
+    """
 
     def __init__(self) -> None:
         self.buffer = bytearray()
-        self.waiter: asyncio.Future[bytes] | None = None
+        self.pending: deque[asyncio.Future[bytes]] = deque()
         self.closed = False
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        if len(self.buffer) >= 8:
+        while len(self.buffer) >= 8:
             (n,) = struct.unpack("!Q", self.buffer[:8])
-            if len(self.buffer) >= 8 + n and self.waiter is not None and not self.waiter.done():
-                frame = bytes(self.buffer[8 : 8 + n])
-                del self.buffer[: 8 + n]
-                self.waiter.set_result(frame)
+            if len(self.buffer) < 8 + n:
+                return
+            frame = bytes(self.buffer[8 : 8 + n])
+            del self.buffer[: 8 + n]
+            if self.pending:
+                waiter = self.pending.popleft()
+                if not waiter.done():
+                    waiter.set_result(frame)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(EOFError())
+        while self.pending:
+            waiter = self.pending.popleft()
+            if not waiter.done():
+                waiter.set_exception(EOFError())
 
 
 class ProcessBackend:
@@ -323,15 +334,18 @@ class ProcessBackend:
             self._frames, self._loop = frames, loop
         if self._frames.closed:
             raise self._died()
-        self._frames.waiter = loop.create_future()
+        answer: asyncio.Future[bytes] = loop.create_future()
         try:
-            # The child waits in recv, so this write drains as fast as the pipe copies.
+            # One batch at a time per instance: the child is reading (or finishing the batch
+            # of a caller that gave up), so this write drains as fast as the pipe copies.
             self._requests.send(batch)
-            frame = await self._frames.waiter
-        except (EOFError, BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, OSError):
             raise self._died() from None
-        finally:
-            self._frames.waiter = None
+        self._frames.pending.append(answer)
+        try:
+            frame = await answer
+        except EOFError:
+            raise self._died() from None
         return self._result(*pickle.loads(frame))
 
     def close(self) -> None:
