@@ -6,11 +6,11 @@ The engine is not involved: synthetic step records stand in for a training loop.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.integration.mlflow_util import fresh_store
 
 from hpcml.config import TrackingConfig, dump_config, flatten, load_config
 from hpcml.records import write_json_atomic
@@ -21,26 +21,15 @@ from hpcml.track.mlflow import (
     make_tracker,
     reduce_window,
 )
-from hpcml.track.store import TrackingError, open_client, resolve_tracking_uri
+from hpcml.track.store import TrackingError, resolve_tracking_uri
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _fresh_store(factory: pytest.TempPathFactory, name: str) -> str:
-    """A migrated SQLite store of its own: MLflow's schema migrations (seconds) run once per
-    session into a template that each test module copies."""
-    template = factory.getbasetemp() / "mlflow-template" / "mlruns.db"
-    if not template.exists():
-        template.parent.mkdir(exist_ok=True)
-        open_client(f"sqlite:///{template}")
-    db = factory.mktemp(name) / "mlruns.db"
-    shutil.copyfile(template, db)
-    return open_client(f"sqlite:///{db}")[1]
-
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _fresh_store(tmp_path_factory, "store")
+    return fresh_store(tmp_path_factory, "store")
 
 
 @pytest.fixture(scope="module")

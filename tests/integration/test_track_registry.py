@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.integration.mlflow_util import fresh_store
 
 from hpcml.config import TrackingConfig, dump_config, flatten, load_config
 from hpcml.models.export import load_export, save_export
@@ -30,7 +30,6 @@ from hpcml.track.registry import (
     register_run,
     resolve_model_uri,
 )
-from hpcml.track.store import open_client
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,21 +37,10 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 MLP_ARGS = {"input_shape": [1, 8, 8], "hidden": 16, "depth": 1, "num_classes": 10}
 
 
-def _fresh_store(factory: pytest.TempPathFactory, name: str) -> str:
-    """A migrated SQLite store of its own: MLflow's schema migrations (seconds) run once per
-    session into a template that each test module copies."""
-    template = factory.getbasetemp() / "mlflow-template" / "mlruns.db"
-    if not template.exists():
-        template.parent.mkdir(exist_ok=True)
-        open_client(f"sqlite:///{template}")
-    db = factory.mktemp(name) / "mlruns.db"
-    shutil.copyfile(template, db)
-    return open_client(f"sqlite:///{db}")[1]
-
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _fresh_store(tmp_path_factory, "registry")
+    return fresh_store(tmp_path_factory, "registry")
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from hpcml.track.store import open_client
+from tests.integration.mlflow_util import fresh_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -45,21 +43,10 @@ def build(num_classes=10, in_channels=3):
 """
 
 
-def _fresh_store(factory: pytest.TempPathFactory, name: str) -> str:
-    """A migrated SQLite store of its own: MLflow's schema migrations (seconds) run once per
-    session into a template that each test module copies."""
-    template = factory.getbasetemp() / "mlflow-template" / "mlruns.db"
-    if not template.exists():
-        template.parent.mkdir(exist_ok=True)
-        open_client(f"sqlite:///{template}")
-    db = factory.mktemp(name) / "mlruns.db"
-    shutil.copyfile(template, db)
-    return open_client(f"sqlite:///{db}")[1]
-
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _fresh_store(tmp_path_factory, "train-store")
+    return fresh_store(tmp_path_factory, "train-store")
 
 
 @pytest.fixture(scope="module")
