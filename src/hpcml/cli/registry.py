@@ -46,7 +46,16 @@ def _versions_table(title: str, rows: list[dict[str, Any]]) -> Table:
         ("run", "left"),
         ("trained in", "left"),
     ):
-        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        # What a person reads the table for (version, aliases, metrics) is never cut or folded
+        # on a narrow terminal; the long columns (time, run id, folder) fold instead.
+        key = col in ("version", "aliases", "val_accuracy", "val_loss")
+        table.add_column(
+            col,
+            justify=justify,  # type: ignore[arg-type]
+            overflow="fold",
+            no_wrap=key,
+            min_width=len("production") if col == "aliases" else None,
+        )
     for r in rows:
         table.add_row(
             str(r["version"]),
