@@ -487,13 +487,20 @@ def _plot_scaling(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_yscale("log", base=2)
     ax.set_xlabel("devices")
     ax.set_ylabel("throughput speedup")
+    _finish_plot(fig, ax, title, path)
+
+
+
+def _finish_plot(fig: Any, ax: Any, title: str, path: Path) -> None:
+    """Title, legend and a PNG at `path`; shared by the scaling and TCO plots."""
+    import matplotlib.pyplot as plt
+
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
 
 # --- advise ----------------------------------------------------------------------------------
 
@@ -708,12 +715,7 @@ def _plot_tco(res: Any, path: Path, title: str) -> None:
                    label=f"break-even {res.break_even_month:.1f} mo")
     ax.set_xlabel("month")
     ax.set_ylabel("cumulative cost (M USD)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish_plot(fig, ax, title, path)
 
 
 @cost_app.command("spot")
