@@ -2,7 +2,7 @@ import json
 
 import torch
 
-from hpcml.dist.runtime import Runtime
+from hpcml.distributed.runtime import Runtime
 from hpcml.models.zoo import build_model
 from hpcml.train import checkpoint as ckpt
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hpcml.config import RunConfig, load_config
-from hpcml.dist.runtime import Runtime
-from hpcml.dist.sidechannel import HeartBoard
+from hpcml.distributed.runtime import Runtime
+from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.errors import REQUEUE_EXIT_CODE, ConfigError, HpcmlError, LaunchError, Preempted
 from hpcml.launch.slurm import SlurmJob, parse_time_s, render_sbatch
 from hpcml.train.fault import (

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hpcml.config import ParallelConfig, TrainConfig
-from hpcml.dist.parallel import clip_grad_norm, full_state_dict, parallelize
-from hpcml.dist.runtime import Runtime
-from hpcml.dist.wrapping import units
+from hpcml.distributed.parallel import clip_grad_norm, full_state_dict, parallelize
+from hpcml.distributed.runtime import Runtime
+from hpcml.distributed.wrapping import units
 from hpcml.errors import ConfigError
 from hpcml.models.zoo import build_model
 from hpcml.train.losses import cross_entropy
@@ -93,7 +93,7 @@ def test_sequence_parallel_needs_tp() -> None:
 
 
 def test_tp_must_divide_world() -> None:
-    from hpcml.dist.runtime import init_runtime
+    from hpcml.distributed.runtime import init_runtime
 
     with pytest.raises(ConfigError, match="does not divide"):
         init_runtime("cpu", tp=2)

@@ -39,7 +39,7 @@ def train(
 ) -> None:
     """Train a model from a YAML config on one process or several (DDP)."""
     from hpcml.config import load_config
-    from hpcml.dist.runtime import launched_by_torchrun
+    from hpcml.distributed.runtime import launched_by_torchrun
     from hpcml.errors import REQUEUE_EXIT_CODE, Preempted, WorkFailed
     from hpcml.launch.local import check_nproc, run_torchrun
     from hpcml.train.entry import preflight, prepare_for_workers, run_here

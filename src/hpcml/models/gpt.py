@@ -2,7 +2,7 @@
 
 Pre-norm blocks, causal attention through `scaled_dot_product_attention` (FlashAttention on
 GPUs), GELU or SwiGLU MLP, learned positions, optionally tied input/output embeddings. The
-layout (`blocks[i].attn.wq` ...) is what `hpcml.dist.parallelize_gpt` shards; the model itself
+layout (`blocks[i].attn.wq` ...) is what `hpcml.distributed.parallelize_gpt` shards; the model itself
 knows nothing about parallelism. Input (B, T) int64 token ids; output (B, T, vocab) logits.
 """
 
@@ -124,7 +124,7 @@ class Embeddings(nn.Module):
 
 class GPT(nn.Module):
     family = "gpt"
-    """Read by `hpcml.dist.parallelize` to pick this family's tensor-parallel plan."""
+    """Read by `hpcml.distributed.parallelize` to pick this family's tensor-parallel plan."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -36,9 +36,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from hpcml.dist.parallel import checkpoint_state, load_checkpoint_state
-from hpcml.dist.runtime import Runtime, barrier, broadcast_object
-from hpcml.dist.sidechannel import checkpoint_group
+from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state
+from hpcml.distributed.runtime import Runtime, barrier, broadcast_object
+from hpcml.distributed.sidechannel import checkpoint_group
 from hpcml.errors import CheckpointError, WorkFailed
 
 MANIFEST = "manifest.json"

@@ -20,7 +20,7 @@ from hpcml import __version__
 from hpcml.config import RunConfig, dump_config
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
 from hpcml.data.sources import load_source
-from hpcml.dist.parallel import (
+from hpcml.distributed.parallel import (
     clip_grad_norm,
     full_state_dict,
     grad_scaler,
@@ -30,8 +30,8 @@ from hpcml.dist.parallel import (
     shard_optimizer,
     unwrap,
 )
-from hpcml.dist.precision import setup_precision
-from hpcml.dist.runtime import (
+from hpcml.distributed.precision import setup_precision
+from hpcml.distributed.runtime import (
     Runtime,
     all_gather_object,
     all_reduce_sum,

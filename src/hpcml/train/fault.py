@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from hpcml.config import RunConfig
-from hpcml.dist.parallel import unwrap
-from hpcml.dist.runtime import Runtime, all_gather_object, all_reduce_sum, broadcast_object
-from hpcml.dist.sidechannel import HeartBoard
+from hpcml.distributed.parallel import unwrap
+from hpcml.distributed.runtime import Runtime, all_gather_object, all_reduce_sum, broadcast_object
+from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.errors import REQUEUE_EXIT_CODE, ConfigError, Preempted, WorkFailed
 from hpcml.records import RunLog, write_json_atomic
 from hpcml.train import checkpoint as ckpt

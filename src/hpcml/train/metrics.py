@@ -19,7 +19,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from hpcml.dist.runtime import Runtime, all_reduce_mean
+from hpcml.distributed.runtime import Runtime, all_reduce_mean
 from hpcml.records import RunLog
 from hpcml.train.mfu import Workload
 

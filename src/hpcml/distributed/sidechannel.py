@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from datetime import timedelta
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpcml.dist.runtime import Runtime
+from hpcml.distributed.runtime import Runtime
 
 _ckpt_group: tuple[Any, Any] | None = None  # (default group it belongs to, the gloo group)
 
@@ -60,10 +61,8 @@ class HeartBoard:
     def post(self, payload: dict[str, Any]) -> None:
         self._local[self.rank] = payload
         if self.store is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.store.set(self.prefix + str(self.rank), json.dumps(payload))
-            except Exception:  # noqa: BLE001
-                pass
 
     def read_all(self) -> dict[int, dict[str, Any] | None]:
         """Latest payload of every rank (None for a rank that never posted)."""

@@ -39,10 +39,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcml.config import ParallelConfig, TrainConfig
-from hpcml.dist import parallelize_gpt
-from hpcml.dist.precision import Precision
-from hpcml.dist.runtime import Runtime
-from hpcml.dist.wrapping import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
+from hpcml.distributed import parallelize_gpt
+from hpcml.distributed.precision import Precision
+from hpcml.distributed.runtime import Runtime
+from hpcml.distributed.wrapping import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
 from hpcml.errors import ConfigError
 
 SHARDED = ("zero2", "zero3", "fsdp")
