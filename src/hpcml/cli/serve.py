@@ -47,6 +47,12 @@ def serve(
     ),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
     json_out: bool = typer.Option(False, "--json", help="Print the startup summary as JSON."),
+    trust_code: bool = typer.Option(
+        False,
+        "--trust-code",
+        help="Let a model.json that names an import path (pkg.mod:build) run that code; "
+        "only for models from people you trust (zoo architectures never need it).",
+    ),
 ) -> None:
     """Serve models over the Open Inference Protocol v2 (REST) with dynamic batching."""
     from hpcml.serve.app import uvicorn_server
@@ -67,7 +73,7 @@ def serve(
     for section in [data["defaults"], *data["models"].values()]:
         section.update({k: v for k, v in per_model.items() if v is not None})
     cfg = build_serve_config(data, "--config and command-line options")
-    app, summary = _build(path, cfg, name)
+    app, summary = _build(path, cfg, name, trust_code)
     if json_out:
         print_json(summary)
     else:
@@ -75,10 +81,12 @@ def serve(
     uvicorn_server(app, cfg, log_level).run()
 
 
-def _build(path: Path | None, cfg: Any, name: str | None) -> tuple[Any, dict[str, Any]]:
+def _build(
+    path: Path | None, cfg: Any, name: str | None, trust_code: bool = False
+) -> tuple[Any, dict[str, Any]]:
     from hpcml.serve.app import build_app
 
-    app = build_app(path, cfg, name=name)
+    app = build_app(path, cfg, name=name, trust_code=trust_code)
     router = app.state.router
     with err_console.status("loading models"):
         router.load()
@@ -224,13 +232,18 @@ def export_onnx_cmd(
     ),
     opset: int | None = typer.Option(None, "--opset", help="ONNX opset (default: the exporter's)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    trust_code: bool = typer.Option(
+        False,
+        "--trust-code",
+        help="Let a model.json that names an import path (pkg.mod:build) run that code.",
+    ),
 ) -> None:
     """Export to ONNX with a dynamic batch axis, check it against torch, optionally quantize to INT8."""
     from hpcml.serve.onnx_export import check_export_dir, export_onnx
 
     export_dir = check_export_dir(path)
     with err_console.status("exporting to ONNX and measuring"):
-        report = export_onnx(export_dir, int8=int8, opset=opset)
+        report = export_onnx(export_dir, int8=int8, opset=opset, trust_code=trust_code)
     if json_out:
         print_json(report)
         return

@@ -423,9 +423,15 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
 
 
 def build_app(
-    path: str | Path | None, config: ServeConfig, name: str | None = None, seed: int | None = None
+    path: str | Path | None,
+    config: ServeConfig,
+    name: str | None = None,
+    seed: int | None = None,
+    trust_code: bool = False,
 ) -> FastAPI:
-    """The app for PATH (see `resolve_model_source`) with `config`; models load at startup."""
+    """The app for PATH (see `resolve_model_source`) with `config`; models load at startup.
+
+    `trust_code` (`--trust-code`) lets a model.json that names an import path run that code."""
     from hpcml.errors import ConfigError
     from hpcml.serve.repository import ModelSource, resolve_model_source
 
@@ -435,7 +441,7 @@ def build_app(
         else ModelSource("repository", Path("."))
     )
     metrics = ServeMetrics()
-    router = Router.from_source(source, config, metrics, seed)
+    router = Router.from_source(source, config, metrics, seed, trust_code=trust_code)
     if not router.models:
         raise ConfigError(
             "nothing to serve: give a model PATH or versions with paths in the serve config."

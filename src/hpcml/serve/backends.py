@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hpcml.errors import ModelError
-from hpcml.models.export import read_export_meta
+from hpcml.models.export import check_architecture, read_export_meta
 from hpcml.serve.protocol import DATATYPES, TensorSpec, datatype_of
 
 ONNX_FILE = "model.onnx"
@@ -74,10 +74,14 @@ class TorchBackend:
         compile: bool = False,
         threads: int | None = None,
         device: str = "auto",
+        trust_code: bool = False,
     ) -> None:
         self.export_dir = export_dir_of(export_dir)
         self.device = device
         self.meta = read_export_meta(self.export_dir)
+        # Refused here, in the server, before any process is started or anything imported.
+        check_architecture(self.meta, self.export_dir, trust_code)
+        self.trust_code = trust_code
         self.input, self.output = signature(self.meta)
         self.compile = compile
         self.threads = threads
@@ -94,7 +98,7 @@ class TorchBackend:
             torch.set_num_threads(self.threads)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, _ = load_export(self.export_dir, device=self.device)
+        model, _ = load_export(self.export_dir, device=self.device, trust_code=self.trust_code)
         # dynamic=True: one graph for every batch size, instead of a recompile per size.
         self._model = torch.compile(model, dynamic=True) if self.compile else model
         if self.compile:
@@ -179,6 +183,7 @@ def _serve_in_child(
     export_dir: str,
     threads: int | None,
     device: str,
+    trust_code: bool = False,
 ) -> None:
     """Body of a ProcessBackend child: load, then answer batches until told to stop.
 
@@ -194,7 +199,7 @@ def _serve_in_child(
         _write_frame(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
-        backend = make_backend(kind, Path(export_dir), threads, device)
+        backend = make_backend(kind, Path(export_dir), threads, device, trust_code=trust_code)
         backend.load()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         answer(("error", (isinstance(exc, ModelError), str(getattr(exc, "message", exc)))))
@@ -256,12 +261,18 @@ class ProcessBackend:
     """
 
     def __init__(
-        self, kind: str, export_dir: Path, threads: int | None = None, device: str = "auto"
+        self,
+        kind: str,
+        export_dir: Path,
+        threads: int | None = None,
+        device: str = "auto",
+        trust_code: bool = False,
     ) -> None:
-        inner = make_backend(kind, export_dir, threads, device)  # signature only, nothing loaded
+        # Signature only, nothing loaded (an untrusted architecture is refused here already).
+        inner = make_backend(kind, export_dir, threads, device, trust_code=trust_code)
         self.name, self.platform = inner.name, inner.platform
         self.input, self.output = inner.input, inner.output
-        self._args = (kind, str(export_dir), threads, device)
+        self._args = (kind, str(export_dir), threads, device, trust_code)
         self._requests: Connection | None = None
         self._answers: Connection | None = None
         self._frames: _Frames | None = None
@@ -377,14 +388,20 @@ def make_backend(
     threads: int | None = None,
     device: str = "auto",
     isolation: str = "thread",
+    trust_code: bool = False,
 ) -> Backend:
-    """A backend of `kind`; `isolation="process"` runs it in a child process."""
+    """A backend of `kind`; `isolation="process"` runs it in a child process.
+
+    `trust_code` lets a torch export whose model.json names an import path run that code;
+    ONNX files hold a graph, not Python, and need no trust."""
     if isolation == "process":
-        return ProcessBackend(kind, export_dir, threads, device)
+        return ProcessBackend(kind, export_dir, threads, device, trust_code)
     if kind == "torch":
-        return TorchBackend(export_dir, threads=threads, device=device)
+        return TorchBackend(export_dir, threads=threads, device=device, trust_code=trust_code)
     if kind == "compile":
-        return TorchBackend(export_dir, compile=True, threads=threads, device=device)
+        return TorchBackend(
+            export_dir, compile=True, threads=threads, device=device, trust_code=trust_code
+        )
     if kind == "onnx":
         return OnnxBackend(export_dir, threads=threads)
     if kind == "onnx-int8":

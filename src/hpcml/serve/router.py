@@ -165,8 +165,16 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
 
 
 class Router:
-    def __init__(self, config: ServeConfig, metrics: ServeMetrics, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        metrics: ServeMetrics,
+        seed: int | None = None,
+        trust_code: bool = False,
+    ) -> None:
         self.config = config
+        self.trust_code = trust_code
+        """Whether model.json may name an import path (`--trust-code`); never from a file."""
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
         self._rng = random.Random(seed)
@@ -181,8 +189,9 @@ class Router:
         config: ServeConfig,
         metrics: ServeMetrics,
         seed: int | None = None,
+        trust_code: bool = False,
     ) -> Router:
-        router = cls(config, metrics, seed)
+        router = cls(config, metrics, seed, trust_code)
         names = dict.fromkeys([*source.models, *config.models])
         for name in names:
             mcfg = config.for_model(name)
@@ -203,7 +212,9 @@ class Router:
                 if isolation == "auto":
                     isolation = "thread" if backend_name.startswith("onnx") else "process"
                 instances = [
-                    make_backend(backend_name, path, threads, mcfg.device, isolation)
+                    make_backend(
+                        backend_name, path, threads, mcfg.device, isolation, router.trust_code
+                    )
                     for _ in range(mcfg.instances)
                 ]
                 versions[version] = router._version(
