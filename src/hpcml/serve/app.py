@@ -29,7 +29,13 @@ from starlette.routing import Route
 
 import hpcml
 from hpcml.serve import protocol as oip
-from hpcml.serve.batcher import BackendFailed, BatcherClosed, QueueFull, RequestTimeout
+from hpcml.serve.batcher import (
+    BackendFailed,
+    BatcherClosed,
+    QueueFull,
+    RequestTimeout,
+    WorkerLost,
+)
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.metrics import ServeMetrics
 from hpcml.serve.router import ModelVersion, NotFound, PolicyError, Router
@@ -212,6 +218,13 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         except BatcherClosed:
             status = 503
             return _error(503, "the server is shutting down; retry on another replica.")
+        except WorkerLost:
+            status = 503
+            return _error(
+                503,
+                f"the inference process of model '{name}' died and is being restarted; retry.",
+                {"Retry-After": str(config.retry_after_s)},
+            )
         except BackendFailed as exc:
             status = 500
             return _error(500, f"model '{name}' failed to compute the batch: {exc}")

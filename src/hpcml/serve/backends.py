@@ -18,6 +18,7 @@ import pickle
 import signal
 import struct
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +31,10 @@ from hpcml.serve.protocol import DATATYPES, TensorSpec, datatype_of
 
 ONNX_FILE = "model.onnx"
 ONNX_INT8_FILE = "model.int8.onnx"
+
+
+class WorkerDied(RuntimeError):
+    """The child process computing batches is gone (killed, crashed); it can be restarted."""
 
 
 class Backend(Protocol):
@@ -225,10 +230,12 @@ class _Frames(asyncio.Protocol):
     caller; a caller that gave up (cancelled) still owns its frame, which is then dropped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
         self.buffer = bytearray()
         self.pending: deque[asyncio.Future[bytes]] = deque()
         self.closed = False
+        self.on_lost = on_lost
+        """Called once when the child's end of the pipe closes: it exited or was killed."""
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -249,6 +256,8 @@ class _Frames(asyncio.Protocol):
             waiter = self.pending.popleft()
             if not waiter.done():
                 waiter.set_exception(EOFError())
+        if self.on_lost is not None:
+            self.on_lost()
 
 
 class ProcessBackend:
@@ -279,9 +288,31 @@ class ProcessBackend:
         self._transport: asyncio.BaseTransport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None
+        self._on_lost: Callable[[], None] | None = None
 
-    def _died(self) -> RuntimeError:
-        return RuntimeError(f"the inference process died (exit code {self._proc.exitcode})")
+    def _died(self) -> WorkerDied:
+        return WorkerDied(f"the inference process died (exit code {self._proc.exitcode})")
+
+    async def watch(self, on_lost: Callable[[], None]) -> None:
+        """Read answers on this event loop from now on, and call `on_lost` the moment the
+        child's pipe closes, whether or not a batch is in flight (the supervisor's signal)."""
+        self._on_lost = on_lost
+        if self._frames is None:
+            await self._attach()
+
+    async def _attach(self) -> None:
+        assert self._answers is not None
+        loop = asyncio.get_running_loop()
+        frames = _Frames(self._on_lost)
+        # A duplicate descriptor: the transport closes its own, the Connection its own.
+        pipe = os.fdopen(os.dup(self._answers.fileno()), "rb", buffering=0)
+        self._transport, _ = await loop.connect_read_pipe(lambda: frames, pipe)
+        self._frames, self._loop = frames, loop
+
+    def restart(self) -> None:
+        """A fresh child after this one died (blocking: it loads the model); `watch` again."""
+        self.close()
+        self.load()
 
     def load(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -338,11 +369,8 @@ class ProcessBackend:
             raise RuntimeError("the backend is not loaded")
         loop = asyncio.get_running_loop()
         if self._frames is None:
-            frames = _Frames()
-            # A duplicate descriptor: the transport closes its own, the Connection its own.
-            pipe = os.fdopen(os.dup(self._answers.fileno()), "rb", buffering=0)
-            self._transport, _ = await loop.connect_read_pipe(lambda: frames, pipe)
-            self._frames, self._loop = frames, loop
+            await self._attach()
+        assert self._frames is not None
         if self._frames.closed:
             raise self._died()
         answer: asyncio.Future[bytes] = loop.create_future()
@@ -360,6 +388,9 @@ class ProcessBackend:
         return self._result(*pickle.loads(frame))
 
     def close(self) -> None:
+        if self._frames is not None:
+            self._frames.on_lost = None  # closing on purpose is not a death
+            self._frames = None
         if self._requests is not None:
             with contextlib.suppress(OSError):  # the child may be gone already
                 self._requests.send(None)

@@ -93,7 +93,12 @@ class ModelVersion:
     output: TensorSpec
     config: ModelServeConfig
     batcher: DynamicBatcher
-    ready: bool = False
+    started: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Started and some instance alive: false at once when its only process dies."""
+        return self.started and self.batcher.running and self.batcher.healthy
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -164,6 +169,24 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
         raise PolicyError("traffic weights must not be negative.")
 
 
+def worker_restarts_counter(metrics: ServeMetrics) -> Any:
+    """`hpcml_worker_restarts_total{model,version}`: inference processes restarted after dying.
+
+    Taken from `ServeMetrics` where it defines one, else made here in its registry (once)."""
+    counter = getattr(metrics, "worker_restarts", None)
+    if counter is None:
+        from prometheus_client import Counter
+
+        counter = Counter(
+            "hpcml_worker_restarts",
+            "Inference processes restarted after they died.",
+            ["model", "version"],
+            registry=metrics.registry,
+        )
+        metrics.worker_restarts = counter  # type: ignore[attr-defined]
+    return counter
+
+
 class Router:
     def __init__(
         self,
@@ -180,7 +203,13 @@ class Router:
         self._rng = random.Random(seed)
         self._shadow_tasks: set[asyncio.Task[None]] = set()
         self._loaded: set[int] = set()
-        self.ready = False
+        self._started = False
+        self.worker_restarts = worker_restarts_counter(metrics)
+
+    @property
+    def ready(self) -> bool:
+        """Every served version is ready (the OIP server readiness)."""
+        return self._started and all(mv.ready for mv in self.all_versions())
 
     @classmethod
     def from_source(
@@ -254,6 +283,7 @@ class Router:
             preferred_batch_sizes=mcfg.preferred_batch_sizes,
             max_queue_size=mcfg.max_queue_size,
             metrics=self.metrics.for_batcher(name, version),
+            on_restart=self.worker_restarts.labels(name, version).inc,
         )
         return ModelVersion(
             name,
@@ -297,13 +327,13 @@ class Router:
         await asyncio.to_thread(self.load)
         for mv in self.all_versions():
             await mv.batcher.start()
-            mv.ready = True
-        self.ready = True
+            mv.started = True
+        self._started = True
 
     async def close(self) -> None:
-        self.ready = False
+        self._started = False
         for mv in self.all_versions():
-            mv.ready = False
+            mv.started = False
         await asyncio.gather(*(mv.batcher.close() for mv in self.all_versions()))
         if self._shadow_tasks:
             await asyncio.gather(*self._shadow_tasks, return_exceptions=True)
