@@ -53,6 +53,13 @@ def serve(
         help="Let a model.json that names an import path (pkg.mod:build) run that code; "
         "only for models from people you trust (zoo architectures never need it).",
     ),
+    follow: bool = typer.Option(
+        False,
+        "--follow",
+        help="With models:/NAME@ALIAS: poll the registry and deploy the version the alias "
+        "moves to (load beside, warm, switch, unload the old one).",
+    ),
+    poll_s: float = typer.Option(10.0, "--poll-s", help="Seconds between registry polls."),
 ) -> None:
     """Serve models over the Open Inference Protocol v2 (REST) with dynamic batching."""
     from hpcml.serve.app import uvicorn_server
@@ -73,7 +80,7 @@ def serve(
     for section in [data["defaults"], *data["models"].values()]:
         section.update({k: v for k, v in per_model.items() if v is not None})
     cfg = build_serve_config(data, "--config and command-line options")
-    app, summary = _build(path, cfg, name, trust_code)
+    app, summary = _build(path, cfg, name, trust_code, poll_s if follow else None)
     if json_out:
         print_json(summary)
     else:
@@ -82,11 +89,15 @@ def serve(
 
 
 def _build(
-    path: Path | None, cfg: Any, name: str | None, trust_code: bool = False
+    path: Path | None,
+    cfg: Any,
+    name: str | None,
+    trust_code: bool = False,
+    follow_poll_s: float | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     from hpcml.serve.app import build_app
 
-    app = build_app(path, cfg, name=name, trust_code=trust_code)
+    app = build_app(path, cfg, name=name, trust_code=trust_code, follow_poll_s=follow_poll_s)
     router = app.state.router
     with err_console.status("loading models"):
         router.load()

@@ -441,10 +441,12 @@ def build_app(
     name: str | None = None,
     seed: int | None = None,
     trust_code: bool = False,
+    follow_poll_s: float | None = None,
 ) -> FastAPI:
     """The app for PATH (see `resolve_model_source`) with `config`; models load at startup.
 
-    `trust_code` (`--trust-code`) lets a model.json that names an import path run that code."""
+    `trust_code` (`--trust-code`) lets a model.json that names an import path run that code;
+    `follow_poll_s` makes a `models:/NAME@ALIAS` PATH follow its alias (`--follow`)."""
     from hpcml.errors import ConfigError
     from hpcml.serve.repository import ModelSource, resolve_model_source
 
@@ -459,6 +461,10 @@ def build_app(
         raise ConfigError(
             "nothing to serve: give a model PATH or versions with paths in the serve config."
         )
+    if follow_poll_s is not None:
+        from hpcml.serve.follow import follow
+
+        follow(router, str(path), follow_poll_s)
     return create_app(router, config, metrics)
 
 

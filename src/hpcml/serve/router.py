@@ -14,7 +14,7 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +205,9 @@ class Router:
         self._loaded: set[int] = set()
         self._started = False
         self.worker_restarts = worker_restarts_counter(metrics)
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        """Coroutines run while the server runs (an alias follower); cancelled on close."""
+        self._background_tasks: list[asyncio.Task[None]] = []
 
     @property
     def ready(self) -> bool:
@@ -329,9 +332,13 @@ class Router:
             await mv.batcher.start()
             mv.started = True
         self._started = True
+        self._background_tasks = [asyncio.create_task(run()) for run in self.background]
 
     async def close(self) -> None:
         self._started = False
+        for task in self._background_tasks:
+            task.cancel()
+        await asyncio.gather(*self._background_tasks, return_exceptions=True)
         for mv in self.all_versions():
             mv.started = False
         await asyncio.gather(*(mv.batcher.close() for mv in self.all_versions()))
