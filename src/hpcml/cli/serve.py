@@ -157,6 +157,9 @@ def loadtest(
     duration: float = typer.Option(10.0, "--duration", help="Seconds of load."),
     batch: int = typer.Option(1, "--batch", help="Samples per request."),
     timeout: float = typer.Option(30.0, "--timeout", help="Client timeout per request, seconds."),
+    processes: int = typer.Option(
+        1, "--processes", help="Client processes sharing the load (for rates one loop can't drive)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a latency plot (PNG)."),
     out: Path | None = typer.Option(
@@ -194,6 +197,7 @@ def loadtest(
             batch=batch,
             timeout_s=timeout,
             progress=progress,
+            processes=processes,
         )
     if out is not None:
         write_json_atomic(out, result.to_json(with_timeline=True))
@@ -224,12 +228,19 @@ def _print_loadtest(r: Any) -> None:
         f"{r.achieved_rate:,.1f}/s" + (f" of {r.target_rate:g}/s" if r.target_rate else ""),
     )
     table.add_row("throughput (ok)", f"{r.throughput:,.1f}/s")
+    if r.processes > 1:
+        table.add_row("client processes", str(r.processes))
     for key in ("p50", "p90", "p99", "p99.9", "max"):
         if key in r.latency_ms:
-            table.add_row(f"latency {key}", f"{r.latency_ms[key]:,.2f} ms")
+            table.add_row(f"latency {key} (ok)", f"{r.latency_ms[key]:,.2f} ms")
+    for key in ("p50", "p99", "max"):
+        if key in r.latency_all_ms and r.errors:
+            table.add_row(f"latency {key} (all, errors too)", f"{r.latency_all_ms[key]:,.2f} ms")
     table.add_row("ok", f"{r.ok:,}")
     for status, n in r.errors.items():
         table.add_row(f"errors {status}", f"{n:,}")
+    if r.not_sent:
+        table.add_row("not sent (client in-flight limit)", f"{r.not_sent:,}")
     if r.mode == "open":
         table.add_row("client send lag p99", f"{r.send_lag_ms_p99:,.2f} ms")
     console.print(table)
