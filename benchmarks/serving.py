@@ -11,7 +11,8 @@ All run at the same time, each in its own process with one torch thread per mode
 and are driven in turns by the open-loop Poisson load generator of `hpcml loadtest` (latency
 measured from the intended send time; errors and client timeouts count in the p99). A server's
 capacity at a p99 objective is found by bisection on the rate: the rate doubles from 20/s until
-a step fails (an error, or p99 of all requests over the objective), then the bracket is halved
+a step fails (an error, or p99 of all requests over the objective), or halves until one passes,
+then the bracket is halved
 geometrically until its ends are within 5% of each other; the capacity is the throughput of the
 highest passing step. Each (server, objective) is measured `--repeats` times (at least 3),
 servers in a rotating order per repetition so background load hits each alike; the report gives
@@ -318,7 +319,12 @@ def _sustained(step: dict[str, Any], slo_ms: float) -> bool:
 
 
 def bisect_capacity(
-    measure: Any, slo_ms: float, start: float = 20.0, ceiling: float = 20_000.0, tol: float = 0.05
+    measure: Any,
+    slo_ms: float,
+    start: float = 20.0,
+    ceiling: float = 20_000.0,
+    floor: float = 1.0,
+    tol: float = 0.05,
 ) -> dict[str, Any]:
     """Highest sustained rate at `slo_ms`, bracketed to within `tol` (hi / lo <= 1 + tol).
 
@@ -330,9 +336,16 @@ def bisect_capacity(
         steps.append(step)
         return _sustained(step, slo_ms)
 
-    lo, hi = 0.0, start
-    while hi <= ceiling and ok(hi):
-        lo, hi = hi, hi * 2
+    if ok(start):  # double up to the first failing rate
+        lo = start
+        while lo * 2 <= ceiling and ok(lo * 2):
+            lo *= 2
+        hi = lo * 2
+    else:  # halve down to the first passing rate (none below `floor`: capacity 0)
+        hi = start
+        while hi / 2 >= floor and not ok(hi / 2):
+            hi /= 2
+        lo = hi / 2 if hi / 2 >= floor else 0.0
     while lo > 0 and hi / lo > 1 + tol:
         mid = (lo * hi) ** 0.5
         if ok(mid):
@@ -500,3 +513,7 @@ def _markdown(report: dict[str, Any]) -> str:
     for kind, why in report["skipped"].items():
         lines.append(f"skipped {kind}: {why}")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
