@@ -103,25 +103,24 @@ def _darwin_flags(arch: str) -> tuple[set[str] | None, str]:
 def int8_settings(cpu: dict[str, Any], reduce_range: bool | None = None) -> dict[str, Any]:
     """ONNX Runtime dynamic-quantization settings for this CPU (see the module docstring)."""
     features = set(cpu["features"])
+    x86 = cpu["arch"] == "x86-64"
     if reduce_range is not None:
         why = "set by the caller (--reduce-range / --no-reduce-range)"
-    elif cpu["arch"] == "x86-64" and features & set(VNNI_FLAGS):
-        reduce_range, why = False, "x86-64 with VNNI: U8S8 products do not saturate, 8-bit weights"
-    elif cpu["arch"] == "x86-64" and cpu["source"] != "unknown":
-        reduce_range, why = (
-            True,
-            (
-                "x86-64 without VNNI: U8S8 products go through a saturating int16 (VPMADDUBSW), "
-                "so weights are quantized to 7 bits as ONNX Runtime's guide prescribes"
-            ),
+    elif x86 and features & set(VNNI_FLAGS):
+        reduce_range = False
+        why = "x86-64 with VNNI: U8S8 products do not saturate, 8-bit weights"
+    elif x86 and cpu["source"] != "unknown":
+        reduce_range = True
+        why = (
+            "x86-64 without VNNI: U8S8 products go through a saturating int16 (VPMADDUBSW), "
+            "so weights are quantized to 7 bits as ONNX Runtime's guide prescribes"
         )
     elif cpu["arch"] == "arm64":
-        reduce_range, why = False, "ARM: U8S8 products do not saturate, 8-bit weights"
+        reduce_range = False
+        why = "ARM: U8S8 products do not saturate, 8-bit weights"
     else:
-        reduce_range, why = (
-            True,
-            ("CPU features unknown: 7-bit weights, which cannot saturate on any CPU"),
-        )
+        reduce_range = True
+        why = "CPU features unknown: 7-bit weights, which cannot saturate on any CPU"
     return {
         "activations": "uint8, scale and zero point computed per batch at run time",
         "weights": "int8 symmetric",
