@@ -55,21 +55,23 @@ def _export(path: Path, data: dict | None, train_steps: int = 0) -> tuple[Path, 
 def _int8_bound(
     model: torch.nn.Module, int8_onnx: Path, x: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(exact logits in float64, element-wise bound on |INT8 logits - exact logits>) for one batch.
+    """(exact logits in float64, element-wise bound on |INT8 logits - exact logits|) for one batch.
 
     Derivation, per quantized MatMul y = x W + b (x: n x K, W: K x N), whose input reaches the
     INT8 graph as x~ with |x~ - x| <= e element-wise (e = 0 for the first layer):
-    - ONNX DynamicQuantizeLinear gives x^ = s_x * (round(x~/s_x) + zp - zp) with
-      s_x = (max(0, max x~) - min(0, min x~)) / 255 over the whole batch tensor, and its
-      round-half-to-even zero point keeps every value inside [0, 255], so |x^ - x~| <= s_x / 2;
-      s_x <= (max(0, max(x + e)) - min(0, min(x - e))) / 255.
+    - ONNX DynamicQuantizeLinear: s_x = (max(0, max x~) - min(0, min x~)) / 255 over the whole
+      batch tensor, zp = round(-min(0, min x~) / s_x), q = saturate(round(x~ / s_x) + zp), and
+      x^ = s_x * (q - zp). Rounding half to even is odd-symmetric (round(-a) = -round(a)), so
+      round(x~ / s_x) + zp stays in [0, 255]: q - zp = round(x~ / s_x) and |x^ - x~| <= s_x / 2,
+      with s_x <= (max(0, max(x + e)) - min(0, min(x - e))) / 255.
     - The weights are fixed: W^ = s_w * (q_w - zp_w), read from the graph's initializers.
     - MatMulInteger accumulates in int32, exactly when no partial sum saturates (that is what
       reduce_range buys on x86 without VNNI), so the graph computes x^ W^ + b up to fp32 roundoff.
     - x^ W^ - x W = (x^ - x~) W^ + (x~ - x) W^ + x (W^ - W), hence
       |y~ - y| <= (s_x / 2) * sum_k |W^_kj| + (e @ |W^|)_j + |x @ (W^ - W)|_j + fp32 roundoff,
-      where the roundoff of the int32 -> fp32 cast, the scale product, the rescale and the bias
-      add is below 4 U32 relative each; 8 U32 * ((|x| + e + s_x) @ |W^| + |b|) covers them twice.
+      where the int32 -> fp32 cast, the scale product, the rescale and the bias add round once
+      each (U32 relative): about 4 U32 * (|x^| @ |W^| + |b|), and |x^| <= |x| + e + s_x / 2, so
+      8 U32 * ((|x| + e + s_x) @ |W^| + |b|) covers it twice over.
     - ReLU is 1-Lipschitz and Flatten is exact, so the bound of one layer is the e of the next.
     Each term comes from a scale or a weight of the graph, nothing from an observed error.
     """
