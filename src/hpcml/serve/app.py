@@ -38,7 +38,7 @@ from hpcml.serve.inference import (
     model_metadata,
     run_infer,
 )
-from hpcml.serve.limits import BodyLimit, ConcurrencyLimit
+from hpcml.serve.limits import BodyLimit, BodyTooLarge, ConcurrencyLimit
 from hpcml.serve.metrics import ServeMetrics
 from hpcml.serve.router import NotFound, PolicyError, Router
 
@@ -132,7 +132,10 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             raise oip.ProtocolError(
                 f"content encoding {encoding[:40]!r} is not supported; send the body uncompressed."
             )
-        body = await request.body()
+        try:
+            body = await request.body()
+        except BodyTooLarge as exc:
+            raise oip.ProtocolError(str(exc), status=413) from None
         header_length = oip.parse_header_length(headers.get(oip.HEADER_LENGTH), len(body))
         if len(body) >= config.json_offload_bytes:
             # A large body takes milliseconds to parse: off the loop, others keep being served.

@@ -40,8 +40,15 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-class _BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(Exception):
+    """Raised by the receive channel once the body passes the limit; routes may turn it into
+    their own 413 (the inference route does, so the request is counted in the metrics)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(
+            f"request body is larger than the server's limit of {max_bytes} bytes; "
+            "send fewer samples per request."
+        )
 
 
 class BodyLimit:
@@ -52,12 +59,7 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     async def _reject(self, send: Callable[[Any], Awaitable[None]]) -> None:
-        await send_error(
-            send,
-            413,
-            f"request body is larger than the server's limit of {self.max_bytes} bytes; "
-            "send fewer samples per request.",
-        )
+        await send_error(send, 413, str(BodyTooLarge(self.max_bytes)))
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -76,7 +78,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge()
+                    raise BodyTooLarge(self.max_bytes)
             return message
 
         async def tracking_send(message: Any) -> None:
@@ -87,7 +89,7 @@ class BodyLimit:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
+        except BodyTooLarge:
             if not started:
                 await self._reject(send)
 

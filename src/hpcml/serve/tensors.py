@@ -109,9 +109,13 @@ def from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str)
         raise ProtocolError(f"{where} 'data' must be a JSON array (flat or nested, row-major).")
     try:
         if dtype.kind == "f":
-            array = np.asarray(data, dtype=dtype)
-            if array.ndim and np.isinf(array).any():  # JSON has no Infinity: this overflowed
-                raise ProtocolError(f"{where} holds values too large for {datatype}.")
+            with np.errstate(over="ignore"):
+                array = np.asarray(data, dtype=dtype)
+            # JSON has no NaN or Infinity: a null became NaN, or a number overflowed.
+            if not np.isfinite(array).all():
+                raise ProtocolError(
+                    f"{where} 'data' holds null or values too large for {datatype}; send numbers."
+                )
         else:
             array = np.asarray(data, dtype=object if dtype.kind == "O" else None)
             array = _checked_json_values(array, dtype, datatype, where)
