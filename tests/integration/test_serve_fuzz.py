@@ -194,7 +194,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     )
     with (
         running_server(build_app(export, cfg, name="digits")) as url,
-        httpx.Client(base_url=url, timeout=30) as c,
+        httpx.Client(base_url=url, timeout=60) as c,
     ):
         yield c
 
