@@ -77,12 +77,27 @@ def serve(
     for section in [data["defaults"], *data["models"].values()]:
         section.update({k: v for k, v in per_model.items() if v is not None})
     cfg = build_serve_config(data, "--config and command-line options")
+    if cfg.grpc_port:
+        _check_port_free(cfg.host, cfg.grpc_port, "--grpc-port")
     app, summary = _build(path, cfg, name)
     if json_out:
         print_json(summary)
     else:
         _print_summary(summary)
     uvicorn_server(app, cfg, log_level).run()
+
+
+def _check_port_free(host: str, port: int, option: str) -> None:
+    """One clear sentence now, rather than a failed server startup after the models load."""
+    from hpcml.errors import ConfigError
+    from hpcml.serve.app import bind_socket
+
+    try:
+        bind_socket(host, port).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); pick another {option}."
+        ) from None
 
 
 def _build(path: Path | None, cfg: Any, name: str | None) -> tuple[Any, dict[str, Any]]:
