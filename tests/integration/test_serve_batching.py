@@ -142,7 +142,7 @@ def test_request_that_waits_past_its_timeout_gets_504_and_leaves_the_queue(
     text = httpx.get(f"{url}/metrics").text
     assert _metric(text, "hpcml_queue_depth", "slow") == 0
     assert _metric(text, "hpcml_batch_size_count", "slow") == 0  # it was never computed
-    assert 'hpcml_requests_total{model="slow",status="504",version="1"} 1.0' in text
+    assert 'hpcml_requests_total{code="504",model="slow",protocol="http",version="1"} 1.0' in text
 
 
 def test_overload_status_429_carries_retry_after(tmp_path: Path) -> None:

@@ -141,6 +141,40 @@ def test_admin_endpoints_need_the_token_and_check_their_input(
         assert r.json()["traffic"] == {"1": 0.75, "2": 0.25} and not r.json()["can_roll_back"]
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"weights": {"1": NaN, "2": 1}}',
+        b'{"weights": {"1": Infinity}}',
+        b'{"weights": {"1": -Infinity, "2": 1}}',
+        b'{"weights": {"1": 1e400}}',  # Python's JSON reads this as infinity
+        b'{"weights": {"1": -1, "2": 3}}',
+        b'{"weights": {"1": 0, "2": 0}}',
+        b'{"weights": {}}',
+        b'{"weights": {"1": 1, "7": 1}}',
+        b'{"weights": {"1": "a lot"}}',
+        b'{"weights": [1, 2]}',
+        b'{"weights": {"1": 1}',
+    ],
+)
+def test_traffic_changes_are_validated_whole_before_they_apply(
+    served: tuple[str, dict[str, torch.nn.Module]], body: bytes
+) -> None:
+    url, _ = served
+    with httpx.Client(base_url=url, headers={**AUTH, **JSON}) as c:
+        before = c.get("/admin/models/digits").json()
+        r = c.post("/admin/models/digits/traffic", content=body)
+        assert r.status_code == 400 and isinstance(r.json()["error"], str)
+        after = c.get("/admin/models/digits").json()
+        assert after["traffic"] == before["traffic"] == {"1": 0.75, "2": 0.25}
+        assert not after["can_roll_back"]  # nothing was applied, so nothing to roll back
+        # Unversioned requests still follow the old policy.
+        x = encode_request_bytes(np.zeros((1, 3, 32, 32), dtype=np.float32))
+        assert c.post("/v2/models/digits/infer", content=x).status_code == 200
+        r = c.post("/admin/models/digits/shadow", content=b'{"version": "2", "fraction": NaN}')
+        assert r.status_code == 400 and c.get("/admin/models/digits").json()["shadow"] is None
+
+
 # The production default for torch: each version computes in its own process.
 @pytest.mark.parametrize("served", ["process"], indirect=True)
 def test_promote_and_rollback_under_load_fail_no_request(

@@ -27,6 +27,11 @@ def serve(
         None, "--host", help="Address to listen on (default 127.0.0.1)."
     ),
     port: int | None = typer.Option(None, "--port", help="Port to listen on (default 8000)."),
+    grpc_port: int | None = typer.Option(
+        None,
+        "--grpc-port",
+        help="Also serve the OIP v2 gRPC API (inference.GRPCInferenceService) on this port.",
+    ),
     backend: str | None = typer.Option(
         None, "--backend", help="torch, compile, onnx or onnx-int8 (all models)."
     ),
@@ -48,13 +53,18 @@ def serve(
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
     json_out: bool = typer.Option(False, "--json", help="Print the startup summary as JSON."),
 ) -> None:
-    """Serve models over the Open Inference Protocol v2 (REST) with dynamic batching."""
+    """Serve models over the Open Inference Protocol v2 (REST, and gRPC with --grpc-port) with dynamic batching."""
     from hpcml.serve.app import uvicorn_server
     from hpcml.serve.config import build_serve_config, load_serve_config
 
     cfg = load_serve_config(config)
     data = cfg.model_dump()
-    for key, value in (("host", host), ("port", port), ("admin_token_env", admin_token_env)):
+    for key, value in (
+        ("host", host),
+        ("port", port),
+        ("grpc_port", grpc_port),
+        ("admin_token_env", admin_token_env),
+    ):
         if value is not None:
             data[key] = value
     per_model = {
@@ -67,12 +77,27 @@ def serve(
     for section in [data["defaults"], *data["models"].values()]:
         section.update({k: v for k, v in per_model.items() if v is not None})
     cfg = build_serve_config(data, "--config and command-line options")
+    if cfg.grpc_port:
+        _check_port_free(cfg.host, cfg.grpc_port, "--grpc-port")
     app, summary = _build(path, cfg, name)
     if json_out:
         print_json(summary)
     else:
         _print_summary(summary)
     uvicorn_server(app, cfg, log_level).run()
+
+
+def _check_port_free(host: str, port: int, option: str) -> None:
+    """One clear sentence now, rather than a failed server startup after the models load."""
+    from hpcml.errors import ConfigError
+    from hpcml.serve.app import bind_socket
+
+    try:
+        bind_socket(host, port).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); pick another {option}."
+        ) from None
 
 
 def _build(path: Path | None, cfg: Any, name: str | None) -> tuple[Any, dict[str, Any]]:
@@ -84,6 +109,7 @@ def _build(path: Path | None, cfg: Any, name: str | None) -> tuple[Any, dict[str
         router.load()
     summary = {
         "url": f"http://{cfg.host}:{cfg.port}",
+        "grpc": f"{cfg.host}:{cfg.grpc_port}" if cfg.grpc_port is not None else None,
         "admin": bool(cfg.admin_token_env),
         "models": [m.describe() for m in router.models.values()],
         "batching": {
@@ -120,6 +146,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     console.print(
         f"OIP v2 at {summary['url']}/v2 · metrics {summary['url']}/metrics · API docs "
         f"{summary['url']}/docs · admin endpoints {'on' if summary['admin'] else 'off'}"
+        + (f" · gRPC {summary['grpc']}" if summary["grpc"] else "")
     )
 
 
