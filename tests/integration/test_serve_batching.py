@@ -90,7 +90,8 @@ def test_many_clients_are_merged_into_batches_and_split_back(
     with torch.inference_mode():
         expected = model(torch.from_numpy(xs[:, 0])).numpy()
     for i, out in enumerate(outputs):
-        np.testing.assert_allclose(out[0], expected[i], rtol=1e-5, atol=1e-6)
+        # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+        np.testing.assert_allclose(out[0], expected[i], rtol=0, atol=3e-3)
     text = httpx.get(f"{url}/metrics").text
     forward_passes = _metric(text, "hpcml_batch_size_count", "batched")
     assert _metric(text, "hpcml_batch_size_sum", "batched") == 16
@@ -141,7 +142,7 @@ def test_request_that_waits_past_its_timeout_gets_504_and_leaves_the_queue(
     text = httpx.get(f"{url}/metrics").text
     assert _metric(text, "hpcml_queue_depth", "slow") == 0
     assert _metric(text, "hpcml_batch_size_count", "slow") == 0  # it was never computed
-    assert 'hpcml_requests_total{model="slow",status="504",version="1"} 1.0' in text
+    assert 'hpcml_requests_total{code="504",model="slow",protocol="http",version="1"} 1.0' in text
 
 
 def test_overload_status_429_carries_retry_after(tmp_path: Path) -> None:

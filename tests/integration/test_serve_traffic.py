@@ -66,7 +66,8 @@ def test_canary_split_follows_the_weights_and_versions_answer_as_themselves(
             body = c.post("/v2/models/digits/infer", content=payload, headers=JSON).json()
             counts[body["model_version"]] += 1
             np.testing.assert_allclose(
-                decode_output(body), expected[body["model_version"]], rtol=1e-5, atol=1e-6
+                # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+                decode_output(body), expected[body["model_version"]], rtol=0, atol=3e-3
             )
         pinned = {
             c.post("/v2/models/digits/versions/2/infer", content=payload, headers=JSON).json()[
@@ -95,7 +96,8 @@ def test_shadow_mirrors_without_changing_answers_and_counts_disagreements(
             ).json()
             assert body["model_version"] == "1"
             v1, v2 = _logits(models["1"], x), _logits(models["2"], x)
-            np.testing.assert_allclose(decode_output(body), v1, rtol=1e-5, atol=1e-6)
+            # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+            np.testing.assert_allclose(decode_output(body), v1, rtol=0, atol=3e-3)
             expected_disagreements += int(v1.argmax() != v2.argmax())
         for _ in range(200):  # comparisons finish just after the answers
             stats = c.get("/admin/models/digits").json()["shadow_stats"].get("2", {})
@@ -137,6 +139,40 @@ def test_admin_endpoints_need_the_token_and_check_their_input(
         assert r.json()["traffic"] == {"1": 0.25, "2": 0.75}
         r = c.post("/admin/models/digits/rollback", headers=AUTH)
         assert r.json()["traffic"] == {"1": 0.75, "2": 0.25} and not r.json()["can_roll_back"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"weights": {"1": NaN, "2": 1}}',
+        b'{"weights": {"1": Infinity}}',
+        b'{"weights": {"1": -Infinity, "2": 1}}',
+        b'{"weights": {"1": 1e400}}',  # Python's JSON reads this as infinity
+        b'{"weights": {"1": -1, "2": 3}}',
+        b'{"weights": {"1": 0, "2": 0}}',
+        b'{"weights": {}}',
+        b'{"weights": {"1": 1, "7": 1}}',
+        b'{"weights": {"1": "a lot"}}',
+        b'{"weights": [1, 2]}',
+        b'{"weights": {"1": 1}',
+    ],
+)
+def test_traffic_changes_are_validated_whole_before_they_apply(
+    served: tuple[str, dict[str, torch.nn.Module]], body: bytes
+) -> None:
+    url, _ = served
+    with httpx.Client(base_url=url, headers={**AUTH, **JSON}) as c:
+        before = c.get("/admin/models/digits").json()
+        r = c.post("/admin/models/digits/traffic", content=body)
+        assert r.status_code == 400 and isinstance(r.json()["error"], str)
+        after = c.get("/admin/models/digits").json()
+        assert after["traffic"] == before["traffic"] == {"1": 0.75, "2": 0.25}
+        assert not after["can_roll_back"]  # nothing was applied, so nothing to roll back
+        # Unversioned requests still follow the old policy.
+        x = encode_request_bytes(np.zeros((1, 3, 32, 32), dtype=np.float32))
+        assert c.post("/v2/models/digits/infer", content=x).status_code == 200
+        r = c.post("/admin/models/digits/shadow", content=b'{"version": "2", "fraction": NaN}')
+        assert r.status_code == 400 and c.get("/admin/models/digits").json()["shadow"] is None
 
 
 # The production default for torch: each version computes in its own process.

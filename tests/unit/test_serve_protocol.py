@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ from hpcml.errors import ConfigError, ModelError
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
 from hpcml.serve import protocol as oip
+from hpcml.serve import tensors
 from hpcml.serve.config import load_serve_config
 from hpcml.serve.repository import resolve_model_source, sorted_versions
 
@@ -41,7 +44,10 @@ def test_flat_and_nested_data_give_the_same_tensor() -> None:
         (b"[]", "JSON object"),
         (b'{"inputs": []}', "no 'inputs'"),
         (_body(name="x"), "has input 'input' but the request sent 'x'"),
-        (_body(datatype="FP64"), "has datatype FP32, but the request sent FP64"),
+        (
+            _body(datatype="INT64", data=[1, 2, 3, 2**40 + 1]),
+            "has datatype FP32, but the request sent INT64",
+        ),
         (_body(datatype="FLOAT"), "does not define"),
         (_body(shape=[1, 4]), "has shape [-1, 2, 2]"),
         (_body(shape=[1, 2, 3]), "needs 6"),
@@ -68,7 +74,7 @@ def test_unknown_requested_output_is_refused() -> None:
 def test_response_round_trips_through_the_client_helpers() -> None:
     out = np.arange(6, dtype=np.float32).reshape(2, 3)
     body = json.loads(
-        oip.infer_response_body("m", "3", "req-1", oip.TensorSpec("logits", "FP32", (3,)), out)
+        oip.infer_response_body("m", "3", "req-1", oip.TensorSpec("logits", "FP32", (3,)), out)[0]
     )
     assert body["model_version"] == "3" and body["id"] == "req-1"
     assert body["outputs"][0]["datatype"] == "FP32" and body["outputs"][0]["shape"] == [2, 3]
@@ -138,3 +144,206 @@ def test_example_serve_config_is_valid() -> None:
     digits = cfg.models["digits"]
     assert digits.traffic == {"1": 90, "2": 10} and digits.shadow is not None
     assert digits.versions["3"].backend == "onnx-int8"
+
+
+# Binary tensor data extension and datatypes (tensors.py).
+
+
+def _binary_body(header: dict, *chunks: bytes) -> tuple[bytes, int]:
+    head = json.dumps(header).encode()
+    return head + b"".join(chunks), len(head)
+
+
+def _bin_input(shape: list[int], datatype: str, size: int, name: str = "input") -> dict:
+    return {
+        "name": name,
+        "shape": shape,
+        "datatype": datatype,
+        "parameters": {"binary_data_size": size},
+    }
+
+
+def test_binary_input_is_read_little_endian_and_outputs_follow_the_requested_form() -> None:
+    x = np.arange(4, dtype=np.float32).reshape(1, 2, 2)
+    raw = x.astype("<f4").tobytes()
+    header = {
+        "inputs": [_bin_input([1, 2, 2], "FP32", len(raw))],
+        "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
+    }
+    body, n = _binary_body(header, raw)
+    req = oip.parse_infer_request(body, oip.parse_header_length(str(n), len(body)))
+    np.testing.assert_array_equal(oip.check_inputs(req, SPEC, 8, "m"), x)
+    assert req.wants_binary("logits")
+    out = np.array([[1.5, -2.0]], dtype=np.float32)
+    resp, header_len = oip.infer_response_body(
+        "m", "1", None, oip.TensorSpec("logits", "FP32", (2,)), out, binary=True
+    )
+    assert header_len is not None
+    meta = json.loads(resp[:header_len])
+    assert meta["outputs"][0]["parameters"] == {"binary_data_size": 8}
+    assert "data" not in meta["outputs"][0]
+    # The bytes after the header are the tensor, little-endian, as the spec says.
+    assert resp[header_len:] == struct.pack("<2f", 1.5, -2.0)
+    # binary_data_output on the request applies to outputs that do not say otherwise.
+    req2 = oip.parse_infer_request(
+        json.dumps({**json.loads(_body()), "parameters": {"binary_data_output": True}}).encode()
+    )
+    assert req2.wants_binary("logits")
+    assert not oip.parse_infer_request(_body()).wants_binary("logits")
+
+
+def test_bytes_tensors_round_trip_length_prefixed() -> None:
+    values = [b"", b"a", "h\u00e9".encode(), b"\x00\xff" * 3]
+    raw = b"".join(struct.pack("<I", len(v)) + v for v in values)
+    got = tensors.from_raw(raw, "BYTES", (2, 2), "input 'x'")
+    assert got.shape == (2, 2) and list(got.reshape(-1)) == values
+    assert tensors.to_raw(got) == raw
+    from_json = tensors.from_json_data([["", "a"], ["h\u00e9", "z"]], "BYTES", (2, 2), "x")
+    assert from_json[1, 0] == "h\u00e9".encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (struct.pack("<I", 5) + b"abc", "claims 5 bytes but only 3 remain"),
+        (struct.pack("<I", 1) + b"a", "for 1 elements but its shape needs 2"),
+        (struct.pack("<I", 0) * 2 + b"x", "1 bytes of BYTES data beyond"),
+        (b"\x01\x00", "for 0 elements"),
+    ],
+)
+def test_malformed_bytes_tensors_are_refused(raw: bytes, message: str) -> None:
+    with pytest.raises(oip.ProtocolError, match=re.escape(message)):
+        tensors.from_raw(raw, "BYTES", (2,), "input 'x'")
+
+
+FP32_16 = np.arange(4, dtype=np.float32).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("header_length", "header", "chunks", "message"),
+    [
+        ("abc", None, [], "must be a non-negative integer"),
+        ("-5", None, [], "must be a non-negative integer"),
+        ("0", None, [], "must give the length"),
+        ("999999", None, [], "must give the length"),
+        (None, {"inputs": [_bin_input([1, 2, 2], "FP32", 16)]}, [FP32_16], "not valid JSON"),
+        ("auto", {"inputs": [_bin_input([1, 2, 2], "FP32", 32)]}, [FP32_16], "only 16 remain"),
+        (
+            "auto",
+            {"inputs": [_bin_input([1, 2, 2], "FP32", 16)]},
+            [FP32_16, b"xxxx"],
+            "4 bytes of binary data that no input claims",
+        ),
+        ("auto", {"inputs": [_bin_input([1, 2, 2], "FP32", 12)]}, [FP32_16], "needs 16"),
+        ("auto", {"inputs": [_bin_input([1, 2, 2], "FP32", -1)]}, [FP32_16], "non-negative"),
+        ("auto", {"inputs": [_bin_input([1, 2, 2], "FP32", True)]}, [FP32_16], "non-negative"),
+        ("auto", {"inputs": [_bin_input([1, 2, 2], "FP64", 16)]}, [FP32_16], "needs 32"),
+        (
+            "auto",
+            {"inputs": [{**_bin_input([1, 2, 2], "FP32", 16), "data": [1, 2, 3, 4]}]},
+            [FP32_16],
+            "both 'data' and 'binary_data_size'",
+        ),
+        (
+            "auto",
+            {"inputs": [{"name": "input", "shape": [1], "datatype": "FP32"}]},
+            [],
+            "no 'data'",
+        ),
+        (
+            "auto",
+            {
+                "inputs": [_bin_input([1, 2, 2], "FP32", 16)],
+                "outputs": [{"name": "logits", "parameters": {"binary_data": "yes"}}],
+            },
+            [FP32_16],
+            "must be true or false",
+        ),
+    ],
+)
+def test_bad_binary_requests_say_what_is_wrong(
+    header_length: str | None, header: dict | None, chunks: list[bytes], message: str
+) -> None:
+    if header is None:
+        body, n = _body(), 0
+    else:
+        body, n = _binary_body(header, *chunks)
+    value = str(n) if header_length == "auto" else header_length
+    with pytest.raises(oip.ProtocolError, match=re.escape(message)):
+        oip.parse_infer_request(body, oip.parse_header_length(value, len(body)))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[True, 2, 2], [1, -2, 2], [2**62, 2**62, 0, 4], [1.0, 2, 2], [1] * 17, None, [1, "2", 2]],
+)
+def test_shapes_with_booleans_negatives_or_huge_sizes_are_refused(shape: object) -> None:
+    with pytest.raises(oip.ProtocolError, match="'shape'"):
+        oip.parse_infer_request(_body(shape=shape, data=[]))
+
+
+@pytest.mark.parametrize(
+    ("datatype", "values", "expected"),
+    [
+        ("FP16", np.array([0.5, -2.0], np.float16), [0.5, -2.0]),
+        ("FP64", np.array([0.1, 1e30], np.float64), [np.float32(0.1), np.float32(1e30)]),
+        ("INT8", np.array([-128, 127], np.int8), [-128.0, 127.0]),
+        ("UINT64", np.array([0, 2**24], np.uint64), [0.0, 2.0**24]),
+        ("INT32", np.array([-(2**24), 7], np.int32), [-(2.0**24), 7.0]),
+        ("BOOL", np.array([True, False]), [1.0, 0.0]),
+    ],
+)
+def test_values_a_fp32_model_can_hold_are_converted(
+    datatype: str, values: np.ndarray, expected: list[float]
+) -> None:
+    got = tensors.convert(values, datatype, "FP32", "input 'x'")
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.array(expected, dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    ("datatype", "values", "target"),
+    [
+        ("INT32", np.array([2**24 + 1], np.int32), "FP32"),  # float32 has a 24-bit mantissa
+        ("FP64", np.array([1e39], np.float64), "FP32"),  # beyond float32's 3.4e38
+        ("FP32", np.array([70000.0], np.float32), "FP16"),  # beyond float16's 65504
+        ("FP32", np.array([1.0], np.float32), "INT64"),  # floats never become integers
+        ("INT64", np.array([300], np.int64), "UINT8"),
+        ("INT64", np.array([-1], np.int64), "UINT64"),
+        ("INT32", np.array([1], np.int32), "BOOL"),
+        ("BYTES", np.array([b"1"], dtype=object), "FP32"),
+        ("FP32", np.array([1.0], np.float32), "BYTES"),
+    ],
+)
+def test_conversions_that_would_change_values_are_refused(
+    datatype: str, values: np.ndarray, target: str
+) -> None:
+    with pytest.raises(oip.ProtocolError, match=f"has datatype {target}, but the request sent"):
+        tensors.convert(values, datatype, target, "input 'x'")
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "message"),
+    [
+        ("INT32", [1.5, 2.0], "cannot be read as INT32"),  # no silent truncation
+        ("UINT8", [256, 0], "outside the range of UINT8"),
+        ("INT64", [2**70, 0], "cannot be read as INT64"),
+        ("BOOL", [1, 0], "cannot be read as BOOL"),
+        ("FP32", [1e39, 0], "too large for FP32"),
+        ("FP32", [None, 1], "holds null"),
+        ("BYTES", ["a", 1], "cannot be read as BYTES"),
+        ("FP32", [[1], [2, 3]], "cannot be read as FP32"),
+    ],
+)
+def test_json_data_is_read_as_its_datatype_or_refused(
+    datatype: str, data: list, message: str
+) -> None:
+    with pytest.raises(oip.ProtocolError, match=re.escape(message)):
+        tensors.from_json_data(data, datatype, (2,), "input 'x'")
+
+
+def test_unknown_content_of_the_request_is_refused() -> None:
+    with pytest.raises(oip.ProtocolError, match="classification"):
+        oip.parse_infer_request(
+            json.dumps({**json.loads(_body()), "parameters": {"classification": 3}}).encode()
+        )

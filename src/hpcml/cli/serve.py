@@ -27,6 +27,11 @@ def serve(
         None, "--host", help="Address to listen on (default 127.0.0.1)."
     ),
     port: int | None = typer.Option(None, "--port", help="Port to listen on (default 8000)."),
+    grpc_port: int | None = typer.Option(
+        None,
+        "--grpc-port",
+        help="Also serve the OIP v2 gRPC API (inference.GRPCInferenceService) on this port.",
+    ),
     backend: str | None = typer.Option(
         None, "--backend", help="torch, compile, onnx or onnx-int8 (all models)."
     ),
@@ -61,13 +66,18 @@ def serve(
     ),
     poll_s: float = typer.Option(10.0, "--poll-s", help="Seconds between registry polls."),
 ) -> None:
-    """Serve models over the Open Inference Protocol v2 (REST) with dynamic batching."""
+    """Serve models over the Open Inference Protocol v2 (REST, and gRPC with --grpc-port) with dynamic batching."""
     from hpcml.serve.app import uvicorn_server
     from hpcml.serve.config import build_serve_config, load_serve_config
 
     cfg = load_serve_config(config)
     data = cfg.model_dump()
-    for key, value in (("host", host), ("port", port), ("admin_token_env", admin_token_env)):
+    for key, value in (
+        ("host", host),
+        ("port", port),
+        ("grpc_port", grpc_port),
+        ("admin_token_env", admin_token_env),
+    ):
         if value is not None:
             data[key] = value
     per_model = {
@@ -80,12 +90,27 @@ def serve(
     for section in [data["defaults"], *data["models"].values()]:
         section.update({k: v for k, v in per_model.items() if v is not None})
     cfg = build_serve_config(data, "--config and command-line options")
+    if cfg.grpc_port:
+        _check_port_free(cfg.host, cfg.grpc_port, "--grpc-port")
     app, summary = _build(path, cfg, name, trust_code, poll_s if follow else None)
     if json_out:
         print_json(summary)
     else:
         _print_summary(summary)
     uvicorn_server(app, cfg, log_level).run()
+
+
+def _check_port_free(host: str, port: int, option: str) -> None:
+    """One clear sentence now, rather than a failed server startup after the models load."""
+    from hpcml.errors import ConfigError
+    from hpcml.serve.app import bind_socket
+
+    try:
+        bind_socket(host, port).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); pick another {option}."
+        ) from None
 
 
 def _build(
@@ -103,6 +128,7 @@ def _build(
         router.load()
     summary = {
         "url": f"http://{cfg.host}:{cfg.port}",
+        "grpc": f"{cfg.host}:{cfg.grpc_port}" if cfg.grpc_port is not None else None,
         "admin": bool(cfg.admin_token_env),
         "models": [m.describe() for m in router.models.values()],
         "batching": {
@@ -139,6 +165,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     console.print(
         f"OIP v2 at {summary['url']}/v2 · metrics {summary['url']}/metrics · API docs "
         f"{summary['url']}/docs · admin endpoints {'on' if summary['admin'] else 'off'}"
+        + (f" · gRPC {summary['grpc']}" if summary["grpc"] else "")
     )
 
 
@@ -253,6 +280,12 @@ def export_onnx_cmd(
         False, "--int8", help="Also write model.int8.onnx (ONNX Runtime dynamic quantization)."
     ),
     opset: int | None = typer.Option(None, "--opset", help="ONNX opset (default: the exporter's)."),
+    reduce_range: bool | None = typer.Option(
+        None,
+        "--reduce-range/--no-reduce-range",
+        help="INT8 weights in 7 bits (safe on every CPU) or 8 bits (only for x86 with VNNI or "
+        "ARM). Default: chosen from this machine's CPU features.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     trust_code: bool = typer.Option(
         False,
@@ -265,11 +298,21 @@ def export_onnx_cmd(
 
     export_dir = check_export_dir(path)
     with err_console.status("exporting to ONNX and measuring"):
-        report = export_onnx(export_dir, int8=int8, opset=opset, trust_code=trust_code)
+        report = export_onnx(
+            export_dir, int8=int8, opset=opset, reduce_range=reduce_range, trust_code=trust_code
+        )
     if json_out:
         print_json(report)
         return
     console.print(f"wrote {report['onnx']}" + (f" and {report['onnx_int8']}" if int8 else ""))
+    if int8:
+        q = report["int8_settings"]
+        cpu = q["cpu"]
+        console.print(
+            f"INT8 for this CPU ({cpu['arch']}, features {', '.join(cpu['features']) or 'none'} "
+            f"from {cpu['source']}): reduce_range={q['reduce_range']}, "
+            f"per_channel={q['per_channel']}; {q['reason']}."
+        )
     checks = ", ".join(
         f"batch {c['batch']}: max |diff| {c['max_abs_diff']:.2g}" for c in report["check"]
     )

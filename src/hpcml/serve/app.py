@@ -1,9 +1,10 @@
 """The HTTP server: Open Inference Protocol v2 REST endpoints, admin endpoints and /metrics.
 
-`create_app` wires a `Router` into a FastAPI app whose lifespan loads the models and, on
-shutdown, drains the batchers after uvicorn has let in-flight requests finish. Every error is
-`{"error": "..."}` as the protocol asks. Inference bodies are read as bytes and parsed by
-`protocol` (no per-request pydantic validation: tensors can hold thousands of numbers).
+`create_app` wires a `Router` into a FastAPI app whose lifespan loads the models, starts the
+gRPC endpoint when `grpc_port` is set (`grpc`) and, on shutdown, drains the batchers after
+uvicorn has let in-flight requests finish. Every error is `{"error": "..."}` as the protocol
+asks. Inference bodies (JSON or binary tensor data) are read as bytes and parsed by `protocol`
+(no per-request pydantic validation: tensors can hold thousands of numbers).
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import gc
 import hmac
 import os
 import socket
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,91 +29,34 @@ from starlette.routing import Route
 
 import hpcml
 from hpcml.serve import protocol as oip
-from hpcml.serve.batcher import (
-    BackendFailed,
-    BatcherClosed,
-    QueueFull,
-    RequestTimeout,
-    WorkerLost,
-)
+from hpcml.serve import schemas
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.inference import (
+    EXTENSIONS,
+    InferFailure,
+    model_is_ready,
+    model_metadata,
+    run_infer,
+)
+from hpcml.serve.limits import BodyLimit, BodyTooLarge, ConcurrencyLimit
 from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.router import ModelVersion, NotFound, PolicyError, Router
+from hpcml.serve.router import NotFound, PolicyError, Router
 
 JSON = "application/json"
-ASGIApp = Callable[
-    [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-    Awaitable[None],
-]
+OCTET = "application/octet-stream"
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(oip.error_body(message), status_code=status, media_type=JSON, headers=headers)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
-class BodyLimit:
-    """Answer 413 for bodies over the limit, before reading them whole (pure ASGI: no copy)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def _reject(self, send: Callable[[Any], Awaitable[None]]) -> None:
-        body = oip.error_body(
-            f"request body is larger than the server's limit of {self.max_bytes} bytes; "
-            "send fewer samples per request."
-        )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", JSON.encode()),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for key, value in scope["headers"]:
-            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._reject(send)
-                return
-        received = 0
-        started = False
-
-        async def limited_receive() -> Any:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge()
-            return message
-
-        async def tracking_send(message: Any) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._reject(send)
+Weight = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 class TrafficBody(BaseModel):
-    weights: dict[str, float] = Field(description='Version -> weight, e.g. {"1": 90, "2": 10}.')
+    weights: dict[str, Weight] = Field(
+        description='Version -> finite, non-negative weight, e.g. {"1": 90, "2": 10}.'
+    )
 
 
 class PromoteBody(BaseModel):
@@ -122,7 +65,7 @@ class PromoteBody(BaseModel):
 
 class ShadowBody(BaseModel):
     version: str | None = Field(description="Candidate version; null turns shadowing off.")
-    fraction: float = Field(1.0, gt=0.0, le=1.0)
+    fraction: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
 
 
 def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> FastAPI:
@@ -131,10 +74,17 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        grpc_server = None
+        if config.grpc_port is not None:
+            from hpcml.serve.grpc import start_grpc_server
+
+            grpc_server, app.state.grpc_port = await start_grpc_server(router, config, metrics)
         # Everything allocated so far (torch, FastAPI, models) lives as long as the server;
         # frozen, the cyclic GC stops rescanning it, which otherwise shows up as p99 spikes.
         gc.freeze()
         yield
+        if grpc_server is not None:
+            await grpc_server.stop(config.graceful_timeout_s)
         await router.close()
 
     app = FastAPI(
@@ -144,8 +94,17 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.limit_concurrency is not None:
+        # Added last, so it runs first: a refused request costs no body read.
+        app.add_middleware(
+            ConcurrencyLimit, limit=config.limit_concurrency, retry_after_s=config.retry_after_s
+        )
+    metrics.watch_readiness(
+        lambda: [(mv.model, mv.version, mv.ready) for mv in router.all_versions()]
+    )
     app.state.router = router
     app.state.metrics = metrics
+    app.state.grpc_port = None
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> Response:
@@ -160,89 +119,50 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         where = ".".join(str(p) for p in e["loc"])
         return _error(400, f"{where}: {e['msg']}.")
 
-    def overloaded(mv: ModelVersion) -> Response:
-        msg = (
-            f"model '{mv.model}' version {mv.version} is overloaded: its queue holds "
-            f"{mv.batcher.queue_depth} samples (limit {mv.batcher.max_queue_size}); retry later."
-        )
-        if config.overload_status == 429:
-            return _error(429, msg, {"Retry-After": str(config.retry_after_s)})
-        return _error(503, msg)
+    async def read_infer_body(request: Request) -> oip.InferRequest:
+        headers = request.headers
+        content_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type not in ("", JSON, OCTET) and not content_type.endswith("+json"):
+            raise oip.ProtocolError(
+                f"content type {content_type[:60]!r} is not accepted; send {JSON} (or "
+                f"{OCTET} with binary tensor data)."
+            )
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise oip.ProtocolError(
+                f"content encoding {encoding[:40]!r} is not supported; send the body uncompressed."
+            )
+        try:
+            body = await request.body()
+        except BodyTooLarge as exc:
+            raise oip.ProtocolError(str(exc), status=413) from None
+        header_length = oip.parse_header_length(headers.get(oip.HEADER_LENGTH), len(body))
+        if len(body) >= config.json_offload_bytes:
+            # A large body takes milliseconds to parse: off the loop, others keep being served.
+            return await asyncio.to_thread(oip.parse_infer_request, body, header_length)
+        return oip.parse_infer_request(body, header_length)
 
     async def infer(request: Request, name: str, version: str | None) -> Response:
-        started = time.perf_counter()
-        chosen: ModelVersion | None = None
-        # Unknown names must not create metric series (any client could invent them).
-        label_model = name if name in router.models else ""
-        label_version = version or ""
-        status = 500
         try:
-            # An unknown model or version is a 404 whatever the body holds.
-            model = router.model(name)
-            if version is not None:
-                model.version(version)
-            parsed = oip.parse_infer_request(await request.body())
-
-            def prepare(mv: ModelVersion) -> Any:
-                nonlocal chosen
-                chosen = mv
-                x = oip.check_inputs(parsed, mv.input, mv.config.max_batch_size, name)
-                oip.check_requested_outputs(parsed, [mv.output], name)
-                return x
-
-            mv, result = await router.infer(name, version, prepare)
-            status = 200
-            return Response(
-                oip.infer_response_body(
-                    name, mv.version, parsed.request_id, mv.output, result.output
-                ),
-                media_type=JSON,
+            answer = await run_infer(
+                router, config, metrics, "http", name, version, lambda: read_infer_body(request)
             )
-        except oip.ProtocolError as exc:
-            status = exc.status
-            return _error(status, exc.message)
-        except NotFound as exc:
-            status = 404
-            return _error(404, str(exc))
-        except QueueFull:
-            assert chosen is not None
-            response = overloaded(chosen)
-            status = response.status_code
-            return response
-        except RequestTimeout:
-            status = 504
-            assert chosen is not None
-            return _error(
-                504, f"request to model '{name}' timed out after {chosen.config.timeout_ms:g} ms."
-            )
-        except BatcherClosed:
-            status = 503
-            return _error(503, "the server is shutting down; retry on another replica.")
-        except WorkerLost:
-            status = 503
-            return _error(
-                503,
-                f"the inference process of model '{name}' died and is being restarted; retry.",
-                {"Retry-After": str(config.retry_after_s)},
-            )
-        except BackendFailed as exc:
-            status = 500
-            return _error(500, f"model '{name}' failed to compute the batch: {exc}")
-        except asyncio.CancelledError:
-            status = 499  # the client went away (nginx's code); its queue place is freed
-            raise
-        finally:
-            if chosen is not None:
-                label_version = chosen.version
-            elif label_version and (
-                label_model == "" or label_version not in router.models[name].versions
-            ):
-                label_version = ""
-            if chosen is not None:
-                metrics.latency.labels(label_model, label_version).observe(
-                    time.perf_counter() - started
-                )
-            metrics.requests.labels(label_model, label_version, str(status)).inc()
+        except InferFailure as failure:
+            return _error(failure.status, failure.message, failure.headers or None)
+        mv, parsed = answer.version, answer.request
+        body, header_length = oip.infer_response_body(
+            name,
+            mv.version,
+            parsed.request_id,
+            mv.output,
+            answer.output,
+            binary=parsed.wants_binary(mv.output.name),
+        )
+        if header_length is None:
+            return Response(body, media_type=JSON)
+        return Response(
+            body, media_type=OCTET, headers={"Inference-Header-Content-Length": str(header_length)}
+        )
 
     infer_doc: dict[str, Any] = {
         "openapi_extra": {
@@ -252,13 +172,13 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             }
         },
         "responses": {
-            200: {"model": oip.InferenceResponse},
-            400: {"model": oip.ErrorResponse},
-            404: {"model": oip.ErrorResponse},
-            413: {"model": oip.ErrorResponse},
-            429: {"model": oip.ErrorResponse},
-            503: {"model": oip.ErrorResponse},
-            504: {"model": oip.ErrorResponse},
+            200: {"model": schemas.InferenceResponse},
+            400: {"model": schemas.ErrorResponse},
+            404: {"model": schemas.ErrorResponse},
+            413: {"model": schemas.ErrorResponse},
+            429: {"model": schemas.ErrorResponse},
+            503: {"model": schemas.ErrorResponse},
+            504: {"model": schemas.ErrorResponse},
         },
         "tags": ["inference"],
     }
@@ -291,66 +211,54 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer")
     ]
 
-    @app.get("/v2/health/live", response_model=oip.ServerHealth, tags=["health"])
+    @app.get("/v2/health/live", response_model=schemas.ServerHealth, tags=["health"])
     async def live() -> dict[str, Any]:
         return {"live": True}
 
     @app.get(
         "/v2/health/ready",
-        response_model=oip.ServerHealth,
+        response_model=schemas.ServerHealth,
         tags=["health"],
-        responses={400: {"model": oip.ServerHealth}},
+        responses={400: {"model": schemas.ServerHealth}},
     )
     async def ready() -> Response:
         ok = router.ready
         return JSONResponse({"ready": ok}, status_code=200 if ok else 400)
 
-    @app.get("/v2", response_model=oip.ServerMetadata, tags=["metadata"])
+    @app.get("/v2", response_model=schemas.ServerMetadata, tags=["metadata"])
     async def server_metadata() -> dict[str, Any]:
-        return {"name": "hpcml", "version": hpcml.__version__, "extensions": ["model_repository"]}
+        return {"name": "hpcml", "version": hpcml.__version__, "extensions": EXTENSIONS}
 
-    def model_metadata(name: str, version: str | None) -> Response:
+    def metadata_response(name: str, version: str | None) -> Response:
         try:
-            model = router.model(name)
-            mv = model.version(version)
+            return JSONResponse(model_metadata(router, name, version))
         except NotFound as exc:
             return _error(404, str(exc))
-        meta = mv.metadata()
-        if version is None:
-            from hpcml.serve.repository import sorted_versions
-
-            meta["versions"] = sorted_versions(list(model.versions))
-        return JSONResponse(meta)
 
     meta_doc: dict[str, Any] = {
-        "response_model": oip.ModelMetadata,
-        "responses": {404: {"model": oip.ErrorResponse}},
+        "response_model": schemas.ModelMetadata,
+        "responses": {404: {"model": schemas.ErrorResponse}},
         "tags": ["metadata"],
     }
 
     @app.get("/v2/models/{name}", **meta_doc)
     async def model_meta(name: str) -> Response:
-        return model_metadata(name, None)
+        return metadata_response(name, None)
 
     @app.get("/v2/models/{name}/versions/{version}", **meta_doc)
     async def version_meta(name: str, version: str) -> Response:
-        return model_metadata(name, version)
+        return metadata_response(name, version)
 
     def model_ready(name: str, version: str | None) -> Response:
         try:
-            model = router.model(name)
-            ok = (
-                model.version(version).ready
-                if version
-                else all(model.versions[v].ready for v in model.policy.weights)
-            )
+            ok = model_is_ready(router, name, version)
         except NotFound as exc:
             return _error(404, str(exc))
         return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 400)
 
     ready_doc: dict[str, Any] = {
-        "response_model": oip.ModelReady,
-        "responses": {400: {"model": oip.ModelReady}, 404: {"model": oip.ErrorResponse}},
+        "response_model": schemas.ModelReady,
+        "responses": {400: {"model": schemas.ModelReady}, 404: {"model": schemas.ErrorResponse}},
         "tags": ["health"],
     }
 
@@ -367,6 +275,18 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v2/repository/index", tags=["metadata"])
+    async def repository_index() -> list[dict[str, Any]]:
+        """Every served model version and its state (Triton's repository index; no load/unload)."""
+        return [
+            {
+                "name": mv.model,
+                "version": mv.version,
+                "state": "READY" if mv.ready else "UNAVAILABLE",
+            }
+            for mv in router.all_versions()
+        ]
 
     def require_admin(authorization: str | None = Header(None)) -> None:
         if not admin_token:
@@ -422,7 +342,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
-            extra = oip.InferenceRequest.model_json_schema(
+            extra = schemas.InferenceRequest.model_json_schema(
                 ref_template="#/components/schemas/{model}"
             )
             components = schema.setdefault("components", {}).setdefault("schemas", {})

@@ -102,6 +102,15 @@ class ServeConfig(_Section):
     """Environment variable that holds the admin bearer token; unset disables admin endpoints."""
     graceful_timeout_s: float = Field(default=30.0, gt=0.0)
     """On SIGTERM, in-flight requests get this long to finish."""
+    grpc_port: int | None = Field(default=None, ge=0, lt=65536)
+    """Port of the OIP v2 gRPC endpoint (inference.GRPCInferenceService) on `host`; null: none.
+    0 picks a free port."""
+    limit_concurrency: int | None = Field(default=1024, gt=0)
+    """Most requests handled at once (HTTP, and gRPC separately); more get 503 with Retry-After
+    (gRPC: RESOURCE_EXHAUSTED) at once. Health and metrics endpoints are exempt. null: no limit."""
+    json_offload_bytes: int = Field(default=256 * 1024, ge=0)
+    """Inference bodies at least this large are parsed in a worker thread, so one large JSON
+    body does not hold up every other request on the event loop."""
     defaults: ModelServeConfig = Field(default_factory=ModelServeConfig)
     """Settings for models that `models` does not list."""
     models: dict[str, ModelServeConfig] = Field(default_factory=dict)

@@ -1,15 +1,21 @@
 """Prometheus metrics of one server, in its own `CollectorRegistry` (two apps never collide).
 
-Requests by model, version and status; latency histograms (total, queue, compute); batch
-sizes; queue depth; shadow traffic and its disagreements with the serving version.
+Names follow Prometheus conventions: base units in the name (`_seconds`), `_total` on counters,
+the response code in a `code` label. Histograms are named for what one observation is: a
+request (`hpcml_request_*`: one per answered request) or a batch (`hpcml_batch_*`: one per
+forward pass). Readiness is a gauge read from the router at scrape time, so it can never
+disagree with `/v2/models/{name}/ready`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Latency buckets from 0.5 ms to 10 s: CPU models answer in ms, overloaded queues in seconds.
 LATENCY_BUCKETS_S = (
@@ -41,40 +47,58 @@ class BatcherMetrics:
     queue_depth: Any
 
 
+class _Readiness(Collector):
+    """`hpcml_model_ready{model,version}`: 1 while that version takes requests, else 0."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[tuple[str, str, bool]]] = lambda: ()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "hpcml_model_ready",
+            "1 while the model version is ready for inference requests, else 0.",
+            labels=["model", "version"],
+        )
+        for model, version, ready in self.source():
+            family.add_metric([model, version], 1.0 if ready else 0.0)
+        yield family
+
+
 class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "hpcml_requests_total",
-            "Inference requests answered, by HTTP status.",
-            ["model", "version", "status"],
+            "Inference requests answered, by protocol (http, grpc) and response code "
+            "(HTTP status, or gRPC status code name).",
+            ["model", "version", "protocol", "code"],
             registry=r,
         )
-        self.latency = Histogram(
-            "hpcml_request_latency_seconds",
-            "Time from request received to response ready.",
+        self.request_duration = Histogram(
+            "hpcml_request_duration_seconds",
+            "Per request: time from request parsed to answer ready (queue + batch compute).",
+            ["model", "version", "protocol"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_duration = Histogram(
+            "hpcml_request_queue_seconds",
+            "Per request: time it waited in the batch queue.",
             ["model", "version"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
-        self.queue_latency = Histogram(
-            "hpcml_queue_latency_seconds",
-            "Time a request waited in the batch queue.",
-            ["model", "version"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.compute_latency = Histogram(
-            "hpcml_compute_latency_seconds",
-            "Forward-pass time of the batch a request rode in.",
+        self.batch_compute = Histogram(
+            "hpcml_batch_compute_seconds",
+            "Per batch: forward-pass time of one batch.",
             ["model", "version"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.batch_size = Histogram(
             "hpcml_batch_size",
-            "Samples per forward pass.",
+            "Per batch: samples in one forward pass.",
             ["model", "version"],
             buckets=BATCH_BUCKETS,
             registry=r,
@@ -85,6 +109,14 @@ class ServeMetrics:
             ["model", "version"],
             registry=r,
         )
+        self.worker_restarts = Counter(
+            "hpcml_worker_restarts_total",
+            "Inference worker processes restarted after they died.",
+            ["model", "version"],
+            registry=r,
+        )
+        self._readiness = _Readiness()
+        r.register(self._readiness)
         self.shadow_requests = Counter(
             "hpcml_shadow_requests_total",
             "Requests mirrored to a shadow version, by outcome.",
@@ -112,9 +144,15 @@ class ServeMetrics:
         )
 
     def for_batcher(self, model: str, version: str) -> BatcherMetrics:
+        # Series that exist from the start, at 0: rate() and alerts then see the first restart.
+        self.worker_restarts.labels(model, version)
         return BatcherMetrics(
             batch_size=self.batch_size.labels(model, version),
-            queue_s=self.queue_latency.labels(model, version),
-            compute_s=self.compute_latency.labels(model, version),
+            queue_s=self.queue_duration.labels(model, version),
+            compute_s=self.batch_compute.labels(model, version),
             queue_depth=self.queue_depth.labels(model, version),
         )
+
+    def watch_readiness(self, source: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        """Read `hpcml_model_ready` from `source() -> (model, version, ready)` at each scrape."""
+        self._readiness.source = source

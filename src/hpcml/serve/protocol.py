@@ -1,57 +1,55 @@
-"""Open Inference Protocol v2 (KServe / Triton) JSON tensors: parse, check and answer.
+"""Open Inference Protocol v2 REST bodies: JSON tensors and the binary tensor data extension.
 
-Requests are parsed with orjson (4x faster than the stdlib on long float arrays, which is most
-of a request's cost on CPU) and turned into one numpy array per input;
-every problem a client can cause becomes a `ProtocolError` whose message is sent back as
-`{"error": "..."}` with HTTP 400. Pydantic models here only document the API (OpenAPI).
+A request body is JSON, or (binary extension, what tritonclient and KServe's client send by
+default) a JSON header of `Inference-Header-Content-Length` bytes followed by the raw data of
+each input that has a `binary_data_size` parameter, in input order. Outputs come back as binary
+when an output asks with `"parameters": {"binary_data": true}` or the request with
+`"binary_data_output": true`. JSON is parsed with orjson (4x faster than the stdlib on long
+float arrays, which is most of a request's cost on CPU). Every problem a client can cause
+becomes a `ProtocolError` whose message is sent back as `{"error": "..."}` with HTTP 400.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field
+import orjson
 
-try:
-    import orjson
+from hpcml.serve.tensors import (
+    DATATYPES,
+    ProtocolError,
+    check_shape,
+    convert,
+    datatype_of_array,
+    dtype_of,
+    from_json_data,
+    from_raw,
+    to_json_data,
+    to_raw,
+)
 
-    def _loads(body: bytes) -> Any:
-        return orjson.loads(body)
+__all__ = [
+    "DATATYPES",
+    "HEADER_LENGTH",
+    "InferRequest",
+    "ProtocolError",
+    "TensorSpec",
+    "check_inputs",
+    "check_requested_outputs",
+    "datatype_of",
+    "datatype_of_array",
+    "decode_output",
+    "encode_request",
+    "encode_request_bytes",
+    "error_body",
+    "infer_response_body",
+    "parse_header_length",
+    "parse_infer_request",
+]
 
-    def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
-
-    _DECODE_ERRORS: tuple[type[Exception], ...] = (orjson.JSONDecodeError,)
-except ImportError:  # pragma: no cover - orjson is in the serve extra
-
-    def _loads(body: bytes) -> Any:
-        return json.loads(body)
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":"), default=lambda a: a.tolist()).encode()
-
-    _DECODE_ERRORS = (json.JSONDecodeError, UnicodeDecodeError)
-
-# The protocol's tensor datatypes and the numpy dtype each one maps to.
-DATATYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-    "BYTES": np.dtype(np.object_),
-}
-_NUMPY_TO_DATATYPE = {v: k for k, v in DATATYPES.items() if k != "BYTES"}
+HEADER_LENGTH = "inference-header-content-length"
 _TORCH_NAME_TO_DATATYPE = {
     "bool": "BOOL",
     "uint8": "UINT8",
@@ -65,15 +63,12 @@ _TORCH_NAME_TO_DATATYPE = {
 }
 
 
-class ProtocolError(Exception):
-    """A request the protocol or the model's signature does not allow (HTTP 400)."""
+def _loads(body: bytes | memoryview) -> Any:
+    return orjson.loads(body)
 
-    status = 400
 
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
+def _dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def datatype_of(dtype_name: str) -> str:
@@ -82,10 +77,6 @@ def datatype_of(dtype_name: str) -> str:
     if dt is None:
         raise ValueError(f"dtype {dtype_name!r} has no Open Inference Protocol datatype")
     return dt
-
-
-def datatype_of_array(a: np.ndarray) -> str:
-    return _NUMPY_TO_DATATYPE.get(a.dtype, "BYTES")
 
 
 @dataclass(frozen=True)
@@ -103,98 +94,158 @@ class TensorSpec:
 @dataclass
 class InferRequest:
     inputs: dict[str, np.ndarray]
+    """Arrays as sent; `datatypes` holds the datatype each was sent as."""
     request_id: str | None
     requested_outputs: list[str] | None
     parameters: dict[str, Any]
+    datatypes: dict[str, str] = field(default_factory=dict)
+    binary_outputs: dict[str, bool] = field(default_factory=dict)
+    """Output name -> send as binary; outputs not named follow `binary_output_default`."""
+    binary_output_default: bool = False
+
+    def wants_binary(self, output: str) -> bool:
+        return self.binary_outputs.get(output, self.binary_output_default)
 
 
-def _check_shape(raw: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(raw, list) or not all(isinstance(d, int) and d >= 0 for d in raw):
+def parse_header_length(value: str | None, body_length: int) -> int | None:
+    """The JSON header's length from `Inference-Header-Content-Length`, checked against the body."""
+    if value is None:
+        return None
+    if not value.isdigit() or not value.isascii():
         raise ProtocolError(
-            f"{where} 'shape' must be a list of non-negative integers, got {raw!r}."
+            f"Inference-Header-Content-Length must be a non-negative integer, got {value[:40]!r}."
         )
-    return tuple(raw)
+    length = int(value)
+    if length == 0 or length > body_length:
+        raise ProtocolError(
+            f"Inference-Header-Content-Length is {length} but the body has {body_length} bytes; "
+            "it must give the length of the JSON header at the start of the body."
+        )
+    return length
 
 
-def _tensor_from_json(obj: Any, index: int) -> tuple[str, np.ndarray]:
+def _bool_param(params: dict[str, Any], key: str, where: str) -> bool | None:
+    value = params.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ProtocolError(f"{where} parameter '{key}' must be true or false.")
+    return value
+
+
+def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    params = obj.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ProtocolError(f"{where} 'parameters' must be an object when given.")
+    return params
+
+
+def _input_tensor(
+    obj: Any, index: int, binary: memoryview, offset: int
+) -> tuple[str, str, np.ndarray, int]:
+    """(name, datatype, array, new offset into the binary section) of input #index."""
     where = f"input #{index}"
     if not isinstance(obj, dict):
         raise ProtocolError(f"{where} must be an object with name, shape, datatype and data.")
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise ProtocolError(f"{where} has no 'name'; every input tensor needs one.")
-    where = f"input '{name}'"
-    for key in ("shape", "datatype", "data"):
+    where = f"input '{name[:64]}'"
+    for key in ("shape", "datatype"):
         if key not in obj:
             raise ProtocolError(f"{where} has no '{key}'; inputs need name, shape, datatype, data.")
-    shape = _check_shape(obj["shape"], where)
+    shape = check_shape(obj["shape"], where)
     datatype = obj["datatype"]
-    dtype = DATATYPES.get(datatype) if isinstance(datatype, str) else None
-    if dtype is None:
+    dtype_of(datatype, where)
+    size = _params(obj, where).get("binary_data_size")
+    if size is None:
+        if "data" not in obj:
+            raise ProtocolError(
+                f"{where} has no 'data' and no 'binary_data_size' parameter; send one of them."
+            )
+        return name, datatype, from_json_data(obj["data"], datatype, shape, where), offset
+    if "data" in obj:
+        raise ProtocolError(f"{where} has both 'data' and 'binary_data_size'; send one of them.")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ProtocolError(f"{where} 'binary_data_size' must be a non-negative integer.")
+    if offset + size > len(binary):
         raise ProtocolError(
-            f"{where} has datatype {datatype!r}, which the protocol does not define; "
-            f"use one of {', '.join(DATATYPES)}."
+            f"{where} claims {size} bytes of binary data but only {len(binary) - offset} remain "
+            "after the JSON header (see Inference-Header-Content-Length)."
         )
-    data = obj["data"]
-    if not isinstance(data, list):
-        raise ProtocolError(f"{where} 'data' must be a JSON array (flat or nested, row-major).")
-    try:
-        array = np.asarray(data, dtype=dtype)
-    except (ValueError, TypeError, OverflowError):
-        raise ProtocolError(
-            f"{where} 'data' cannot be read as {datatype}; send a flat or rectangular nested "
-            "array of numbers."
-        ) from None
-    expected = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if array.size != expected:
-        raise ProtocolError(
-            f"{where} has {array.size} values in 'data' but shape {list(shape)} needs {expected}."
-        )
-    return name, array.reshape(shape)
+    array = from_raw(binary[offset : offset + size], datatype, shape, where)
+    return name, datatype, array, offset + size
 
 
-def parse_infer_request(body: bytes) -> InferRequest:
-    """Decode an inference request body into numpy arrays; shapes are not yet checked."""
+def parse_infer_request(body: bytes, header_length: int | None = None) -> InferRequest:
+    """Decode a request body (JSON, or JSON header + binary data) into numpy arrays."""
+    view = memoryview(body)
+    header = view if header_length is None else view[:header_length]
+    binary = view[len(header) :]
     try:
-        obj = _loads(body)
-    except _DECODE_ERRORS:
+        obj = _loads(header)
+    except orjson.JSONDecodeError:
         raise ProtocolError(
-            "request body is not valid JSON; send an inference request object."
+            "request body is not valid JSON; send an inference request object (with binary "
+            "data, set Inference-Header-Content-Length to the JSON header's length)."
         ) from None
     if not isinstance(obj, dict):
         raise ProtocolError("request body must be a JSON object with an 'inputs' array.")
     inputs_raw = obj.get("inputs")
     if not isinstance(inputs_raw, list) or not inputs_raw:
         raise ProtocolError("request has no 'inputs' array; send at least one input tensor.")
-    inputs: dict[str, np.ndarray] = {}
+    request = InferRequest({}, None, None, _params(obj, "the request"))
+    offset = 0
     for i, raw in enumerate(inputs_raw):
-        name, array = _tensor_from_json(raw, i)
-        if name in inputs:
-            raise ProtocolError(f"input '{name}' appears twice; send each input once.")
-        inputs[name] = array
-    outputs_raw = obj.get("outputs")
-    requested: list[str] | None = None
-    if outputs_raw is not None:
-        if not isinstance(outputs_raw, list) or not all(
-            isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs_raw
-        ):
-            raise ProtocolError("'outputs' must be an array of objects with a 'name'.")
-        requested = [o["name"] for o in outputs_raw]
+        name, datatype, array, offset = _input_tensor(raw, i, binary, offset)
+        if name in request.inputs:
+            raise ProtocolError(f"input '{name[:64]}' appears twice; send each input once.")
+        request.inputs[name] = array
+        request.datatypes[name] = datatype
+    if offset != len(binary):
+        raise ProtocolError(
+            f"the body has {len(binary) - offset} bytes of binary data that no input claims "
+            "with 'binary_data_size'."
+        )
+    _read_outputs(obj.get("outputs"), request)
     request_id = obj.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError("'id' must be a string when given.")
-    params = obj.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise ProtocolError("'parameters' must be an object when given.")
-    return InferRequest(inputs, request_id, requested, params)
+    request.request_id = request_id
+    if "classification" in request.parameters:
+        raise ProtocolError("the classification extension is not supported; omit 'classification'.")
+    default = _bool_param(request.parameters, "binary_data_output", "the request")
+    request.binary_output_default = bool(default)
+    return request
+
+
+def _read_outputs(outputs_raw: Any, request: InferRequest) -> None:
+    if outputs_raw is None:
+        return
+    if not isinstance(outputs_raw, list) or not all(
+        isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs_raw
+    ):
+        raise ProtocolError("'outputs' must be an array of objects with a 'name'.")
+    request.requested_outputs = []
+    for o in outputs_raw:
+        where = f"output '{o['name'][:64]}'"
+        params = _params(o, where)
+        if "classification" in params:
+            raise ProtocolError(
+                "the classification extension is not supported; omit 'classification'."
+            )
+        binary = _bool_param(params, "binary_data", where)
+        if binary is not None:
+            request.binary_outputs[o["name"]] = binary
+        request.requested_outputs.append(o["name"])
 
 
 def check_inputs(
     request: InferRequest, spec: TensorSpec, max_batch_size: int, model: str
 ) -> np.ndarray:
-    """The one input array of a single-input model, checked against its signature."""
+    """The one input array of a single-input model, checked and converted to its signature."""
     if spec.name not in request.inputs:
-        got = ", ".join(repr(n) for n in request.inputs)
+        got = ", ".join(repr(n[:64]) for n in request.inputs)
         raise ProtocolError(
             f"model '{model}' has input '{spec.name}' but the request sent {got}; "
             f"name the input '{spec.name}'."
@@ -202,19 +253,16 @@ def check_inputs(
     extra = [n for n in request.inputs if n != spec.name]
     if extra:
         raise ProtocolError(
-            f"model '{model}' has no input named {extra[0]!r}; its only input is '{spec.name}'."
+            f"model '{model}' has no input named {extra[0][:64]!r}; its only input is "
+            f"'{spec.name}'."
         )
     array = request.inputs[spec.name]
-    datatype = datatype_of_array(array)
-    if datatype != spec.datatype:
-        raise ProtocolError(
-            f"input '{spec.name}' of model '{model}' has datatype {spec.datatype}, "
-            f"but the request sent {datatype}."
-        )
+    sent = request.datatypes.get(spec.name) or datatype_of_array(array)
+    where = f"input '{spec.name}' of model '{model}'"
     if array.ndim != len(spec.shape) + 1 or tuple(array.shape[1:]) != spec.shape:
         raise ProtocolError(
-            f"input '{spec.name}' of model '{model}' has shape {[-1, *spec.shape]} "
-            f"(batch first), but the request sent {list(array.shape)}."
+            f"{where} has shape {[-1, *spec.shape]} (batch first), but the request sent "
+            f"{list(array.shape)}."
         )
     batch = array.shape[0]
     if batch < 1 or batch > max_batch_size:
@@ -222,7 +270,7 @@ def check_inputs(
             f"input '{spec.name}' has batch size {batch}; model '{model}' accepts 1 to "
             f"{max_batch_size} per request."
         )
-    return array
+    return convert(array, sent, spec.datatype, where)
 
 
 def check_requested_outputs(request: InferRequest, outputs: list[TensorSpec], model: str) -> None:
@@ -230,35 +278,41 @@ def check_requested_outputs(request: InferRequest, outputs: list[TensorSpec], mo
     for name in request.requested_outputs or []:
         if name not in known:
             raise ProtocolError(
-                f"model '{model}' has no output named {name!r}; its outputs are "
+                f"model '{model}' has no output named {name[:64]!r}; its outputs are "
                 f"{', '.join(sorted(known))}."
             )
+    for name in request.binary_outputs:
+        if name not in known:
+            raise ProtocolError(f"model '{model}' has no output named {name[:64]!r}.")
 
 
 def infer_response_body(
-    model: str, version: str, request_id: str | None, output: TensorSpec, array: np.ndarray
-) -> bytes:
-    body: dict[str, Any] = {
-        "model_name": model,
-        "model_version": version,
-        "outputs": [
-            {
-                "name": output.name,
-                "datatype": datatype_of_array(array),
-                "shape": list(array.shape),
-                "data": _flat(array),
-            }
-        ],
+    model: str,
+    version: str,
+    request_id: str | None,
+    output: TensorSpec,
+    array: np.ndarray,
+    binary: bool = False,
+) -> tuple[bytes, int | None]:
+    """(body, JSON header length or None): JSON, or JSON header + raw output when `binary`."""
+    tensor: dict[str, Any] = {
+        "name": output.name,
+        "datatype": datatype_of_array(array),
+        "shape": list(array.shape),
     }
+    raw = b""
+    if binary:
+        raw = to_raw(array)
+        tensor["parameters"] = {"binary_data_size": len(raw)}
+    else:
+        tensor["data"] = to_json_data(array)
+    body: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": [tensor]}
     if request_id is not None:
         body["id"] = request_id
-    return _dumps(body)
-
-
-def _flat(array: np.ndarray) -> Any:
-    flat = np.ascontiguousarray(array).reshape(-1)
-    # orjson writes float32/int arrays natively; float16 and bool it does not, lists it does.
-    return flat if flat.dtype in (np.float32, np.float64, np.int32, np.int64) else flat.tolist()
+    header = _dumps(body)
+    if not binary:
+        return header, None
+    return header + raw, len(header)
 
 
 def error_body(message: str) -> bytes:
@@ -270,7 +324,7 @@ def encode_request_bytes(
 ) -> bytes:
     """A client-side helper: the JSON body of an inference request for one input."""
     req = encode_request(array, input_name, request_id)
-    req["inputs"][0]["data"] = _flat(array)
+    req["inputs"][0]["data"] = to_json_data(array)
     return _dumps(req)
 
 
@@ -294,77 +348,6 @@ def encode_request(
 
 
 def decode_output(response: dict[str, Any], index: int = 0) -> np.ndarray:
-    """A client-side helper: one output tensor of an inference response as a numpy array."""
+    """A client-side helper: one output tensor of a JSON inference response as a numpy array."""
     out = response["outputs"][index]
     return np.asarray(out["data"], dtype=DATATYPES[out["datatype"]]).reshape(out["shape"])
-
-
-# Schemas for the OpenAPI document; requests are parsed by hand for speed (see module docstring).
-class RequestInput(BaseModel):
-    name: str
-    shape: list[int] = Field(description="Full shape, batch axis first, e.g. [1, 3, 32, 32].")
-    datatype: str = Field(description="BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64, BYTES.")
-    parameters: dict[str, Any] | None = None
-    data: list[Any] = Field(description="Row-major values, flat or nested.")
-
-
-class RequestOutput(BaseModel):
-    name: str
-    parameters: dict[str, Any] | None = None
-
-
-class InferenceRequest(BaseModel):
-    id: str | None = None
-    parameters: dict[str, Any] | None = None
-    inputs: list[RequestInput]
-    outputs: list[RequestOutput] | None = None
-
-
-class ResponseOutput(BaseModel):
-    name: str
-    shape: list[int]
-    datatype: str
-    parameters: dict[str, Any] | None = None
-    data: list[Any]
-
-
-class InferenceResponse(BaseModel):
-    model_name: str
-    model_version: str | None = None
-    id: str | None = None
-    parameters: dict[str, Any] | None = None
-    outputs: list[ResponseOutput]
-
-
-class ErrorResponse(BaseModel):
-    error: str
-
-
-class TensorMetadata(BaseModel):
-    name: str
-    datatype: str
-    shape: list[int]
-
-
-class ModelMetadata(BaseModel):
-    name: str
-    versions: list[str] | None = None
-    platform: str
-    inputs: list[TensorMetadata]
-    outputs: list[TensorMetadata]
-
-
-class ServerMetadata(BaseModel):
-    name: str
-    version: str
-    extensions: list[str]
-
-
-class ModelReady(BaseModel):
-    name: str
-    ready: bool
-
-
-class ServerHealth(BaseModel):
-    live: bool | None = None
-    ready: bool | None = None

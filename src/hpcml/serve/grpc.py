@@ -1,0 +1,223 @@
+"""The Open Inference Protocol v2 over gRPC: `inference.GRPCInferenceService` with grpcio.
+
+Serves ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer of
+KServe's `grpc_predict_v2.proto` (stubs in `oip_pb`), which Triton's `grpc_service.proto`
+extends with the same messages, so tritonclient's and KServe's gRPC clients both work. The
+server is a `grpc.aio` server on the HTTP server's event loop, started by the app's lifespan:
+requests go through the same router, batchers, errors and metrics as REST (`inference`).
+Inputs arrive as `raw_input_contents` (what stock clients send) or typed `contents`; outputs
+always leave as `raw_output_contents`, as Triton answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+
+import hpcml
+from hpcml.errors import ConfigError
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.inference import (
+    EXTENSIONS,
+    InferFailure,
+    model_is_ready,
+    model_metadata,
+    run_infer,
+)
+from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
+from hpcml.serve.protocol import InferRequest
+from hpcml.serve.router import NotFound, Router
+from hpcml.serve.tensors import (
+    DATATYPES,
+    ProtocolError,
+    check_shape,
+    datatype_of_array,
+    dtype_of,
+    element_count,
+    from_raw,
+    to_raw,
+)
+
+# Typed `contents` field of each datatype (FP16 has none: it must be sent raw).
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def _from_contents(contents: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    field = _CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise ProtocolError(f"{where} is {datatype}, which must be sent in raw_input_contents.")
+    values = getattr(contents, field)
+    expected = element_count(shape)
+    if len(values) != expected:
+        raise ProtocolError(
+            f"{where} has {len(values)} values in contents.{field} but shape {list(shape)} "
+            f"needs {expected}."
+        )
+    dtype = DATATYPES[datatype]
+    if dtype.kind == "O":
+        array = np.empty(expected, dtype=object)
+        array[:] = list(values)
+    elif dtype.kind in "iu" and dtype.itemsize < 4:
+        wide = np.array(values, dtype=np.int64)
+        info = np.iinfo(dtype)
+        if wide.size and (wide.min() < info.min or wide.max() > info.max):
+            raise ProtocolError(f"{where} holds values outside the range of {datatype}.")
+        array = wide.astype(dtype)
+    else:
+        array = np.array(values, dtype=dtype)
+    return array.reshape(shape)
+
+
+def _param(value: Any) -> Any:
+    return getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+
+
+def request_from_grpc(msg: Any) -> InferRequest:
+    """An `InferRequest` from a ModelInferRequest; client mistakes raise ProtocolError."""
+    if not msg.inputs:
+        raise ProtocolError("request has no inputs; send at least one input tensor.")
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise ProtocolError(
+            f"raw_input_contents has {len(raw)} entries for {len(msg.inputs)} inputs; send one "
+            "per input, in input order."
+        )
+    params = {k: _param(v) for k, v in msg.parameters.items()}
+    if "classification" in params:
+        raise ProtocolError("the classification extension is not supported; omit 'classification'.")
+    request = InferRequest({}, msg.id or None, None, params)
+    for i, tensor in enumerate(msg.inputs):
+        if not tensor.name:
+            raise ProtocolError(f"input #{i} has no name; every input tensor needs one.")
+        where = f"input '{tensor.name[:64]}'"
+        if tensor.name in request.inputs:
+            raise ProtocolError(f"{where} appears twice; send each input once.")
+        shape = check_shape(list(tensor.shape), where)
+        dtype_of(tensor.datatype, where)
+        if raw:
+            if tensor.HasField("contents"):
+                raise ProtocolError(f"{where} has contents and raw_input_contents; send one.")
+            array = from_raw(raw[i], tensor.datatype, shape, where)
+        else:
+            array = _from_contents(tensor.contents, tensor.datatype, shape, where)
+        request.inputs[tensor.name] = array
+        request.datatypes[tensor.name] = tensor.datatype
+    if msg.outputs:
+        request.requested_outputs = [o.name for o in msg.outputs]
+    return request
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, router: Router, config: ServeConfig, metrics: ServeMetrics) -> None:
+        self.router = router
+        self.config = config
+        self.metrics = metrics
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC names
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return pb.ServerReadyResponse(ready=self.router.ready)
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            ready = model_is_ready(self.router, request.name, request.version or None)
+        except NotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return pb.ServerMetadataResponse(
+            name="hpcml", version=hpcml.__version__, extensions=EXTENSIONS
+        )
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            meta = model_metadata(self.router, request.name, request.version or None)
+        except NotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[tensor(**t) for t in meta["inputs"]],
+            outputs=[tensor(**t) for t in meta["outputs"]],
+        )
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+        async def read() -> InferRequest:
+            return request_from_grpc(request)
+
+        try:
+            answer = await run_infer(
+                self.router,
+                self.config,
+                self.metrics,
+                "grpc",
+                request.model_name,
+                request.model_version or None,
+                read,
+            )
+        except InferFailure as failure:
+            await context.abort(grpc.StatusCode[failure.grpc_code], failure.message)
+        out = answer.output
+        mv = answer.version
+        return pb.ModelInferResponse(
+            model_name=request.model_name,
+            model_version=mv.version,
+            id=request.id,
+            outputs=[
+                pb.ModelInferResponse.InferOutputTensor(
+                    name=mv.output.name, datatype=datatype_of_array(out), shape=list(out.shape)
+                )
+            ],
+            raw_output_contents=[to_raw(out)],
+        )
+
+
+async def start_grpc_server(
+    router: Router, config: ServeConfig, metrics: ServeMetrics
+) -> tuple[Any, int]:
+    """Start the gRPC endpoint on `config.host:config.grpc_port`; returns (server, bound port)."""
+    assert config.grpc_port is not None
+    server = grpc.aio.server(
+        maximum_concurrent_rpcs=config.limit_concurrency,
+        options=[
+            ("grpc.max_receive_message_length", config.max_body_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+        InferenceServicer(router, config, metrics), server
+    )
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    try:
+        port = server.add_insecure_port(f"{host}:{config.grpc_port}")
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise ConfigError(
+            f"cannot listen for gRPC on {config.host}:{config.grpc_port} (in use, or not an "
+            "address of this machine); pick another --grpc-port."
+        )
+    await server.start()
+    return server, port

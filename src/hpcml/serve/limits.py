@@ -1,0 +1,128 @@
+"""Pure ASGI limits in front of the app: request body size and requests in flight.
+
+Both answer in the protocol's error form (`{"error": "..."}`) without reading the body, and
+both are plain ASGI (no copy of the body, no per-request task) because they sit on every
+request's path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from hpcml.serve.protocol import error_body
+
+JSON = "application/json"
+ASGIApp = Callable[
+    [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
+    Awaitable[None],
+]
+
+
+async def send_error(
+    send: Callable[[Any], Awaitable[None]],
+    status: int,
+    message: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    body = error_body(message)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", JSON.encode()),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyTooLarge(Exception):
+    """Raised by the receive channel once the body passes the limit; routes may turn it into
+    their own 413 (the inference route does, so the request is counted in the metrics)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(
+            f"request body is larger than the server's limit of {max_bytes} bytes; "
+            "send fewer samples per request."
+        )
+
+
+class BodyLimit:
+    """Answer 413 for bodies over the limit, before reading them whole (pure ASGI: no copy)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _reject(self, send: Callable[[Any], Awaitable[None]]) -> None:
+        await send_error(send, 413, str(BodyTooLarge(self.max_bytes)))
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope["headers"]:
+            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._reject(send)
+                return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._reject(send)
+
+
+# Probes and scrapes must answer while the server is saturated, or an orchestrator would take
+# a busy replica for a dead one.
+_EXEMPT_PREFIXES = ("/v2/health/", "/metrics")
+
+
+class ConcurrencyLimit:
+    """Answer 503 + Retry-After at once when `limit` requests are already in flight."""
+
+    def __init__(self, app: ASGIApp, limit: int, retry_after_s: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.in_flight = 0
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"].startswith(_EXEMPT_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            await send_error(
+                send,
+                503,
+                f"the server is handling its limit of {self.limit} concurrent requests; "
+                "retry later.",
+                [(b"retry-after", str(self.retry_after_s).encode())],
+            )
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1

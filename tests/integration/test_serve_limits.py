@@ -1,0 +1,69 @@
+"""Server limits over a real uvicorn on loopback: requests in flight, and their exemptions."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from hpcml.models.export import save_export
+from hpcml.models.zoo import build_model
+from hpcml.serve.app import build_app
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.protocol import encode_request_bytes
+from hpcml.serve.testing import running_server
+
+ARGS = {"hidden": 8, "depth": 1, "input_shape": [2, 2]}
+
+
+def test_requests_past_the_concurrency_limit_get_503_at_once(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build_model("mlp", ARGS).eval()
+    export = save_export(tmp_path / "export", model, "mlp", ARGS, (2, 2), (10,))
+    cfg = ServeConfig.model_validate(
+        {"limit_concurrency": 2, "retry_after_s": 3, "defaults": {"isolation": "thread"}}
+    )
+    payload = encode_request_bytes(np.zeros((1, 2, 2), np.float32))
+
+    async def main(url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        head = (
+            f"POST /v2/models/digits/infer HTTP/1.1\r\nhost: {host}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+        ).encode()
+        # Two requests held in flight over raw sockets: headers and 5 bytes of body sent, the
+        # rest withheld, so the server is waiting for their bodies.
+        held = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head + payload[:5])
+            await writer.drain()
+            held.append((reader, writer))
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            refused = None
+            for _ in range(600):  # until both held requests have reached the app
+                r = await c.post("/v2/models/digits/infer", content=payload)
+                if r.status_code == 503:
+                    refused = r
+                    break
+                await asyncio.sleep(0.05)
+            assert refused is not None, "the third concurrent request was never refused"
+            assert refused.headers["retry-after"] == "3"
+            assert "limit of 2 concurrent requests" in refused.json()["error"]
+            # Probes and scrapes are exempt: a saturated replica is not a dead one.
+            assert (await c.get("/v2/health/ready")).status_code == 200
+            assert (await c.get("/metrics")).status_code == 200
+            for reader, writer in held:
+                writer.write(payload[5:])
+                await writer.drain()
+                status_line = await reader.readline()
+                assert status_line.startswith(b"HTTP/1.1 200"), status_line
+                writer.close()
+            # Once they finish, requests are let in again.
+            assert (await c.post("/v2/models/digits/infer", content=payload)).status_code == 200
+
+    with running_server(build_app(export, cfg, name="digits")) as url:
+        asyncio.run(main(url))
