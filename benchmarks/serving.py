@@ -7,16 +7,24 @@ Four servers answer the same Open Inference Protocol request for the same export
   litserve        LitServe with its batching (max_batch_size 32, batch_timeout 2 ms)
   fastapi         a plain FastAPI endpoint, one forward pass per request
 
-All four run at the same time, each in its own process with one torch thread per model
-instance, and are driven in turns by the open-loop Poisson load generator of `hpcml loadtest`
-(latency measured from the intended send time) at rising rates, so background load on the
-machine hits each of them alike; each (server, rate) step runs `--repeats` times and the run
-with the lower p99 counts, so a burst of someone else's load does not decide it. A server's
-capacity at a p99 objective is the highest throughput it sustained without errors and with
-p99 within the objective; ratios compare capacities at the same objective.
+All run at the same time, each in its own process with one torch thread per model instance,
+and are driven in turns by the open-loop Poisson load generator of `hpcml loadtest` (latency
+measured from the intended send time; errors and client timeouts count in the p99). A server's
+capacity at a p99 objective is found by bisection on the rate: the rate doubles from 20/s until
+a step fails (an error, or p99 of all requests over the objective), or halves until one passes,
+then the bracket is halved
+geometrically until its ends are within 5% of each other; the capacity is the throughput of the
+highest passing step. Each (server, objective) is measured `--repeats` times (at least 3),
+servers in a rotating order per repetition so background load hits each alike; the report gives
+the median with the minimum and maximum, and ratios of medians.
 
-    python benchmarks/serving.py              # ~6 minutes on 2 cores
-    python benchmarks/serving.py --quick      # shorter steps, for a smoke run
+LitServe runs in its documented fast configuration where the installed version has it
+(`fast_queue=True`), with batching (max 32, 2 ms) and one worker, as `hpcml serve` has; a
+server whose package is missing is skipped and listed as such. Ray Serve is not included yet.
+Requests are OIP JSON only (binary tensors are not measured here).
+
+    python benchmarks/serving.py              # 4 servers x 2 objectives x 3 repeats: ~20 min
+    python benchmarks/serving.py --quick      # 1 s steps, 3 repeats, 2 servers: a smoke run
 
 Writes benchmarks/results/serving.{json,png,md}.
 """
@@ -118,7 +126,12 @@ def serve_litserve(export: str, port: int) -> None:
     api = BenchAPI(
         export, max_batch_size=MAX_BATCH, batch_timeout=QUEUE_DELAY_MS / 1000, api_path=INFER_PATH
     )
-    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60)
+    import inspect
+
+    fast = {"fast_queue": True}
+    if "fast_queue" not in inspect.signature(ls.LitServer.__init__).parameters:
+        fast = {}  # an older LitServe: its default queue
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60, **fast)
     server.run(
         host="127.0.0.1",
         port=port,
@@ -293,18 +306,60 @@ def _step(
         "throughput": r.throughput,
         "achieved_rate": r.achieved_rate,
         "latency_ms": r.latency_ms,
+        "latency_all_ms": r.latency_all_ms,
+        "not_sent": r.not_sent,
         "send_lag_ms_p99": r.send_lag_ms_p99,
     }
 
 
 def _sustained(step: dict[str, Any], slo_ms: float) -> bool:
-    # Open loop: a server that falls behind builds a queue, which shows in p99 at once.
-    return not step["errors"] and step["latency_ms"].get("p99", float("inf")) <= slo_ms
+    # Every request counts: errors and client timeouts are in p99 of all requests.
+    lat = step.get("latency_all_ms") or {}
+    return not step["errors"] and lat.get("p99", float("inf")) <= slo_ms
 
 
-def _capacity(steps: list[dict[str, Any]], slo_ms: float) -> dict[str, Any] | None:
-    good = [s for s in steps if _sustained(s, slo_ms)]
-    return max(good, key=lambda s: s["throughput"]) if good else None
+def bisect_capacity(
+    measure: Any,
+    slo_ms: float,
+    start: float = 20.0,
+    ceiling: float = 20_000.0,
+    floor: float = 1.0,
+    tol: float = 0.05,
+) -> dict[str, Any]:
+    """Highest sustained rate at `slo_ms`, bracketed to within `tol` (hi / lo <= 1 + tol).
+
+    `measure(rate) -> step`; returns the best passing step, the bracket and every step."""
+    steps: list[dict[str, Any]] = []
+
+    def ok(rate: float) -> bool:
+        step = measure(rate)
+        steps.append(step)
+        return _sustained(step, slo_ms)
+
+    if ok(start):  # double up to the first failing rate
+        lo = start
+        while lo * 2 <= ceiling and ok(lo * 2):
+            lo *= 2
+        hi = lo * 2
+    else:  # halve down to the first passing rate (none below `floor`: capacity 0)
+        hi = start
+        while hi / 2 >= floor and not ok(hi / 2):
+            hi /= 2
+        lo = hi / 2 if hi / 2 >= floor else 0.0
+    while lo > 0 and hi / lo > 1 + tol:
+        mid = (lo * hi) ** 0.5
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    passing = [st for st in steps if _sustained(st, slo_ms)]
+    best = max(passing, key=lambda st: st["throughput"]) if passing else None
+    return {
+        "capacity_rps": best["throughput"] if best else 0.0,
+        "bracket": [lo, hi],
+        "p99_ms": best["latency_all_ms"]["p99"] if best else None,
+        "steps": steps,
+    }
 
 
 def main() -> None:
@@ -314,14 +369,10 @@ def main() -> None:
     p.add_argument("--serve", choices=["litserve", "fastapi"], help=argparse.SUPPRESS)
     p.add_argument("--export", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="One 2 s run per step, for a smoke test.")
-    p.add_argument(
-        "--repeats", type=int, default=2, help="Runs per (server, rate); the lower p99 counts."
-    )
-    p.add_argument("--slo-ms", type=float, default=100.0, help="Headline p99 objective (ms).")
-    p.add_argument(
-        "--slo-list", default="50,100,250,500", help="Also report capacity at these p99s (ms)."
-    )
+    p.add_argument("--quick", action="store_true", help="1 s steps, hpcml servers only.")
+    p.add_argument("--repeats", type=int, default=3, help="Bisections per (server, objective).")
+    p.add_argument("--slo-list", default="50,100", help="p99 objectives (ms).")
+    p.add_argument("--step-s", type=float, default=3.0, help="Seconds per measured rate.")
     p.add_argument("--servers", default="hpcml-batched,hpcml-bs1,litserve,fastapi")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -329,15 +380,19 @@ def main() -> None:
         return serve_litserve(args.export, args.port)
     if args.serve == "fastapi":
         return serve_fastapi(args.export, args.port)
+    if args.repeats < 3 and not args.quick:
+        raise SystemExit("--repeats must be at least 3: the report gives a median and spread.")
 
     sys.path.insert(0, str(ROOT / "src"))
     from hpcml.serve.protocol import encode_request_bytes
 
-    step_s = 2.0 if args.quick else 3.0
-    repeats = 1 if args.quick else args.repeats
-    kinds = args.servers.split(",")
-    rates = [20.0 * 1.4**i for i in range(19)]  # 20 .. ~8,500 requests/s
-    slos = sorted({args.slo_ms, *(float(x) for x in args.slo_list.split(","))})
+    step_s = 1.0 if args.quick else args.step_s
+    kinds = ["hpcml-batched", "hpcml-bs1"] if args.quick else args.servers.split(",")
+    skipped = {}
+    if "litserve" in kinds and ls is None:
+        kinds.remove("litserve")
+        skipped["litserve"] = "litserve is not installed (pip install litserve)"
+    slos = sorted(float(x) for x in args.slo_list.split(","))
     payload = encode_request_bytes(
         np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
     )
@@ -346,7 +401,9 @@ def main() -> None:
     load_before = os.getloadavg()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     bases: dict[str, str] = {}
-    results: dict[str, dict[str, Any]] = {k: {"steps": [], "closed_loop": None} for k in kinds}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        k: {f"{slo:g}": [] for slo in slos} for k in kinds
+    }
     try:
         for kind in kinds:
             port = _free_port()
@@ -354,53 +411,36 @@ def main() -> None:
             procs[kind], bases[kind] = proc, f"http://127.0.0.1:{port}"
             _wait(bases[kind] + health, proc)
             _step(bases[kind], payload, None, 4, 1.0)  # warm-up: connections, allocator, caches
-        print(f"{'server':<15} {'target/s':>9} {'ok/s':>9} {'p50 ms':>9} {'p99 ms':>9}  errors")
-        failing = {k: 0 for k in kinds}
-        for rate in rates:
-            active = [k for k in kinds if failing[k] < 2]
-            if not active:
-                break
-            for kind in active:
-                # Bursts of load from elsewhere on a shared machine hit single runs; the best
-                # of a few runs per step is what the server can do (each server gets as many).
-                runs = [
-                    _step(bases[kind], payload, rate, None, step_s, procs[kind].pid)
-                    for _ in range(repeats)
-                ]
-                s = min(
-                    runs,
-                    key=lambda r: (
-                        r["latency_ms"].get("p99", float("inf")) + 1e9 * bool(r["errors"])
-                    ),
-                )
-                s["runs_p99_ms"] = [r["latency_ms"].get("p99") for r in runs]
-                results[kind]["steps"].append(s)
-                # Go on while the loosest SLO holds, so every SLO finds its capacity.
-                failing[kind] = 0 if _sustained(s, slos[-1]) else failing[kind] + 1
-                lat = s["latency_ms"]
-                print(
-                    f"{kind:<15} {rate:>9.0f} {s['throughput']:>9.1f} {lat.get('p50', float('nan')):>9.2f} "
-                    f"{lat.get('p99', float('nan')):>9.2f}  {s['errors'] or ''}",
-                    flush=True,
-                )
-        for kind in kinds:
-            results[kind]["closed_loop"] = _step(
-                bases[kind], payload, None, 32, step_s, procs[kind].pid
-            )
+        for rep in range(args.repeats):
+            order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+            for slo in slos:
+                for kind in order:
+                    found = bisect_capacity(
+                        lambda rate, k=kind: _step(
+                            bases[k], payload, rate, None, step_s, procs[k].pid
+                        ),
+                        slo,
+                    )
+                    runs[kind][f"{slo:g}"].append(found)
+                    print(
+                        f"repeat {rep + 1}  p99 <= {slo:g} ms  {kind:<15} capacity "
+                        f"{found['capacity_rps']:8.1f}/s  bracket {found['bracket'][0]:.0f}.."
+                        f"{found['bracket'][1]:.0f}/s  ({len(found['steps'])} steps)",
+                        flush=True,
+                    )
     finally:
         for proc in procs.values():
             _stop(proc)
 
-    summary = _summarize(results, args.slo_ms)
-    summary["by_slo"] = {f"{slo:g}": _summarize(results, slo) for slo in slos}
-    for by in summary["by_slo"].values():
-        by.pop("closed_loop_32")
     report = {
         "benchmark": "serving",
         "model": {**MODEL, "parameters": params, "input_shape": [3, 32, 32]},
-        "slo_p99_ms": args.slo_ms,
+        "encoding": "OIP JSON (binary tensors not measured)",
+        "objectives_p99_ms": slos,
         "step_s": step_s,
-        "repeats": repeats,
+        "repeats": args.repeats,
+        "tolerance": 0.05,
+        "skipped": skipped,
         "batching": {"max_batch_size": MAX_BATCH, "max_queue_delay_ms": QUEUE_DELAY_MS},
         "machine": {
             "cpus": os.cpu_count(),
@@ -409,138 +449,70 @@ def main() -> None:
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
         },
-        "summary": summary,
-        "servers": results,
+        "summary": _summarize(runs),
+        "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serving.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "serving.md").write_text(_markdown(report))
-    _plot(report, args.out / "serving.png")
+    name = "serving_quick" if args.quick else "serving"
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(_markdown(report))
     print()
     print(_markdown(report))
 
 
-def _summarize(results: dict[str, dict[str, Any]], slo_ms: float) -> dict[str, Any]:
-    cap = {k: _capacity(v["steps"], slo_ms) for k, v in results.items()}
-    thr = {k: (c["throughput"] if c else 0.0) for k, c in cap.items()}
-
-    def ratio(a: str, b: str) -> float | None:
-        return thr[a] / thr[b] if a in thr and b in thr and thr[b] > 0 else None
-
-    return {
-        "capacity_at_slo_rps": thr,
-        "p99_at_capacity_ms": {k: (c["latency_ms"]["p99"] if c else None) for k, c in cap.items()},
-        "batched_vs_bs1": ratio("hpcml-batched", "hpcml-bs1"),
-        "hpcml_vs_litserve": ratio("hpcml-batched", "litserve"),
-        "hpcml_vs_fastapi": ratio("hpcml-batched", "fastapi"),
-        "server_cpu_ms_per_request": {
-            k: float(np.median(cpus))
-            if (
-                cpus := [
-                    st["server_cpu_ms_per_request"]
-                    for st in v["steps"]
-                    if st.get("server_cpu_ms_per_request") and not st["errors"]
-                ]
-            )
-            else None
-            for k, v in results.items()
-        },
-        "closed_loop_32": {
-            k: {
-                "throughput": v["closed_loop"]["throughput"],
-                "p99_ms": v["closed_loop"]["latency_ms"].get("p99"),
+def _summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Median, minimum and maximum capacity per (server, objective); ratios of medians."""
+    out: dict[str, Any] = {}
+    slos = next(iter(runs.values())).keys() if runs else []
+    for slo in slos:
+        cap = {}
+        for kind, by in runs.items():
+            values = [r["capacity_rps"] for r in by[slo]]
+            cap[kind] = {
+                "median": float(np.median(values)),
+                "min": float(min(values)),
+                "max": float(max(values)),
+                "runs": values,
             }
-            for k, v in results.items()
-            if v["closed_loop"]
-        },
-    }
+
+        def ratio(a: str, b: str, cap: dict[str, Any] = cap) -> float | None:
+            if a in cap and b in cap and cap[b]["median"] > 0:
+                return float(cap[a]["median"] / cap[b]["median"])
+            return None
+
+        out[slo] = {
+            "capacity_rps": cap,
+            "batched_vs_bs1": ratio("hpcml-batched", "hpcml-bs1"),
+            "hpcml_vs_litserve": ratio("hpcml-batched", "litserve"),
+            "hpcml_vs_fastapi": ratio("hpcml-batched", "fastapi"),
+        }
+    return out
 
 
 def _markdown(report: dict[str, Any]) -> str:
-    s = report["summary"]
-    m = report["model"]
     lines = [
-        f"Model `{m['name']}` {m['args']} ({m['parameters'] / 1e6:.1f} M parameters), one sample of "
-        f"3x32x32 per request as OIP JSON; {report['machine']['cpus']} CPU cores, one torch thread "
-        f"per model instance; open-loop Poisson load, {report['step_s']:g} s per rate step, best "
-        f"p99 of {report.get('repeats', 1)} runs.",
+        f"Capacity (req/s) at a p99 objective, bisection to within "
+        f"{report['tolerance']:.0%}, {report['repeats']} repeats, {report['step_s']:g} s per "
+        f"rate; median [min .. max]. {report['encoding']}.",
         "",
-        f"| server | capacity at p99 <= {report['slo_p99_ms']:g} ms (req/s) | p99 there (ms) "
-        "| vs hpcml-bs1 | server CPU per request (ms) | closed loop, 32 clients: req/s | p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    base = s["capacity_at_slo_rps"].get("hpcml-bs1") or 0
-    for k, thr in s["capacity_at_slo_rps"].items():
-        p99 = s["p99_at_capacity_ms"][k]
-        closed = s["closed_loop_32"].get(k, {})
-        cpu = s.get("server_cpu_ms_per_request", {}).get(k)
-        cells = [
-            k,
-            f"{thr:,.0f}" if p99 is not None else "not sustained",
-            f"{p99:.1f}" if p99 is not None else "-",
-            f"{thr / base:.2f}x" if base and p99 is not None else "-",
-            f"{cpu:.2f}" if cpu is not None else "-",
-            f"{closed.get('throughput', 0):,.0f}",
-            f"{closed['p99_ms']:.1f}" if closed.get("p99_ms") is not None else "-",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    fmt = lambda r: f"{r:.2f}x" if r else "n/a"  # noqa: E731
-    by = s.get("by_slo", {})
-    if by:
-        slo_keys = list(by)
+    for slo, by in report["summary"].items():
         lines += [
+            f"p99 <= {slo} ms",
             "",
-            "Capacity (req/s) by p99 objective:",
-            "",
-            "| server | " + " | ".join(f"p99 <= {k} ms" for k in slo_keys) + " |",
-            "|---|" + "---:|" * len(slo_keys),
+            "| server | capacity | vs batch size 1 |",
+            "|---|---:|---:|",
         ]
-        for k in s["capacity_at_slo_rps"]:
-            cells = [f"{by[x]['capacity_at_slo_rps'][k]:,.0f}" for x in slo_keys]
-            lines.append(f"| {k} | " + " | ".join(cells) + " |")
-        for label, key in (
-            ("batched / bs1", "batched_vs_bs1"),
-            ("hpcml / LitServe", "hpcml_vs_litserve"),
-            ("hpcml / FastAPI", "hpcml_vs_fastapi"),
-        ):
-            lines.append(f"| *{label}* | " + " | ".join(fmt(by[x][key]) for x in slo_keys) + " |")
-    lines += [
-        "",
-        f"Dynamic batching vs batch size 1: **{fmt(s['batched_vs_bs1'])}** (goal >= 3x). "
-        f"hpcml vs LitServe: **{fmt(s['hpcml_vs_litserve'])}** (goal >= 1.2x). "
-        f"hpcml vs plain FastAPI: **{fmt(s['hpcml_vs_fastapi'])}**.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _plot(report: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for kind, data in report["servers"].items():
-        steps = [s for s in data["steps"] if s["latency_ms"]]
-        x = [s["throughput"] for s in steps]
-        ax1.plot(x, [s["latency_ms"]["p99"] for s in steps], marker="o", ms=4, label=kind)
-        ax2.plot(x, [s["latency_ms"]["p50"] for s in steps], marker="o", ms=4, label=kind)
-    ax1.axhline(
-        report["slo_p99_ms"], color="grey", ls="--", lw=1, label=f"SLO {report['slo_p99_ms']:g} ms"
-    )
-    for ax, what in ((ax1, "p99"), (ax2, "p50")):
-        ax.set_yscale("log")
-        ax.set_xlabel("throughput (successful requests/s)")
-        ax.set_ylabel(f"{what} latency (ms, from intended send time)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    m = report["model"]
-    ax1.set_title(f"{m['name']} {m['parameters'] / 1e6:.1f}M params: p99 vs throughput")
-    ax2.set_title("p50 vs throughput")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+        base = by["capacity_rps"].get("hpcml-bs1", {}).get("median")
+        for kind, c in by["capacity_rps"].items():
+            vs = f"{c['median'] / base:.2f}x" if base else "-"
+            lines.append(
+                f"| {kind} | {c['median']:.0f} [{c['min']:.0f} .. {c['max']:.0f}] | {vs} |"
+            )
+        lines.append("")
+    for kind, why in report["skipped"].items():
+        lines.append(f"skipped {kind}: {why}")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

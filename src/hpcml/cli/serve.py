@@ -52,6 +52,19 @@ def serve(
     ),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
     json_out: bool = typer.Option(False, "--json", help="Print the startup summary as JSON."),
+    trust_code: bool = typer.Option(
+        False,
+        "--trust-code",
+        help="Let a model.json that names an import path (pkg.mod:build) run that code; "
+        "only for models from people you trust (zoo architectures never need it).",
+    ),
+    follow: bool = typer.Option(
+        False,
+        "--follow",
+        help="With models:/NAME@ALIAS: poll the registry and deploy the version the alias "
+        "moves to (load beside, warm, switch, unload the old one).",
+    ),
+    poll_s: float = typer.Option(10.0, "--poll-s", help="Seconds between registry polls."),
 ) -> None:
     """Serve models over the Open Inference Protocol v2 (REST, and gRPC with --grpc-port) with dynamic batching."""
     from hpcml.serve.app import uvicorn_server
@@ -79,7 +92,7 @@ def serve(
     cfg = build_serve_config(data, "--config and command-line options")
     if cfg.grpc_port:
         _check_port_free(cfg.host, cfg.grpc_port, "--grpc-port")
-    app, summary = _build(path, cfg, name)
+    app, summary = _build(path, cfg, name, trust_code, poll_s if follow else None)
     if json_out:
         print_json(summary)
     else:
@@ -100,10 +113,16 @@ def _check_port_free(host: str, port: int, option: str) -> None:
         ) from None
 
 
-def _build(path: Path | None, cfg: Any, name: str | None) -> tuple[Any, dict[str, Any]]:
+def _build(
+    path: Path | None,
+    cfg: Any,
+    name: str | None,
+    trust_code: bool = False,
+    follow_poll_s: float | None = None,
+) -> tuple[Any, dict[str, Any]]:
     from hpcml.serve.app import build_app
 
-    app = build_app(path, cfg, name=name)
+    app = build_app(path, cfg, name=name, trust_code=trust_code, follow_poll_s=follow_poll_s)
     router = app.state.router
     with err_console.status("loading models"):
         router.load()
@@ -165,6 +184,9 @@ def loadtest(
     duration: float = typer.Option(10.0, "--duration", help="Seconds of load."),
     batch: int = typer.Option(1, "--batch", help="Samples per request."),
     timeout: float = typer.Option(30.0, "--timeout", help="Client timeout per request, seconds."),
+    processes: int = typer.Option(
+        1, "--processes", help="Client processes sharing the load (for rates one loop can't drive)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a latency plot (PNG)."),
     out: Path | None = typer.Option(
@@ -202,6 +224,7 @@ def loadtest(
             batch=batch,
             timeout_s=timeout,
             progress=progress,
+            processes=processes,
         )
     if out is not None:
         write_json_atomic(out, result.to_json(with_timeline=True))
@@ -232,12 +255,19 @@ def _print_loadtest(r: Any) -> None:
         f"{r.achieved_rate:,.1f}/s" + (f" of {r.target_rate:g}/s" if r.target_rate else ""),
     )
     table.add_row("throughput (ok)", f"{r.throughput:,.1f}/s")
+    if r.processes > 1:
+        table.add_row("client processes", str(r.processes))
     for key in ("p50", "p90", "p99", "p99.9", "max"):
         if key in r.latency_ms:
-            table.add_row(f"latency {key}", f"{r.latency_ms[key]:,.2f} ms")
+            table.add_row(f"latency {key} (ok)", f"{r.latency_ms[key]:,.2f} ms")
+    for key in ("p50", "p99", "max"):
+        if key in r.latency_all_ms and r.errors:
+            table.add_row(f"latency {key} (all, errors too)", f"{r.latency_all_ms[key]:,.2f} ms")
     table.add_row("ok", f"{r.ok:,}")
     for status, n in r.errors.items():
         table.add_row(f"errors {status}", f"{n:,}")
+    if r.not_sent:
+        table.add_row("not sent (client in-flight limit)", f"{r.not_sent:,}")
     if r.mode == "open":
         table.add_row("client send lag p99", f"{r.send_lag_ms_p99:,.2f} ms")
     console.print(table)
@@ -257,13 +287,20 @@ def export_onnx_cmd(
         "ARM). Default: chosen from this machine's CPU features.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    trust_code: bool = typer.Option(
+        False,
+        "--trust-code",
+        help="Let a model.json that names an import path (pkg.mod:build) run that code.",
+    ),
 ) -> None:
     """Export to ONNX with a dynamic batch axis, check it against torch, optionally quantize to INT8."""
     from hpcml.serve.onnx_export import check_export_dir, export_onnx
 
     export_dir = check_export_dir(path)
     with err_console.status("exporting to ONNX and measuring"):
-        report = export_onnx(export_dir, int8=int8, opset=opset, reduce_range=reduce_range)
+        report = export_onnx(
+            export_dir, int8=int8, opset=opset, reduce_range=reduce_range, trust_code=trust_code
+        )
     if json_out:
         print_json(report)
         return

@@ -2,7 +2,8 @@
 
 `digits` is scikit-learn's bundled handwritten digits (real data, offline), upsampled to
 3x32x32 so the CIFAR-shaped CNNs take it unchanged. `cifar10` reads the official
-python-pickle batches from a local folder. `synthetic` is random tensors of a given shape.
+python-pickle batches from a local folder (numpy arrays and plain data only: no other global is
+unpickled). `synthetic` is random tensors of a given shape.
 `tokens` reads uint16 token files for language models (`hpcml.data.tokens`).
 """
 
@@ -13,6 +14,7 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,15 +122,43 @@ def _cifar_dir(cfg: DataConfig) -> Path:
     )
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles what a CIFAR-10 batch holds (dicts, lists, bytes, numbers and numpy arrays)
+    and refuses every other global, so a crafted file in data.path cannot run code."""
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        # Protocol-2 pickles written by Python 3 spell bytes as _codecs.encode(str, "latin1").
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise _ForeignObject(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class _ForeignObject(Exception):
+    pass
+
+
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with open(path, "rb") as f:
-            d = pickle.load(f, encoding="bytes")
+            d = _CifarUnpickler(f, encoding="bytes").load()
         data = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
         labels = np.asarray(d[b"labels"], dtype=np.int64)
     except FileNotFoundError:
         raise DataError(
             f"CIFAR-10 file {path} is missing; the folder needs data_batch_1..5 and test_batch."
+        ) from None
+    except _ForeignObject as exc:
+        raise DataError(
+            f"CIFAR-10 file {path} names {exc}, which a CIFAR-10 batch never holds, so it was "
+            "not unpickled; re-download cifar-10-python.tar.gz from the official site."
         ) from None
     except Exception as exc:  # noqa: BLE001 - any unreadable pickle is the same user problem
         raise DataError(

@@ -8,6 +8,11 @@ An export folder holds `model.safetensors` (the full, unsharded state dict) and 
      "task": "classification", "metadata": {...}}
 
 Shapes are per sample; the batch axis is implicit and dynamic.
+
+A model file is data, possibly written by someone else (a shared registry): its architecture
+must be a zoo name. An import path (`pkg.mod:build`) would run that code, so `load_export` and
+`check_architecture` refuse it unless the caller passes `trust_code=True` (`--trust-code`).
+Weights are safetensors, which hold tensors only.
 """
 
 from __future__ import annotations
@@ -71,14 +76,45 @@ def read_export_meta(export_dir: Path) -> dict[str, Any]:
             f"{export_dir} is not an hpcml export: {META} is missing; point at a run's export/ folder."
         )
     try:
-        meta: dict[str, Any] = json.loads(meta_path.read_text())
-    except json.JSONDecodeError:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise ModelError(f"{meta_path} is not valid JSON; re-export the model.") from None
+    if not isinstance(meta, dict):
+        raise ModelError(f"{meta_path} must hold a JSON object; re-export the model.")
     return meta
 
 
-def load_export(export_dir: Path, device: str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
-    """Build the architecture named in model.json and load its weights; eval mode."""
+def check_architecture(meta: dict[str, Any], export_dir: Path, trust_code: bool = False) -> str:
+    """The architecture named in `meta`, refused (one sentence) unless it may be built.
+
+    Checked before anything is imported or built, so a hostile model.json runs nothing.
+    """
+    from hpcml.models.zoo import UntrustedCode, get_spec, is_import_path
+
+    where = Path(export_dir) / META
+    arch = meta.get("architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelError(f"{where} names no architecture (a zoo model name); re-export the model.")
+    if not isinstance(meta.get("args") or {}, dict):
+        raise ModelError(f"{where}: 'args' must be a mapping of builder arguments; re-export.")
+    if is_import_path(arch):
+        if not trust_code:
+            raise UntrustedCode(
+                f"{where} names architecture '{arch}', an import path, and hpcml runs code named "
+                "by a model file only with --trust-code; pass it only if you trust whoever "
+                "wrote that file."
+            )
+        return arch
+    get_spec(arch, trust_code=False)  # an unknown zoo name is refused with the known names
+    return arch
+
+
+def load_export(
+    export_dir: Path, device: str = "cpu", trust_code: bool = False
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the architecture named in model.json and load its weights; eval mode.
+
+    `trust_code=True` lets an import path in model.json run (see `check_architecture`)."""
     from safetensors.torch import load_file
 
     from hpcml.models.zoo import build_model
@@ -87,10 +123,11 @@ def load_export(export_dir: Path, device: str = "cpu") -> tuple[nn.Module, dict[
     if (export_dir / "export" / META).exists():
         export_dir = export_dir / "export"
     meta = read_export_meta(export_dir)
+    arch = check_architecture(meta, export_dir, trust_code)
     weights = export_dir / WEIGHTS
     if not weights.exists():
         raise ModelError(f"{weights} is missing; the export is incomplete, re-export the model.")
-    model = build_model(meta["architecture"], meta.get("args") or {})
+    model = build_model(arch, meta.get("args") or {}, trust_code=trust_code)
     try:
         state = load_file(str(weights), device=device)
         model.load_state_dict(state)

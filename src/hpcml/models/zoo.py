@@ -1,5 +1,11 @@
 """Registry of model builders by name, plus user models by import path (`mypkg.models:build`).
 
+An import path runs the user's code, so it is honoured only where the user opted in: in their
+own training config or on their own command line (`trust_code=True`, the default for those
+callers). A name read from a model file (an export's `model.json`, a registry artifact) is
+data that someone else may have written; `hpcml.models.export` asks with `trust_code=False`,
+and an import path there is refused unless the user passed `--trust-code`.
+
 A spec knows its input shape so that `model info` can count FLOPs by running one forward pass
 under torch's FlopCounterMode (counted, not guessed) and so that exports carry an input spec.
 """
@@ -138,8 +144,22 @@ def _import_builder(path: str) -> Callable[..., nn.Module]:
     return builder  # type: ignore[no-any-return]
 
 
-def get_spec(name: str) -> ModelSpec:
-    if ":" in name:
+class UntrustedCode(ModelError):
+    """An import path where only zoo names are accepted (no `--trust-code`)."""
+
+
+def is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def get_spec(name: str, *, trust_code: bool = True) -> ModelSpec:
+    if is_import_path(name):
+        if not trust_code:
+            raise UntrustedCode(
+                f"model '{name}' is an import path, and code named by a model file runs only "
+                "with --trust-code; pass it if you trust whoever wrote the file, or export "
+                "with a zoo architecture."
+            )
         builder = _import_builder(name)
         shape = tuple(getattr(builder, "input_shape", (3, 32, 32)))
         return ModelSpec(name, builder, shape, description="user model")
@@ -153,8 +173,10 @@ def get_spec(name: str) -> ModelSpec:
     return spec
 
 
-def build_model(name: str, args: dict[str, Any] | None = None) -> nn.Module:
-    spec = get_spec(name)
+def build_model(
+    name: str, args: dict[str, Any] | None = None, *, trust_code: bool = True
+) -> nn.Module:
+    spec = get_spec(name, trust_code=trust_code)
     kwargs = {**spec.defaults, **(args or {})}
     try:
         model = spec.builder(**kwargs)

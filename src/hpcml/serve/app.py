@@ -356,9 +356,17 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
 
 
 def build_app(
-    path: str | Path | None, config: ServeConfig, name: str | None = None, seed: int | None = None
+    path: str | Path | None,
+    config: ServeConfig,
+    name: str | None = None,
+    seed: int | None = None,
+    trust_code: bool = False,
+    follow_poll_s: float | None = None,
 ) -> FastAPI:
-    """The app for PATH (see `resolve_model_source`) with `config`; models load at startup."""
+    """The app for PATH (see `resolve_model_source`) with `config`; models load at startup.
+
+    `trust_code` (`--trust-code`) lets a model.json that names an import path run that code;
+    `follow_poll_s` makes a `models:/NAME@ALIAS` PATH follow its alias (`--follow`)."""
     from hpcml.errors import ConfigError
     from hpcml.serve.repository import ModelSource, resolve_model_source
 
@@ -368,11 +376,15 @@ def build_app(
         else ModelSource("repository", Path("."))
     )
     metrics = ServeMetrics()
-    router = Router.from_source(source, config, metrics, seed)
+    router = Router.from_source(source, config, metrics, seed, trust_code=trust_code)
     if not router.models:
         raise ConfigError(
             "nothing to serve: give a model PATH or versions with paths in the serve config."
         )
+    if follow_poll_s is not None:
+        from hpcml.serve.follow import follow
+
+        follow(router, str(path), follow_poll_s)
     return create_app(router, config, metrics)
 
 

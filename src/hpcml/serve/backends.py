@@ -18,6 +18,7 @@ import pickle
 import signal
 import struct
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,11 +26,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from hpcml.errors import ModelError
-from hpcml.models.export import read_export_meta
+from hpcml.models.export import check_architecture, read_export_meta
 from hpcml.serve.protocol import DATATYPES, TensorSpec, datatype_of
 
 ONNX_FILE = "model.onnx"
 ONNX_INT8_FILE = "model.int8.onnx"
+
+
+class WorkerDied(RuntimeError):
+    """The child process computing batches is gone (killed, crashed); it can be restarted."""
 
 
 class Backend(Protocol):
@@ -74,10 +79,14 @@ class TorchBackend:
         compile: bool = False,
         threads: int | None = None,
         device: str = "auto",
+        trust_code: bool = False,
     ) -> None:
         self.export_dir = export_dir_of(export_dir)
         self.device = device
         self.meta = read_export_meta(self.export_dir)
+        # Refused here, in the server, before any process is started or anything imported.
+        check_architecture(self.meta, self.export_dir, trust_code)
+        self.trust_code = trust_code
         self.input, self.output = signature(self.meta)
         self.compile = compile
         self.threads = threads
@@ -94,7 +103,7 @@ class TorchBackend:
             torch.set_num_threads(self.threads)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, _ = load_export(self.export_dir, device=self.device)
+        model, _ = load_export(self.export_dir, device=self.device, trust_code=self.trust_code)
         # dynamic=True: one graph for every batch size, instead of a recompile per size.
         self._model = torch.compile(model, dynamic=True) if self.compile else model
         if self.compile:
@@ -179,6 +188,7 @@ def _serve_in_child(
     export_dir: str,
     threads: int | None,
     device: str,
+    trust_code: bool = False,
 ) -> None:
     """Body of a ProcessBackend child: load, then answer batches until told to stop.
 
@@ -194,7 +204,7 @@ def _serve_in_child(
         _write_frame(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
-        backend = make_backend(kind, Path(export_dir), threads, device)
+        backend = make_backend(kind, Path(export_dir), threads, device, trust_code=trust_code)
         backend.load()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         answer(("error", (isinstance(exc, ModelError), str(getattr(exc, "message", exc)))))
@@ -220,10 +230,12 @@ class _Frames(asyncio.Protocol):
     caller; a caller that gave up (cancelled) still owns its frame, which is then dropped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
         self.buffer = bytearray()
         self.pending: deque[asyncio.Future[bytes]] = deque()
         self.closed = False
+        self.on_lost = on_lost
+        """Called once when the child's end of the pipe closes: it exited or was killed."""
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -244,6 +256,8 @@ class _Frames(asyncio.Protocol):
             waiter = self.pending.popleft()
             if not waiter.done():
                 waiter.set_exception(EOFError())
+        if self.on_lost is not None:
+            self.on_lost()
 
 
 class ProcessBackend:
@@ -256,21 +270,49 @@ class ProcessBackend:
     """
 
     def __init__(
-        self, kind: str, export_dir: Path, threads: int | None = None, device: str = "auto"
+        self,
+        kind: str,
+        export_dir: Path,
+        threads: int | None = None,
+        device: str = "auto",
+        trust_code: bool = False,
     ) -> None:
-        inner = make_backend(kind, export_dir, threads, device)  # signature only, nothing loaded
+        # Signature only, nothing loaded (an untrusted architecture is refused here already).
+        inner = make_backend(kind, export_dir, threads, device, trust_code=trust_code)
         self.name, self.platform = inner.name, inner.platform
         self.input, self.output = inner.input, inner.output
-        self._args = (kind, str(export_dir), threads, device)
+        self._args = (kind, str(export_dir), threads, device, trust_code)
         self._requests: Connection | None = None
         self._answers: Connection | None = None
         self._frames: _Frames | None = None
         self._transport: asyncio.BaseTransport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None
+        self._on_lost: Callable[[], None] | None = None
 
-    def _died(self) -> RuntimeError:
-        return RuntimeError(f"the inference process died (exit code {self._proc.exitcode})")
+    def _died(self) -> WorkerDied:
+        return WorkerDied(f"the inference process died (exit code {self._proc.exitcode})")
+
+    async def watch(self, on_lost: Callable[[], None]) -> None:
+        """Read answers on this event loop from now on, and call `on_lost` the moment the
+        child's pipe closes, whether or not a batch is in flight (the supervisor's signal)."""
+        self._on_lost = on_lost
+        if self._frames is None:
+            await self._attach()
+
+    async def _attach(self) -> None:
+        assert self._answers is not None
+        loop = asyncio.get_running_loop()
+        frames = _Frames(self._on_lost)
+        # A duplicate descriptor: the transport closes its own, the Connection its own.
+        pipe = os.fdopen(os.dup(self._answers.fileno()), "rb", buffering=0)
+        self._transport, _ = await loop.connect_read_pipe(lambda: frames, pipe)
+        self._frames, self._loop = frames, loop
+
+    def restart(self) -> None:
+        """A fresh child after this one died (blocking: it loads the model); `watch` again."""
+        self.close()
+        self.load()
 
     def load(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -327,11 +369,8 @@ class ProcessBackend:
             raise RuntimeError("the backend is not loaded")
         loop = asyncio.get_running_loop()
         if self._frames is None:
-            frames = _Frames()
-            # A duplicate descriptor: the transport closes its own, the Connection its own.
-            pipe = os.fdopen(os.dup(self._answers.fileno()), "rb", buffering=0)
-            self._transport, _ = await loop.connect_read_pipe(lambda: frames, pipe)
-            self._frames, self._loop = frames, loop
+            await self._attach()
+        assert self._frames is not None
         if self._frames.closed:
             raise self._died()
         answer: asyncio.Future[bytes] = loop.create_future()
@@ -349,6 +388,9 @@ class ProcessBackend:
         return self._result(*pickle.loads(frame))
 
     def close(self) -> None:
+        if self._frames is not None:
+            self._frames.on_lost = None  # closing on purpose is not a death
+            self._frames = None
         if self._requests is not None:
             with contextlib.suppress(OSError):  # the child may be gone already
                 self._requests.send(None)
@@ -377,14 +419,20 @@ def make_backend(
     threads: int | None = None,
     device: str = "auto",
     isolation: str = "thread",
+    trust_code: bool = False,
 ) -> Backend:
-    """A backend of `kind`; `isolation="process"` runs it in a child process."""
+    """A backend of `kind`; `isolation="process"` runs it in a child process.
+
+    `trust_code` lets a torch export whose model.json names an import path run that code;
+    ONNX files hold a graph, not Python, and need no trust."""
     if isolation == "process":
-        return ProcessBackend(kind, export_dir, threads, device)
+        return ProcessBackend(kind, export_dir, threads, device, trust_code)
     if kind == "torch":
-        return TorchBackend(export_dir, threads=threads, device=device)
+        return TorchBackend(export_dir, threads=threads, device=device, trust_code=trust_code)
     if kind == "compile":
-        return TorchBackend(export_dir, compile=True, threads=threads, device=device)
+        return TorchBackend(
+            export_dir, compile=True, threads=threads, device=device, trust_code=trust_code
+        )
     if kind == "onnx":
         return OnnxBackend(export_dir, threads=threads)
     if kind == "onnx-int8":

@@ -6,21 +6,31 @@ preferred size, or when the oldest request has waited `max_queue_delay_ms`; whil
 compute, requests pile up and the next batch is cut at once. A full queue refuses new requests
 immediately (`QueueFull`), so memory never grows without bound; a request not answered within
 its timeout fails with `RequestTimeout` and is dropped from the queue if it has not started.
+
+Supervision: an instance whose child process dies (`WorkerDied`, or its pipe closing while
+idle) is restarted by its worker task with exponential backoff. Its in-flight batch fails with
+`WorkerLost` (retryable: HTTP 503 + Retry-After); while no instance is alive the batcher is not
+`healthy`, queued requests fail with `WorkerLost` at once and new ones are refused the same way,
+so readiness probes and clients see the outage instead of waiting on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcml.serve.backends import Backend
+from hpcml.serve.backends import Backend, WorkerDied
 from hpcml.serve.metrics import BatcherMetrics
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -37,6 +47,10 @@ class BatcherClosed(Exception):
 
 class BackendFailed(Exception):
     """The backend raised while computing the batch this request was in."""
+
+
+class WorkerLost(Exception):
+    """The process that computed (or would compute) this request died; retrying is safe."""
 
 
 @dataclass
@@ -79,6 +93,8 @@ class DynamicBatcher:
         preferred_batch_sizes: Sequence[int] = (),
         max_queue_size: int = 256,
         metrics: BatcherMetrics | None = None,
+        restart_backoff_s: tuple[float, float] = (0.5, 30.0),
+        on_restart: Callable[[], None] | None = None,
     ) -> None:
         if not instances:
             raise ValueError("a batcher needs at least one backend instance")
@@ -95,6 +111,12 @@ class DynamicBatcher:
         self._workers: list[asyncio.Task[None]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._closing = False
+        self.restart_backoff_s = restart_backoff_s
+        """(first delay, longest delay): doubled per restart that did not stay up 30 s."""
+        self.on_restart = on_restart
+        self.restarts = 0
+        self._down: set[int] = set()
+        """Indexes of instances whose process died and is being restarted."""
 
     @property
     def queue_depth(self) -> int:
@@ -105,14 +127,43 @@ class DynamicBatcher:
     def running(self) -> bool:
         return bool(self._workers) and not self._closing
 
+    @property
+    def healthy(self) -> bool:
+        """Some instance is alive to compute (False while every one is being restarted)."""
+        return len(self._down) < len(self.instances)
+
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(len(self.instances), thread_name_prefix="hpcml-infer")
-        self._workers = [asyncio.create_task(self._work(b)) for b in self.instances]
+        for i, backend in enumerate(self.instances):
+            await self._watch(i, backend)
+        self._workers = [asyncio.create_task(self._work(i)) for i in range(len(self.instances))]
+
+    async def _watch(self, index: int, backend: Backend) -> None:
+        watch = getattr(backend, "watch", None)
+        if watch is not None:
+            await watch(lambda: self._mark_down(index))
+
+    def _mark_down(self, index: int) -> None:
+        """Instance `index` died: not ready at once; with none left, fail what waits for it."""
+        if self._closing or index in self._down:
+            return
+        self._down.add(index)
+        if not self.healthy:
+            while self._queue:
+                item = self._queue.popleft()
+                if item.queued:
+                    item.queued = False
+                    if not item.future.done():
+                        item.future.set_exception(WorkerLost())
+            self._set_pending(0)
+        self._wake()
 
     async def infer(self, x: np.ndarray, timeout_s: float) -> InferResult:
         """Queue `x` (batch axis first) and wait for its share of a batched forward pass."""
         if self._closing or not self._workers:
             raise BatcherClosed()
+        if not self.healthy:
+            raise WorkerLost()
         n = int(x.shape[0])
         if self._pending + n > self.max_queue_size:
             raise QueueFull()
@@ -135,6 +186,8 @@ class DynamicBatcher:
         """Take no new requests, finish every queued one, then stop the workers."""
         self._closing = True
         self._wake()
+        for index in self._down:  # asleep in a restart backoff: nothing left to do
+            self._workers[index].cancel()
         if self._workers:
             await asyncio.gather(*self._workers, return_exceptions=True)
         if self._executor is not None:
@@ -196,9 +249,25 @@ class DynamicBatcher:
         self._set_pending(self._pending - total)
         return batch
 
-    async def _work(self, backend: Backend) -> None:
+    async def _work(self, index: int) -> None:
+        backend = self.instances[index]
         loop = asyncio.get_running_loop()
+        backoff_in_row = 0
+        up_since = time.monotonic()
         while True:
+            if index in self._down:
+                if self._closing:
+                    return
+                # A child that dies (or fails to load) soon after the last attempt backs off
+                # twice as long as before; one that stayed up 30 s starts from the first delay.
+                if time.monotonic() - up_since >= 30:
+                    backoff_in_row = 0
+                first, longest = self.restart_backoff_s
+                await asyncio.sleep(min(first * 2**backoff_in_row, longest))
+                backoff_in_row += 1
+                await self._restart(index, backend)
+                up_since = time.monotonic()
+                continue
             self._drop_abandoned_head()
             if not self._queue:
                 if self._closing:
@@ -214,13 +283,35 @@ class DynamicBatcher:
                 self._drop_abandoned_head()
                 if not self._queue:
                     break
+            if index in self._down:
+                continue
             batch = self._take()
-            if batch:
-                await self._run(loop, backend, batch)
+            if batch and not await self._run(loop, backend, batch):
+                self._mark_down(index)
+
+    async def _restart(self, index: int, backend: Backend) -> bool:
+        restart = getattr(backend, "restart", None)
+        if restart is None or self._closing:
+            return False
+        try:
+            await asyncio.to_thread(restart)
+            await self._watch(index, backend)
+        except Exception as exc:  # noqa: BLE001 - retried with a longer backoff
+            log.warning("restarting an inference process failed (%s); retrying", exc)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(backend.close)
+            return False
+        self._down.discard(index)
+        self.restarts += 1
+        if self.on_restart is not None:
+            self.on_restart()
+        self._wake()
+        return True
 
     async def _run(
         self, loop: asyncio.AbstractEventLoop, backend: Backend, batch: list[_Item]
-    ) -> None:
+    ) -> bool:
+        """Compute one batch and answer its requests; False when the instance's process died."""
         started = time.perf_counter()
         x = batch[0].x if len(batch) == 1 else np.concatenate([it.x for it in batch])
         size = int(x.shape[0])
@@ -233,11 +324,16 @@ class DynamicBatcher:
                 out = await loop.run_in_executor(self._executor, backend.infer, x)
             if out.shape[0] != size:
                 raise RuntimeError(f"backend returned {out.shape[0]} rows for a batch of {size}")
+        except WorkerDied:
+            for it in batch:
+                if not it.future.done():
+                    it.future.set_exception(WorkerLost())
+            return False
         except Exception as exc:  # noqa: BLE001 - the requests fail, the worker lives on
             for it in batch:
                 if not it.future.done():
                     it.future.set_exception(BackendFailed(f"{type(exc).__name__}: {exc}"))
-            return
+            return True
         compute_s = time.perf_counter() - started
         self.stats.batches += 1
         self.stats.samples += size
@@ -256,3 +352,4 @@ class DynamicBatcher:
                     InferResult(out[offset : offset + it.n], queue_s, compute_s, size)
                 )
             offset += it.n
+        return True

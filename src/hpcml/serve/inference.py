@@ -16,7 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from hpcml.serve.batcher import BackendFailed, BatcherClosed, QueueFull, RequestTimeout
+from hpcml.serve.batcher import (
+    BackendFailed,
+    BatcherClosed,
+    QueueFull,
+    RequestTimeout,
+    WorkerLost,
+)
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.metrics import ServeMetrics
 from hpcml.serve.protocol import (
@@ -84,6 +90,12 @@ def failure_of(
         return InferFailure(504, f"request to model '{name}' timed out after {timeout:g} ms.")
     if isinstance(exc, BatcherClosed):
         return InferFailure(503, "the server is shutting down; retry on another replica.")
+    if isinstance(exc, WorkerLost):
+        return InferFailure(
+            503,
+            f"the inference process of model '{name}' died and is being restarted; retry.",
+            {"Retry-After": str(config.retry_after_s)},
+        )
     if isinstance(exc, BackendFailed):
         return InferFailure(500, f"model '{name}' failed to compute the batch: {exc}")
     # A bug of ours, not the client's: logged with its traceback here, one line to the client.

@@ -4,7 +4,12 @@ Open loop sends at the times a Poisson process of the target rate draws, whateve
 does, and measures each latency from the *intended* send time: a stalled server or a late
 client shows up as latency instead of silently lowering the rate (no coordinated omission).
 Closed loop runs C clients that each send their next request when the last one returns.
-Latencies go into an HdrHistogram (1 us .. 10 min, 3 significant digits).
+Latencies go into an HdrHistogram (1 us .. 10 min, 3 significant digits): successes in
+`latency_ms`, and every request that got an answer or gave up (errors, client timeouts at the
+time they gave up) in `latency_all_ms` and `error_latency_ms`, so failures never vanish from
+the percentiles. A request the client could not send (too many in flight) counts in `not_sent`,
+not in `sent` or `achieved_rate`. `processes=N` splits the load over N client processes (each
+its own event loop) and merges their histograms, for rates one loop cannot drive.
 
 The HTTP client is aiohttp: on these CPUs httpx spends about 10x more CPU per request, which
 the load generator would take from the server under test.
@@ -39,11 +44,19 @@ class LoadtestResult:
     sent: int = 0
     ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    not_sent: int = 0
+    """Open loop: requests due while `max_inflight` were outstanding, never sent."""
+    processes: int = 1
     achieved_rate: float = 0.0
-    """Requests sent per second (open loop: compare with target_rate)."""
+    """Requests actually sent per second (open loop: compare with target_rate)."""
     throughput: float = 0.0
     """Successful responses per second."""
     latency_ms: dict[str, float] = field(default_factory=dict)
+    """Successful requests only."""
+    latency_all_ms: dict[str, float] = field(default_factory=dict)
+    """Every sent request: successes, errors and timeouts (at the time the client gave up)."""
+    error_latency_ms: dict[str, float] = field(default_factory=dict)
+    """Failed requests (error statuses, client timeouts, connection errors)."""
     spectrum_ms: dict[str, float] = field(default_factory=dict)
     send_lag_ms_p99: float = 0.0
     """How late the client sent (open loop); large values mean the client, not the server, lagged."""
@@ -62,21 +75,28 @@ class _Recorder:
         from hdrh.histogram import HdrHistogram
 
         self.hist = HdrHistogram(1, 600_000_000, 3)  # microseconds
+        self.all = HdrHistogram(1, 600_000_000, 3)
+        self.failed = HdrHistogram(1, 600_000_000, 3)
         self.lag = HdrHistogram(1, 600_000_000, 3)
         self.ok = 0
         self.sent = 0
+        self.not_sent = 0
+        self.elapsed = 0.0
         self.errors: dict[str, int] = {}
         self.timeline: list[tuple[float, float, int]] = []
         self._rng = random.Random(0)
         self._seen = 0
 
     def record(self, t_rel_s: float, latency_s: float, status: int | str) -> None:
+        us = max(1, int(latency_s * 1e6))
+        self.all.record_value(us)
         if status == 200:
             self.ok += 1
-            self.hist.record_value(max(1, int(latency_s * 1e6)))
+            self.hist.record_value(us)
         else:
             key = str(status)
             self.errors[key] = self.errors.get(key, 0) + 1
+            self.failed.record_value(us)
         # Reservoir sample: the plot shows the whole run, not its first 20k requests.
         self._seen += 1
         point = (
@@ -152,6 +172,7 @@ async def run_loadtest(
     max_inflight: int = 4096,
     seed: int = 0,
     progress: Callable[[float, int, int, int], None] | None = None,
+    recorder: _Recorder | None = None,
 ) -> LoadtestResult:
     """Drive `base_url` for `duration_s`; exactly one of `rate` (open) or `concurrency` (closed)."""
     import aiohttp
@@ -169,7 +190,7 @@ async def run_loadtest(
         f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
     )
     url = base_url + path
-    rec = _Recorder()
+    rec = recorder if recorder is not None else _Recorder()
     limit = concurrency if concurrency is not None else max_inflight
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -205,8 +226,33 @@ async def run_loadtest(
         finally:
             tick.cancel()
         elapsed = max(loop.time() - start, 1e-9)
+        rec.elapsed = elapsed
     if progress is not None:
         progress(duration_s, rec.sent, rec.ok, sum(rec.errors.values()))
+    return _result(rec, url, duration_s, rate, concurrency, elapsed)
+
+
+def _summary(h: Any) -> dict[str, float]:
+    if not h.get_total_count():
+        return {}
+    return {
+        **{f"p{p:g}": h.get_value_at_percentile(p) / 1e3 for p in PERCENTILES},
+        "mean": h.get_mean_value() / 1e3,
+        "max": h.get_max_value() / 1e3,
+        "min": h.get_min_value() / 1e3,
+        "count": float(h.get_total_count()),
+    }
+
+
+def _result(
+    rec: _Recorder,
+    url: str,
+    duration_s: float,
+    rate: float | None,
+    concurrency: int | None,
+    elapsed: float,
+    processes: int = 1,
+) -> LoadtestResult:
     result = LoadtestResult(
         mode="open" if rate is not None else "closed",
         url=url,
@@ -216,18 +262,17 @@ async def run_loadtest(
         sent=rec.sent,
         ok=rec.ok,
         errors=dict(sorted(rec.errors.items())),
+        not_sent=rec.not_sent,
+        processes=processes,
         achieved_rate=rec.sent / duration_s,
         throughput=rec.ok / elapsed,
         timeline=rec.timeline,
+        latency_ms=_summary(rec.hist),
+        latency_all_ms=_summary(rec.all),
+        error_latency_ms=_summary(rec.failed),
     )
     h = rec.hist
     if h.get_total_count():
-        result.latency_ms = {
-            **{f"p{p:g}": h.get_value_at_percentile(p) / 1e3 for p in PERCENTILES},
-            "mean": h.get_mean_value() / 1e3,
-            "max": h.get_max_value() / 1e3,
-            "min": h.get_min_value() / 1e3,
-        }
         result.spectrum_ms = {f"{p:g}": h.get_value_at_percentile(p) / 1e3 for p in _SPECTRUM}
     if rec.lag.get_total_count():
         result.send_lag_ms_p99 = rec.lag.get_value_at_percentile(99.0) / 1e3
@@ -263,11 +308,12 @@ async def _open_loop(
         delay = intended - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        rec.sent += 1
         if len(inflight) >= max_inflight:
-            # The client would need unbounded memory to keep the schedule: count it, don't send.
-            rec.record(intended - start, 0.0, "client_overflow")
+            # The client would need unbounded memory to keep the schedule: count it as not
+            # sent (it is not in `sent`, `achieved_rate` or the latency percentiles).
+            rec.not_sent += 1
             continue
+        rec.sent += 1
         task = asyncio.create_task(one(intended))
         inflight.add(task)
         task.add_done_callback(inflight.discard)
@@ -298,9 +344,63 @@ async def _closed_loop(
     await asyncio.gather(*(client(i) for i in range(concurrency)))
 
 
-def loadtest(**kwargs: Any) -> LoadtestResult:
-    """Synchronous wrapper of `run_loadtest` (its own event loop)."""
-    return asyncio.run(run_loadtest(**kwargs))
+def loadtest(processes: int = 1, **kwargs: Any) -> LoadtestResult:
+    """Synchronous `run_loadtest` (its own event loop); `processes > 1` splits the rate (or the
+    clients) over that many client processes and merges what they measured."""
+    if processes <= 1:
+        return asyncio.run(run_loadtest(**kwargs))
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    rate, concurrency = kwargs.get("rate"), kwargs.get("concurrency")
+    if concurrency is not None and concurrency < processes:
+        raise ConfigError(
+            f"--concurrency {concurrency} is smaller than --processes {processes}; give each "
+            "process at least one client."
+        )
+    shares = []
+    for i in range(processes):
+        share = dict(kwargs, seed=int(kwargs.get("seed", 0)) + i, progress=None)
+        if rate is not None:
+            share["rate"] = rate / processes
+        if concurrency is not None:
+            share["concurrency"] = concurrency // processes + (i < concurrency % processes)
+        shares.append(share)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+        parts = list(pool.map(_loadtest_part, shares))
+    rec = _Recorder()
+    for part in parts:
+        for name in ("hist", "all", "failed", "lag"):
+            getattr(rec, name).decode_and_add(part[name])
+        rec.ok += part["ok"]
+        rec.sent += part["sent"]
+        rec.not_sent += part["not_sent"]
+        for key, n in part["errors"].items():
+            rec.errors[key] = rec.errors.get(key, 0) + n
+        rec.timeline.extend(part["timeline"][: _MAX_TIMELINE // processes])
+    elapsed = max(p["elapsed"] for p in parts)
+    first = parts[0]
+    return _result(rec, first["url"], kwargs["duration_s"], rate, concurrency, elapsed, processes)
+
+
+def _loadtest_part(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One client process of a multi-process load test: its counts and encoded histograms."""
+    rec = _Recorder()
+    result = asyncio.run(run_loadtest(recorder=rec, **kwargs))
+    return {
+        "url": result.url,
+        "hist": rec.hist.encode(),
+        "all": rec.all.encode(),
+        "failed": rec.failed.encode(),
+        "lag": rec.lag.encode(),
+        "ok": rec.ok,
+        "sent": rec.sent,
+        "not_sent": rec.not_sent,
+        "errors": rec.errors,
+        "timeline": rec.timeline,
+        "elapsed": rec.elapsed,
+    }
 
 
 def plot_results(runs: list[tuple[str, LoadtestResult]], out: Path, title: str = "latency") -> Path:

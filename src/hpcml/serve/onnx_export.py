@@ -194,14 +194,17 @@ def export_onnx(
     val_limit: int = 10_000,
     speed_budget_s: float = 0.5,
     reduce_range: bool | None = None,
+    trust_code: bool = False,
 ) -> dict[str, Any]:
-    """Write model.onnx (and model.int8.onnx) into the export folder; return the report."""
+    """Write model.onnx (and model.int8.onnx) into the export folder; return the report.
+
+    `trust_code` lets a model.json that names an import path run that code."""
     import torch
 
     from hpcml.models.export import example_input, load_export
 
     export_dir = export_dir_of(path)
-    model, meta = load_export(export_dir)
+    model, meta = load_export(export_dir, trust_code=trust_code)
     in_name = meta["input"].get("name", "input")
     out_name = meta["output"].get("name", "logits")
     onnx_path = export_dir / ONNX_FILE

@@ -14,7 +14,7 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +93,12 @@ class ModelVersion:
     output: TensorSpec
     config: ModelServeConfig
     batcher: DynamicBatcher
-    ready: bool = False
+    started: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Started and some instance alive: false at once when its only process dies."""
+        return self.started and self.batcher.running and self.batcher.healthy
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -164,15 +169,50 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
         raise PolicyError("traffic weights must not be negative.")
 
 
+def worker_restarts_counter(metrics: ServeMetrics) -> Any:
+    """`hpcml_worker_restarts_total{model,version}`: inference processes restarted after dying.
+
+    Taken from `ServeMetrics` where it defines one, else made here in its registry (once)."""
+    counter = getattr(metrics, "worker_restarts", None)
+    if counter is None:
+        from prometheus_client import Counter
+
+        counter = Counter(
+            "hpcml_worker_restarts",
+            "Inference processes restarted after they died.",
+            ["model", "version"],
+            registry=metrics.registry,
+        )
+        metrics.worker_restarts = counter  # type: ignore[attr-defined]
+    return counter
+
+
 class Router:
-    def __init__(self, config: ServeConfig, metrics: ServeMetrics, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        metrics: ServeMetrics,
+        seed: int | None = None,
+        trust_code: bool = False,
+    ) -> None:
         self.config = config
+        self.trust_code = trust_code
+        """Whether model.json may name an import path (`--trust-code`); never from a file."""
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
         self._rng = random.Random(seed)
         self._shadow_tasks: set[asyncio.Task[None]] = set()
         self._loaded: set[int] = set()
-        self.ready = False
+        self._started = False
+        self.worker_restarts = worker_restarts_counter(metrics)
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        """Coroutines run while the server runs (an alias follower); cancelled on close."""
+        self._background_tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def ready(self) -> bool:
+        """Every served version is ready (the OIP server readiness)."""
+        return self._started and all(mv.ready for mv in self.all_versions())
 
     @classmethod
     def from_source(
@@ -181,8 +221,9 @@ class Router:
         config: ServeConfig,
         metrics: ServeMetrics,
         seed: int | None = None,
+        trust_code: bool = False,
     ) -> Router:
-        router = cls(config, metrics, seed)
+        router = cls(config, metrics, seed, trust_code)
         names = dict.fromkeys([*source.models, *config.models])
         for name in names:
             mcfg = config.for_model(name)
@@ -203,7 +244,9 @@ class Router:
                 if isolation == "auto":
                     isolation = "thread" if backend_name.startswith("onnx") else "process"
                 instances = [
-                    make_backend(backend_name, path, threads, mcfg.device, isolation)
+                    make_backend(
+                        backend_name, path, threads, mcfg.device, isolation, router.trust_code
+                    )
                     for _ in range(mcfg.instances)
                 ]
                 versions[version] = router._version(
@@ -243,6 +286,7 @@ class Router:
             preferred_batch_sizes=mcfg.preferred_batch_sizes,
             max_queue_size=mcfg.max_queue_size,
             metrics=self.metrics.for_batcher(name, version),
+            on_restart=self.worker_restarts.labels(name, version).inc,
         )
         return ModelVersion(
             name,
@@ -286,13 +330,17 @@ class Router:
         await asyncio.to_thread(self.load)
         for mv in self.all_versions():
             await mv.batcher.start()
-            mv.ready = True
-        self.ready = True
+            mv.started = True
+        self._started = True
+        self._background_tasks = [asyncio.create_task(run()) for run in self.background]
 
     async def close(self) -> None:
-        self.ready = False
+        self._started = False
+        for task in self._background_tasks:
+            task.cancel()
+        await asyncio.gather(*self._background_tasks, return_exceptions=True)
         for mv in self.all_versions():
-            mv.ready = False
+            mv.started = False
         await asyncio.gather(*(mv.batcher.close() for mv in self.all_versions()))
         if self._shadow_tasks:
             await asyncio.gather(*self._shadow_tasks, return_exceptions=True)

@@ -5,6 +5,12 @@ artifact of the MLflow run that trained it; its tags carry the run's final metri
 provenance, so `promote_if_better` and a human in the UI read the same numbers.
 `resolve_model_uri` turns `models:/NAME@ALIAS` or `models:/NAME/VERSION` into a local export
 folder for serving.
+
+Integrity: `register_run` tags the version with `hpcml.artifact_sha256`, a digest of the export's
+files, and `resolve_model` refuses an artifact whose files no longer match it (changed in the
+store after registration). The export is also described as an MLflow Model (`MLmodel` with a
+tensor signature and an `hpcml` flavor) so the MLflow UI shows its inputs and outputs; nothing
+reads that file back, and loading never unpickles (safetensors + model.json).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from hpcml.track.mlflow import (
     numeric_items,
     read_tracking_state,
 )
+from hpcml.track.mlmodel import export_sha256, log_mlmodel
 from hpcml.track.provenance import to_tags
 from hpcml.track.store import local_path_of, open_client
 
@@ -34,6 +41,7 @@ if TYPE_CHECKING:
 
 ALIASES = ("staging", "production")
 EXPORT_META = "model.json"
+SHA256_TAG = "hpcml.artifact_sha256"
 # Exit code of `hpcml registry promote --if-better` when the candidate is not promoted.
 EXIT_NOT_PROMOTED = 3
 
@@ -128,8 +136,11 @@ def register_run(
         )
     client, uri = open_client(tracking_uri)
     run_id, artifact_uri = _linked_run(client, uri, run_dir, summary)
-    arch = _read_json(export / EXPORT_META).get("architecture")
+    meta = _read_json(export / EXPORT_META)
+    arch = meta.get("architecture")
     tags = _version_tags(summary, run_dir, arch)
+    tags[SHA256_TAG] = export_sha256(export)
+    log_mlmodel(client, run_id, meta, EXPORT_DIR)
     _ensure_registered_model(client, name)
     version = client.create_model_version(
         name,
@@ -464,8 +475,43 @@ def resolve_model(
             f"{uri} (version {version}) points at {source}, which holds no {EXPORT_META}; "
             "the artifacts were moved or deleted, register the run again."
         )
+    check_sha256(uri, version, local, (mv.tags or {}).get(SHA256_TAG))
     aliases = tuple(sorted(a for a, v in rm.aliases.items() if str(v) == str(version)))
     return ResolvedModel(name, int(version), local, aliases, mv.run_id)
+
+
+def check_sha256(uri: str, version: str, local: Path, expected: str | None) -> None:
+    """Refuse an artifact that is not byte for byte what was registered."""
+    if expected is None:
+        raise RegistryError(
+            f"{uri} (version {version}) has no {SHA256_TAG} tag, so its files cannot be checked "
+            "against what was registered; register the run again with `hpcml registry register`."
+        )
+    actual = export_sha256(local)
+    if actual != expected:
+        raise RegistryError(
+            f"{uri} (version {version}): the files in {local} have sha256 {actual[:12]}..., not "
+            f"the {expected[:12]}... registered; the artifact was changed after registration, "
+            "so it is not served (register a trusted run again)."
+        )
+
+
+def alias_version(uri: str, tracking_uri: str | None = None) -> str:
+    """The version a URI names now, without resolving its files (cheap enough to poll)."""
+    name, alias, version = parse_model_uri(uri)
+    client, _ = open_client(tracking_uri)
+    rm = _registered_model(client, name)
+    if alias is not None:
+        if alias not in rm.aliases:
+            raise RegistryError(f"model {name!r} has no alias {alias!r} any more.")
+        return str(rm.aliases[alias])
+    if version == "latest":
+        versions = _all_versions(client, name)
+        if not versions:
+            raise RegistryError(f"model {name!r} has no versions; register a run first.")
+        return str(versions[0].version)
+    assert version is not None
+    return version
 
 
 def resolve_model_uri(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -294,6 +295,31 @@ def save(
     return final
 
 
+def load_state_file(path: Path) -> dict[str, Any]:
+    """A trainer or per-rank state file, read without running code from it.
+
+    `weights_only=True` unpickles tensors and plain containers only; numpy's RNG state is a
+    uint32 array, the one foreign type these files hold, so its three globals are allowed.
+    A file that names anything else (a crafted pickle) is refused in one sentence.
+    """
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain data "
+            f"({str(exc).split('Unsupported global: ')[-1].splitlines()[0][:120]}), which hpcml "
+            "does not unpickle; resume from a checkpoint hpcml wrote."
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{path} does not hold a state mapping; resume from another checkpoint."
+        )
+    return state
+
+
 def prune(root: Path, keep_last: int) -> None:
     for old in list_complete(root)[keep_last:]:
         shutil.rmtree(old, ignore_errors=True)
@@ -318,10 +344,10 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Run
             f"{str(exc).splitlines()[0][:200]}); resume with the config that wrote it."
         ) from None
     load_checkpoint_state(model, optimizer, state["model"], state["optim"])
-    trainer = torch.load(path / "trainer.pt", weights_only=False)
+    trainer = load_state_file(path / "trainer.pt")
     rank_file = path / f"rank-{rt.rank}.pt"
     rank_state = None
     same_layout = trainer.get("world_size") == rt.world_size and trainer.get("tp", 1) == rt.tp
     if same_layout and rank_file.exists():
-        rank_state = torch.load(rank_file, weights_only=False)
+        rank_state = load_state_file(rank_file)
     return Loaded(path, int(trainer["step"]), trainer, rank_state)

@@ -1,0 +1,177 @@
+"""Supervised inference processes: kill -9 of the child of a real `hpcml serve` under load.
+
+Four clients send requests in a loop over loopback while the test kills the model's inference
+child with SIGKILL. Expected: no 500 (every failure is a 503 with Retry-After), the server and
+the model report not ready, the child is restarted, readiness returns, requests succeed again,
+and `hpcml_worker_restarts_total` counts the restart. The number of lost requests is printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from hpcml.models.export import save_export
+from hpcml.models.zoo import build_model
+from hpcml.serve.app import bind_socket
+from hpcml.serve.loadtest import wait_ready
+from hpcml.serve.protocol import encode_request_bytes
+
+pytestmark = pytest.mark.timeout(300)
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ARGS = {"hidden": 16, "depth": 1}
+
+
+def _free_port() -> int:
+    sock = bind_socket("127.0.0.1", 0)
+    port = int(sock.getsockname()[1])
+    sock.close()
+    return port
+
+
+def inference_children(pid: int) -> list[int]:
+    """Pids of the multiprocessing 'spawn' children of `pid` (its inference processes)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except FileNotFoundError:
+                continue
+            if b"spawn_main" in cmdline:
+                found.append(int(child))
+    return sorted(found)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def test_killed_inference_process_is_restarted_and_clients_only_see_retryable_503s(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    export = save_export(
+        tmp_path / "export", build_model("mlp", ARGS), "mlp", ARGS, (3, 32, 32), (10,)
+    )
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpcml",
+            "serve",
+            str(export),
+            "--name",
+            "digits",
+            "--port",
+            str(port),
+            "--max-queue-delay-ms",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "server.err").open("w"),
+    )
+    try:
+        wait_ready(url, timeout_s=180)
+        body = encode_request_bytes(np.zeros((1, 3, 32, 32), dtype=np.float32))
+        headers = {"content-type": "application/json"}
+
+        async def main() -> tuple[Counter[int], list[str], list[tuple[str, int, int]], int]:
+            statuses: Counter[int] = Counter()
+            retry_after: list[str] = []
+            probes: list[tuple[str, int, int]] = []  # (phase, server ready, model ready)
+            stop = asyncio.Event()
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+
+                async def client() -> None:
+                    while not stop.is_set():
+                        r = await c.post("/v2/models/digits/infer", content=body, headers=headers)
+                        statuses[r.status_code] += 1
+                        if r.status_code == 503:
+                            retry_after.append(r.headers.get("retry-after", ""))
+                            await asyncio.sleep(0.01)
+
+                async def probe(phase: str) -> tuple[int, int]:
+                    server = (await c.get("/v2/health/ready")).status_code
+                    model = (await c.get("/v2/models/digits/ready")).status_code
+                    probes.append((phase, server, model))
+                    return server, model
+
+                async def kill_and_recover(phase: str) -> None:
+                    assert await probe(f"{phase}: before") == (200, 200)
+                    (child,) = inference_children(proc.pid)
+                    os.kill(child, signal.SIGKILL)
+                    while not gone(child):  # its pipes are closed once the kernel reaped it
+                        await asyncio.sleep(0.001)
+                    deadline = time.monotonic() + 120
+                    while (await probe(f"{phase}: down")) != (400, 400):
+                        assert time.monotonic() < deadline, "the death was never noticed"
+                        await asyncio.sleep(0.005)
+                    while (await probe(f"{phase}: up")) != (200, 200):
+                        assert time.monotonic() < deadline, "readiness never came back"
+                        await asyncio.sleep(0.02)
+                    (new_child,) = inference_children(proc.pid)
+                    assert new_child != child
+
+                # 1. Under load from four clients.
+                clients = [asyncio.create_task(client()) for _ in range(4)]
+                while statuses[200] < 40:
+                    await asyncio.sleep(0.01)
+                await kill_and_recover("under load")
+                ok_at_ready = statuses[200]
+                while statuses[200] < ok_at_ready + 40:  # served again by the new child
+                    await asyncio.sleep(0.01)
+                stop.set()
+                await asyncio.gather(*clients)
+                # 2. Idle: no request reaches the dead child, the supervisor notices by itself.
+                idle_from = sum(statuses.values())
+                await kill_and_recover("idle")
+                assert sum(statuses.values()) == idle_from
+                r = await c.post("/v2/models/digits/infer", content=body, headers=headers)
+                statuses[r.status_code] += 1
+                assert r.status_code == 200
+                metrics = (await c.get("/metrics")).text
+            restarts = re.search(
+                r'^hpcml_worker_restarts_total\{model="digits",version="1"\} (\S+)$', metrics, re.M
+            )
+            assert restarts is not None, metrics
+            return statuses, retry_after, probes, int(float(restarts.group(1)))
+
+        statuses, retry_after, probes, restarts = asyncio.run(main())
+        lost = statuses[503]
+        print(f"\nstatuses {dict(statuses)}; lost (503, retryable) {lost}; probes {len(probes)}")
+        assert set(statuses) <= {200, 503}, statuses  # never a 500
+        assert lost >= 1  # requests arrived while the child was down (restart takes seconds)
+        assert retry_after and all(v.isdigit() for v in retry_after)
+        for phase in ("under load", "idle"):
+            seen = [p[1:] for p in probes if p[0].startswith(phase)]
+            assert seen[0] == (200, 200) and (400, 400) in seen and seen[-1] == (200, 200)
+        assert restarts == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print((tmp_path / "server.err").read_text()[-3000:])
