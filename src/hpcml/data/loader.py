@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, Subset
+from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hpcml.config import DataConfig
@@ -105,10 +105,29 @@ class EpochLoader:
         self._start_epoch()
 
 
+class EvalShard(Dataset):
+    """Rank r's share of the validation set: samples r, r+W, r+2W... (no sample twice, so the
+    reduced sums are exact), padded with masked copies of its first sample to ceil(n / W), the
+    largest share: then every rank runs the same number of eval batches. Items are
+    (input, target, valid)."""
+
+    def __init__(self, dataset: Dataset, rank: int, world_size: int) -> None:
+        n = len(dataset)  # type: ignore[arg-type]
+        self.dataset = dataset
+        self.indices = range(rank, n, world_size)
+        self.length = -(-n // world_size)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[Any, Any, bool]:
+        valid = i < len(self.indices)
+        x, y = self.dataset[self.indices[i if valid else 0]]
+        return x, y, valid
+
+
 def shard_for_eval(dataset: Dataset, rank: int, world_size: int) -> Dataset:
-    """Rank r gets samples r, r+W, r+2W...: no padding, so reduced sums are exact."""
-    n = len(dataset)  # type: ignore[arg-type]
-    return Subset(dataset, range(rank, n, world_size))
+    return EvalShard(dataset, rank, world_size)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, pin_memory: bool) -> torch.utils.data.DataLoader:
