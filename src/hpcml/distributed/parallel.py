@@ -164,9 +164,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def no_sync(model: nn.Module, skip: bool) -> AbstractContextManager[None]:
-    """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation."""
+    """Skip the gradient reduction on micro-batches that are not the last of an accumulation:
+    DDP's all-reduce (no_sync) and FSDP2's reduce-scatter (set_requires_gradient_sync), whose
+    unsharded gradients then accumulate locally until the last micro-batch."""
     if skip and isinstance(model, DDP):
         return model.no_sync()  # type: ignore[no-any-return]
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(not skip)
     return nullcontext()
 
 

@@ -48,7 +48,7 @@ from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
 from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon
-from hpcml.train.summary import build_summary, seed_everything
+from hpcml.train.summary import build_summary, peak_rss_bytes, seed_everything
 from hpcml.train.validate import resolve
 
 
@@ -127,6 +127,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout, augmentation)
         if self.resume_from is not None:
             self.step = self.restore(self.resume_from)
+        self.setup_peak_rss_bytes = peak_rss_bytes()  # this rank's high-water mark so far
         self._open_run_folder()
 
     def _prepare_folder(self) -> tuple[Path, Path | None]:
