@@ -74,8 +74,10 @@ def _worker(
         setattr(torch.Tensor, name, _count(counts, "sync", getattr(torch.Tensor, name)))
     for name in COLLECTIVES:
         setattr(dist, name, _count(counts, "collective", getattr(dist, name)))
-    # FSDP2 reduce-scatters gradients through this call (counted on top of "collective").
-    dist.reduce_scatter_tensor = _count(counts, "reduce_scatter", dist.reduce_scatter_tensor)
+    # FSDP2 reduce-scatters gradients through one of these (torch 2.13: reduce_scatter_single).
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, _count(counts, "reduce_scatter", getattr(dist, name)))
     seen: dict[int, dict[str, int]] = {}
 
     class Snapshot(Hook):

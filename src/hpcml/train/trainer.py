@@ -208,7 +208,10 @@ class Trainer:
         if loaded.rank_state is not None:
             self.train_data.load_state_dict(loaded.rank_state["data"])
             ckpt.set_rng_state(loaded.rank_state["rng"])
-        else:  # another world size wrote it: continue at the next epoch boundary
+        elif "data_position" in loaded.trainer:  # another world size: the next unseen sample
+            pos = loaded.trainer["data_position"]
+            self.train_data.resume_at(int(pos["epoch"]), int(pos["samples"]))
+        else:  # written before positions were stored: continue at the next epoch boundary
             epoch = int(loaded.trainer.get("epoch", 0)) + 1
             self.train_data.load_state_dict({"epoch": epoch, "loader": None})
         return loaded.step
@@ -383,6 +386,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.train_data.epoch,
+            "data_position": self.train_data.position(),
             "lr_horizon": lr_horizon(cfg.optim, cfg.train.max_steps),
             "config": cfg.model_dump(mode="json"),
         }
