@@ -1,7 +1,8 @@
-"""Engine overhead: hpcml's training engine vs a minimal hand-written PyTorch loop.
+"""Engine overhead: hpcml's training engine vs a minimal hand-written PyTorch loop and the
+same loop under Lightning Fabric (`pip install hpcml[bench]`; left out when not installed).
 
 Same model, data, batch, optimizer, schedule and precision; runs alternate in one invocation
-(hpcml, plain, hpcml, plain, ...) so machine noise hits both alike. Throughput is measured the
+(hpcml, plain, fabric, hpcml, plain, ...) so machine noise hits all alike. Throughput is measured the
 same way for both: wall-clock between the end of warm-up step W and the end of step N,
 everything in between included (logging, flushes), divided into (N - W) x batch samples.
 
@@ -13,6 +14,8 @@ Writes benchmarks/results/engine_overhead_<device>.json and prints a table. Goal
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import platform
 import statistics
@@ -20,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +48,9 @@ def hpcml_throughput(overrides: list[str], warmup: int) -> float:
     return (steps[-1]["step"] - warmup) * cfg.data.batch_size / (t_n - t_w)
 
 
-def plain_throughput(overrides: list[str], warmup: int) -> float:
-    """What a user writes by hand: DataLoader, model, AdamW, cosine LR, loss.item() per step."""
+def plain_throughput(overrides: list[str], warmup: int, fabric: bool = False) -> float:
+    """What a user writes by hand: DataLoader, model, AdamW, cosine LR, loss.item() per step;
+    with `fabric`, the same loop with Lightning Fabric owning device, precision and backward."""
     cfg = load_config(None, overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.train.seed)
@@ -59,15 +64,27 @@ def plain_throughput(overrides: list[str], warmup: int) -> float:
         pin_memory=device.type == "cuda",
     )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    backward = torch.Tensor.backward
+    autocast: Any = lambda: torch.autocast(  # noqa: E731
+        device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+    )
+    if fabric:
+        from lightning.fabric import Fabric
+
+        names = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+        fab = Fabric(accelerator=device.type, devices=1, precision=names[cfg.precision])  # type: ignore[arg-type]
+        model, opt = fab.setup(model, opt)
+        loader = fab.setup_dataloaders(loader)
+        backward, autocast = fab.backward, contextlib.nullcontext  # Fabric's model autocasts
     step, times = 0, {}
     model.train()
     while step < cfg.train.max_steps:
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            with autocast():
                 loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            backward(loss)
             opt.step()
             sched.step()
             loss.item()
@@ -94,12 +111,20 @@ def main() -> None:
         f"train.max_steps={a.steps}", "train.eval_every=0", "train.checkpoint_every=0",
         f"precision={a.precision}", "train.log_every=10",
     ]
-    hp, pl = [], []
+    with_fabric = importlib.util.find_spec("lightning") is not None
+    hp: list[float] = []
+    pl: list[float] = []
+    fb: list[float] = []
     for i in range(a.pairs):
         hp.append(hpcml_throughput(overrides, a.warmup))
         pl.append(plain_throughput(overrides, a.warmup))
-        print(f"pair {i + 1}/{a.pairs}: hpcml {hp[-1]:,.1f}  plain {pl[-1]:,.1f} samples/s", file=sys.stderr)
+        if with_fabric:
+            fb.append(plain_throughput(overrides, a.warmup, fabric=True))
+        fabric_note = f"  fabric {fb[-1]:,.1f}" if fb else ""
+        print(f"round {i + 1}/{a.pairs}: hpcml {hp[-1]:,.1f}  plain {pl[-1]:,.1f}{fabric_note} "
+              "samples/s", file=sys.stderr)
     ratios = [h / p for h, p in zip(hp, pl, strict=True)]
+    fabric_ratios = [h / f for h, f in zip(hp, fb, strict=True)]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {
         "benchmark": "engine_overhead",
@@ -116,16 +141,22 @@ def main() -> None:
         "median_plain": statistics.median(pl),
         "ratio_of_medians": statistics.median(hp) / statistics.median(pl),
         "median_pair_ratio": statistics.median(ratios),
+        "fabric_samples_per_s": fb,
+        "hpcml_over_fabric_ratios": fabric_ratios,
+        "median_hpcml_over_fabric": statistics.median(fabric_ratios) if fb else None,
         "date": time.strftime("%Y-%m-%d"),
     }
     tag = "cpu" if device == "cpu" else device.replace(" ", "_")
     out = Path(a.out) if a.out else RESULTS / f"engine_overhead_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print("| device | model | batch | hpcml samples/s | plain samples/s | ratio (median of pairs) |")
-    print("|---|---|---|---|---|---|")
+    print("| device | model | batch | hpcml samples/s | plain samples/s | hpcml/plain | "
+          "fabric samples/s | hpcml/fabric |")
+    print("|---|---|---|---|---|---|---|---|")
+    fab = (f"{statistics.median(fb):,.1f} | {result['median_hpcml_over_fabric']:.3f}"
+           if fb else "- | -")
     print(f"| {device} | {a.model} | {a.batch} | {result['median_hpcml']:,.1f} | "
-          f"{result['median_plain']:,.1f} | {result['median_pair_ratio']:.3f} |")
+          f"{result['median_plain']:,.1f} | {result['median_pair_ratio']:.3f} | {fab} |")
     print(f"wrote {out}")
 
 

@@ -94,6 +94,8 @@ class TrainConfig(_Section):
     """torch.compile each block (or the whole model when it has no blocks)."""
     peak_flops: float | None = Field(None, gt=0)
     """Peak FLOP/s of one device for the precision in use, for MFU; null looks it up by name."""
+    loss: str = "cross_entropy"
+    """`cross_entropy` or an import path `pkg.mod:fn` to fn(logits, target) -> mean loss."""
     checkpoint_async: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint.async_save): training
     stalls only for the copy to host memory."""
@@ -143,6 +145,10 @@ class FaultConfig(_Section):
     """A rank without progress for this long ends the job naming the stuck rank and step;
     null means 0.9 x parallel.timeout_s (so it speaks before the collective times out),
     0 turns it off."""
+    preempt_check_every: int | None = Field(None, gt=0)
+    """Steps between the ranks' agreement on a preemption signal; null means at each log flush
+    (train.log_every), inside its one collective. Keep K steps well under the scheduler's
+    warning time (SLURM --signal lead) so the save still fits."""
     preempt_signals: list[PreemptSignal] = Field(
         default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGUSR1"])
     )

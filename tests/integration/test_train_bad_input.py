@@ -63,8 +63,8 @@ def test_resume_auto_skips_partial_and_corrupt_checkpoints(tmp_path):
     manifest = json.loads((ckpts / "step-4" / "manifest.json").read_text())
     victim = ckpts / "step-4" / next(f for f in manifest["files"] if f.endswith(".distcp"))
     victim.write_bytes(victim.read_bytes()[:-7] + b"garbage")
-    proc = run_hpcml("train", CONFIG, *FAST, "train.max_steps=6", "--run-dir", str(run),
-                     "--resume", "auto", "--quiet")
+    proc = run_hpcml("train", CONFIG, *FAST, "train.max_steps=6", "optim.decay_steps=4",
+                     "--run-dir", str(run), "--resume", "auto", "--quiet")
     assert "step-4" in proc.stderr and "previous complete checkpoint" in proc.stderr
     assert summary(run)["resumed_from"].endswith("step-2")
     assert summary(run)["steps"] == 6

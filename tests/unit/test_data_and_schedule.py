@@ -78,10 +78,15 @@ def test_ranks_read_disjoint_parts_and_loader_resumes_mid_epoch():
     assert fresh.epoch >= 1
 
 
-def test_eval_shards_cover_everything_once():
-    ds = list(range(11))
+def test_eval_shards_cover_everything_once_with_equal_lengths():
+    ds = [(i, -i) for i in range(11)]
     parts = [list(shard_for_eval(ds, r, 3)) for r in range(3)]
-    assert sorted(sum(parts, [])) == ds
+    # Every rank gets ceil(11 / 3) = 4 items (so the same number of eval batches); the
+    # padding is masked out and the valid items are the dataset, each once.
+    assert [len(p) for p in parts] == [4, 4, 4]
+    valid = sorted(x for p in parts for x, _, ok in p if ok)
+    assert valid == list(range(11))
+    assert sum(not ok for p in parts for _, _, ok in p) == 1
 
 
 def test_batch_larger_than_data_is_a_clear_error():

@@ -39,44 +39,99 @@ def train(
 ) -> None:
     """Train a model from a YAML config on one process or several (DDP)."""
     from hpcml.config import load_config
-    from hpcml.distributed.runtime import launched_by_torchrun
-    from hpcml.errors import REQUEUE_EXIT_CODE, Preempted, WorkFailed
-    from hpcml.launch.local import check_nproc, run_torchrun
-    from hpcml.train.entry import preflight, prepare_for_workers, run_here
+    from hpcml.distributed.runtime import (
+        launched_by_torchrun,
+        peer_failed_first,
+        report_worker_error,
+    )
+    from hpcml.errors import HpcmlError
+    from hpcml.launch.local import check_nproc
+    from hpcml.train.entry import preflight, run_here
 
     cfg = load_config(config, overrides or [])
     if launched_by_torchrun():
         # A worker: torchrun (ours or the user's) chose the world; rank 0 checks the folder.
-        summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
+        try:
+            summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
+        except HpcmlError as exc:
+            if not getattr(exc, "reported", False):
+                report_worker_error(exc.message, exc.exit_code)
+            raise SystemExit(exc.exit_code) from None
+        except Exception:
+            if peer_failed_first():  # a collective broke because a peer stopped on its error
+                raise SystemExit(1) from None
+            raise
     else:
-        preflight(cfg)
         check_nproc(nproc)
+        # With several processes, the whole resolved config is checked here, before torchrun.
+        preflight(cfg, nproc if nproc > 1 else None)
         if nproc == 1:
             summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
         else:
-            chosen = prepare_for_workers(config, run_dir, resume, overwrite)
-            args = ["train", str(config), *(overrides or []), "--run-dir", str(chosen)]
-            if resume is not None:
-                args += ["--resume", resume]
-            elif max_restarts > 0:
-                args += ["--resume", "auto"]  # the folder was checked empty; restarts resume
-            args += ["--quiet"] * quiet + ["--json"] * json_out
-            started = time.time()
-            rc = run_torchrun(nproc, args, max_restarts)
-            if rc != 0 and stopped_for_preemption(chosen, started):
-                raise Preempted(
-                    f"training with {nproc} processes was preempted and saved a checkpoint in "
-                    f"{chosen}; continue with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a "
-                    "scheduler to requeue)."
-                )
-            if rc != 0:
-                raise WorkFailed(
-                    f"training with {nproc} processes failed (exit code {rc}); "
-                    f"see the worker output above and {chosen}."
-                )
+            launch_workers(
+                config,
+                overrides or [],
+                nproc,
+                run_dir,
+                resume,
+                overwrite,
+                quiet,
+                max_restarts,
+                json_out,
+            )
             return
     if summary:
         report(summary, json_out)
+
+
+def launch_workers(
+    config: Path,
+    overrides: list[str],
+    nproc: int,
+    run_dir: Path | None,
+    resume: str | None,
+    overwrite: bool,
+    quiet: bool,
+    max_restarts: int,
+    json_out: bool,
+) -> None:
+    """Run `nproc` workers under torchrun's agent; a worker's HpcmlError ends here as its one
+    sentence and exit code (rank 0 has printed it already; another rank's is printed here)."""
+    import tempfile
+
+    from hpcml.errors import REQUEUE_EXIT_CODE, HpcmlError, Preempted, WorkFailed
+    from hpcml.launch.local import run_torchrun, worker_error
+    from hpcml.train.entry import prepare_for_workers
+
+    chosen = prepare_for_workers(config, run_dir, resume, overwrite)
+    args = ["train", str(config), *overrides, "--run-dir", str(chosen)]
+    if resume is not None:
+        args += ["--resume", resume]
+    elif max_restarts > 0:
+        args += ["--resume", "auto"]  # the folder was checked empty; restarts resume
+    args += ["--quiet"] * quiet + ["--json"] * json_out
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="hpcml-workers-") as errors:
+        rc = run_torchrun(nproc, args, max_restarts, errors_dir=Path(errors))
+        failure = worker_error(Path(errors)) if rc != 0 else None
+    if failure is not None and failure.sentence is not None:
+        if failure.rank == 0:
+            raise SystemExit(failure.exit_code)  # rank 0 printed its sentence already
+        exc = HpcmlError(failure.sentence)
+        exc.exit_code = failure.exit_code
+        raise exc
+    if rc != 0 and stopped_for_preemption(chosen, started):
+        raise Preempted(
+            f"training with {nproc} processes was preempted and saved a checkpoint in "
+            f"{chosen}; continue with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a "
+            "scheduler to requeue)."
+        )
+    if rc != 0:
+        what = f"rank {failure.rank} {failure.how}" if failure else f"exit code {rc}"
+        where = f" and {chosen}" if chosen.exists() else ""
+        raise WorkFailed(
+            f"training with {nproc} processes failed ({what}); see the worker output above{where}."
+        )
 
 
 def stopped_for_preemption(run_dir: Path, since: float) -> bool:

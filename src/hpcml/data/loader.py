@@ -1,6 +1,12 @@
 """Sharded, resumable loading: each rank reads its own part (DistributedSampler semantics) and
 the loader position is checkpointable (torchdata's StatefulDataLoader), so a resume continues
-mid-epoch on the next unseen batch."""
+mid-epoch on the next unseen batch.
+
+The global order of an epoch is a function of (seed, epoch) alone (DistributedSampler's
+permutation); rank r of W takes every W-th sample of it, so after k batches of b per rank the
+ranks together have seen exactly its first k*b*W samples. That global position is what a resume
+on another world size continues from (`resume_at`): the rest of the epoch, split over the new
+ranks. Token windows (`make_sampler`) draw per world size and restart at the next epoch."""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, Subset
+from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hpcml.config import DataConfig
@@ -70,7 +76,14 @@ class EpochLoader:
                 f"{len(dataset)} training samples of data.source '{cfg.source}'; lower data.batch_size."  # type: ignore[arg-type]
             )
         self.epoch = 0
+        self.taken = 0
+        """Batches this rank has taken in the current epoch."""
+        self.batch_size, self.rank, self.world_size = cfg.batch_size, rank, world_size
+        self.shuffle, self.seed, self.dataset = cfg.shuffle, seed, dataset
         self._it: Iterator[Any] | None = None
+        self._remainder = False
+        self._base = 0
+        """Samples of the epoch taken before a resume on another world size."""
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -78,37 +91,138 @@ class EpochLoader:
     def _start_epoch(self) -> None:
         self.sampler.set_epoch(self.epoch)
         self._it = iter(self.loader)
+        self.taken = 0
+        self._remainder = False
+        self._base = 0
 
     def next(self) -> Any:
         if self._it is None:
             self._start_epoch()
         assert self._it is not None
         try:
-            return next(self._it)
+            batch = next(self._it)
         except StopIteration:
             self.epoch += 1
             self._start_epoch()
-            return next(self._it)
+            batch = next(self._it)
+        self.taken += 1
+        return batch
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.sampler, DistributedSampler)
+
+    def position(self) -> dict[str, int]:
+        """Where the epoch stands globally: samples all ranks together have taken."""
+        done = self._base + self.taken * self.batch_size * self.world_size
+        return {"epoch": self.epoch, "samples": done}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "loader": self.loader.state_dict() if self._it else None}
+        if self._remainder:  # a deterministic sampler: its position says it all
+            return {
+                "epoch": self.epoch,
+                "taken": self.taken,
+                "loader": None,
+                "remainder_at": self.position()["samples"],
+            }
+        return {
+            "epoch": self.epoch,
+            "taken": self.taken,
+            "loader": self.loader.state_dict() if self._it else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("remainder_at") is not None:
+            self.resume_at(int(state["epoch"]), int(state["remainder_at"]))
+            return
         self.epoch = int(state["epoch"])
         loader_state = state.get("loader")
         self.sampler.set_epoch(self.epoch)
+        taken = int(state.get("taken", 0))
         if loader_state is not None and loader_state.get("_iterator_finished"):
             self.epoch += 1
-            loader_state = None
+            loader_state, taken = None, 0
         if loader_state is not None:
             self.loader.load_state_dict(loader_state)
         self._start_epoch()
+        self.taken = taken
+
+    def resume_at(self, epoch: int, samples: int) -> None:
+        """Continue epoch `epoch` after its first `samples` samples of the global order (written
+        by any world size): the rest of the epoch split over this world, then epochs as usual."""
+        if not self.elastic:
+            self.load_state_dict({"epoch": epoch + 1, "loader": None})
+            return
+        rest = RemainderSampler(
+            len(self.dataset),  # type: ignore[arg-type]
+            self.seed,
+            epoch,
+            self.shuffle,
+            samples,  # type: ignore[arg-type]
+            self.rank,
+            self.world_size,
+        )
+        remainder = torch.utils.data.DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            sampler=rest,
+            drop_last=True,
+            num_workers=0,
+            generator=torch.Generator().manual_seed(self.seed + self.rank + epoch),
+        )
+        self.epoch = epoch
+        self._it = iter(remainder)
+        self._remainder = True
+        self._base, self.taken = samples, 0
+
+
+class RemainderSampler(torch.utils.data.Sampler[int]):
+    """DistributedSampler's global order of one epoch from `start` on, strided over the ranks
+    (its permutation of (seed, epoch), the same code path: torch.randperm on a seeded
+    generator)."""
+
+    def __init__(
+        self, n: int, seed: int, epoch: int, shuffle: bool, start: int, rank: int, world: int
+    ) -> None:
+        if shuffle:
+            g = torch.Generator().manual_seed(seed + epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        rest = order[start:]
+        usable = len(rest) // world * world
+        self.indices = rest[rank:usable:world]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+
+class EvalShard(Dataset):
+    """Rank r's share of the validation set: samples r, r+W, r+2W... (no sample twice, so the
+    reduced sums are exact), padded with masked copies of its first sample to ceil(n / W), the
+    largest share: then every rank runs the same number of eval batches. Items are
+    (input, target, valid)."""
+
+    def __init__(self, dataset: Dataset, rank: int, world_size: int) -> None:
+        n = len(dataset)  # type: ignore[arg-type]
+        self.dataset = dataset
+        self.indices = range(rank, n, world_size)
+        self.length = -(-n // world_size)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[Any, Any, bool]:
+        valid = i < len(self.indices)
+        x, y = self.dataset[self.indices[i if valid else 0]]
+        return x, y, valid
 
 
 def shard_for_eval(dataset: Dataset, rank: int, world_size: int) -> Dataset:
-    """Rank r gets samples r, r+W, r+2W...: no padding, so reduced sums are exact."""
-    n = len(dataset)  # type: ignore[arg-type]
-    return Subset(dataset, range(rank, n, world_size))
+    return EvalShard(dataset, rank, world_size)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, pin_memory: bool) -> torch.utils.data.DataLoader:

@@ -50,6 +50,8 @@ TP_PLANS: dict[str, Callable[[nn.Module, DeviceMesh, bool], None]] = {
     "gpt": parallelize_gpt.apply_tp,
 }
 """Model family (a model's `family` attribute) -> its tensor-parallel plan."""
+TP_CHECKS: dict[str, Callable[[nn.Module, int], None]] = {"gpt": parallelize_gpt.check_tp}
+"""Model family -> the check that its shapes divide by the tensor-parallel degree."""
 
 
 def apply_ddp(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
@@ -70,6 +72,42 @@ def build_mesh(rt: Runtime) -> DeviceMesh:
     return init_device_mesh(rt.device.type, (rt.dp_size, rt.tp), mesh_dim_names=("dp", "tp"))
 
 
+def check_parallel(
+    model: nn.Module, world_size: int, tp: int, cfg: ParallelConfig, precision: str
+) -> None:
+    """Every reason `parallelize` would refuse this model and layout, checked without a process
+    group (the model may live on the meta device), so a launcher can check before workers start."""
+    if world_size % tp:
+        raise ConfigError(
+            f"parallel.tp {tp} does not divide the {world_size} processes; start a multiple of "
+            f"{tp} processes (--nproc) or lower parallel.tp."
+        )
+    if tp == 1:
+        if cfg.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set one of them.")
+        return
+    family = str(getattr(model, "family", None))
+    if family not in TP_PLANS:
+        raise ConfigError(
+            f"parallel.tp {tp} needs a model family with a tensor-parallel plan "
+            f"({', '.join(TP_PLANS)}); this model has none, so set parallel.tp=1."
+        )
+    dp_size = world_size // tp
+    if dp_size > 1 and cfg.strategy not in SHARDED:
+        raise ConfigError(
+            f"parallel.strategy {cfg.strategy} with parallel.tp {tp} on {world_size} "
+            "processes is not supported; combine tensor parallelism with zero2, zero3 or "
+            f"fsdp, or run {tp} processes."
+        )
+    if precision == "fp16":
+        # Loss scaling would have to check plain and DTensor gradients on two meshes at once.
+        raise ConfigError(
+            "precision fp16 with parallel.tp > 1 is not supported; use precision=bf16, "
+            "which needs no loss scaling."
+        )
+    TP_CHECKS[family](model, tp)
+
+
 def parallelize(
     model: nn.Module,
     rt: Runtime,
@@ -80,31 +118,11 @@ def parallelize(
     """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
     the data-parallel strategy. A single process gets AC and compile only."""
     train = train or TrainConfig()
+    check_parallel(model, rt.world_size, rt.tp, cfg, precision)
     mesh: DeviceMesh | None = None
     if rt.tp > 1:
-        family = getattr(model, "family", None)
-        plan = TP_PLANS.get(str(family))
-        if plan is None:
-            raise ConfigError(
-                f"parallel.tp {rt.tp} needs a model family with a tensor-parallel plan "
-                f"({', '.join(TP_PLANS)}); this model has none, so set parallel.tp=1."
-            )
-        if rt.dp_size > 1 and cfg.strategy not in SHARDED:
-            raise ConfigError(
-                f"parallel.strategy {cfg.strategy} with parallel.tp {rt.tp} on {rt.world_size} "
-                "processes is not supported; combine tensor parallelism with zero2, zero3 or "
-                f"fsdp, or run {rt.tp} processes."
-            )
-        if precision == "fp16":
-            # Loss scaling would have to check plain and DTensor gradients on two meshes at once.
-            raise ConfigError(
-                "precision fp16 with parallel.tp > 1 is not supported; use precision=bf16, "
-                "which needs no loss scaling."
-            )
         mesh = build_mesh(rt)
-        plan(model, mesh["tp"], cfg.sequence_parallel)
-    elif cfg.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set one of them.")
+        TP_PLANS[str(getattr(model, "family", None))](model, mesh["tp"], cfg.sequence_parallel)
     apply_ac(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)
@@ -146,9 +164,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def no_sync(model: nn.Module, skip: bool) -> AbstractContextManager[None]:
-    """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation."""
+    """Skip the gradient reduction on micro-batches that are not the last of an accumulation:
+    DDP's all-reduce (no_sync) and FSDP2's reduce-scatter (set_requires_gradient_sync), whose
+    unsharded gradients then accumulate locally until the last micro-batch."""
     if skip and isinstance(model, DDP):
         return model.no_sync()  # type: ignore[no-any-return]
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(not skip)
     return nullcontext()
 
 
@@ -170,11 +192,24 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     if not squares:
         return torch.zeros(())
     total = torch.stack(squares).sum().sqrt()
-    coef = min(1.0, max_norm / (float(total) + 1e-6))
-    if coef < 1.0:
-        for group in groups.values():
-            torch._foreach_mul_(group, coef)
+    # A tensor coefficient (as torch.nn.utils.clip_grad_norm_ does): no host sync per step.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for group in groups.values():
+        torch._foreach_mul_(group, coef.to(group[0].device))
     return total
+
+
+@torch.no_grad()
+def local_grad_norm(model: nn.Module) -> torch.Tensor:
+    """Norm of the gradients this rank holds (its shards), on the device, without a collective.
+    Under DDP every rank holds the same reduced gradients, so every rank gets the same value;
+    a NaN/Inf anywhere in a reduced gradient makes it non-finite."""
+    local: list[torch.Tensor] = [
+        getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None
+    ]
+    if not local:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(local, norm_type=2.0)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -47,6 +47,43 @@ class Runtime:
         return self.rank == 0
 
 
+WORKER_ERRORS_ENV = "HPCML_WORKER_ERRORS"
+"""Set by `hpcml train --nproc N` to a folder: each worker that stops on a user error leaves
+rank-R.json there (its sentence and exit code) for the parent to report."""
+
+
+def report_worker_error(message: str, exit_code: int) -> bool:
+    """In a torchrun worker that stops on a user error: leave the sentence for our launcher and
+    print it on rank 0 now, while set-up's signal handlers still hold off torchrun's SIGTERM
+    (sent as soon as a peer exits). True when this process printed it."""
+    import json
+    import sys
+    from pathlib import Path
+
+    rank = int(os.environ.get("RANK", "0"))
+    folder = os.environ.get(WORKER_ERRORS_ENV)
+    if folder and Path(folder).is_dir():
+        tmp = Path(folder) / f".rank-{rank}.json.tmp"
+        tmp.write_text(json.dumps({"rank": rank, "exit_code": exit_code, "message": message}))
+        tmp.replace(Path(folder) / f"rank-{rank}.json")
+    if rank != 0:
+        return False
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return True
+
+
+def peer_failed_first() -> bool:
+    """In a worker under our launcher: True when another rank already left its sentence (then
+    this rank's broken collective is a consequence, not news)."""
+    from pathlib import Path
+
+    folder = os.environ.get(WORKER_ERRORS_ENV)
+    if not folder:
+        return False
+    mine = f"rank-{os.environ.get('RANK', '0')}.json"
+    return any(p.name != mine for p in Path(folder).glob("rank-*.json"))
+
+
 def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
@@ -61,7 +98,9 @@ def choose_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cuda":
         from hpcml.errors import LaunchError
 
-        raise LaunchError("train.device is 'cuda' but no CUDA device is visible; use train.device=auto or cpu.")
+        raise LaunchError(
+            "train.device is 'cuda' but no CUDA device is visible; use train.device=auto or cpu."
+        )
     return torch.device("cpu")
 
 
@@ -189,7 +228,11 @@ def device_info(rt: Runtime) -> dict[str, Any]:
         }
     import platform
 
-    return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count() or 1}
+    return {
+        "type": "cpu",
+        "name": platform.processor() or platform.machine(),
+        "count": os.cpu_count() or 1,
+    }
 
 
 _ = pickle  # broadcast_object pickles through torch; kept for readers looking for the dependency

@@ -1,14 +1,22 @@
-"""Local multi-process launch: start torchrun's elastic agent (torch.distributed.run) with
-`--nproc-per-node N` running `python -m hpcml train ...` in each worker."""
+"""Local multi-process launch: start torchrun's elastic agent (torch.distributed.run, through
+`hpcml.launch.agent`, which reports failures without torchrun's traceback) with
+`--nproc-per-node N` running `python -m hpcml train ...` in each worker.
+
+A worker that stops on an `HpcmlError` writes its sentence and exit code to
+`$HPCML_WORKER_ERRORS/rank-R.json`; `worker_error` reads them back for the parent."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from hpcml.distributed.runtime import WORKER_ERRORS_ENV as ERRORS_ENV
 from hpcml.errors import LaunchError
 
 
@@ -54,7 +62,7 @@ def torchrun_command(nproc: int, worker_args: list[str], max_restarts: int = 0) 
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "hpcml.launch.agent",
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -65,10 +73,17 @@ def torchrun_command(nproc: int, worker_args: list[str], max_restarts: int = 0) 
 
 
 def run_torchrun(
-    nproc: int, worker_args: list[str], max_restarts: int = 0, cwd: Path | None = None
+    nproc: int,
+    worker_args: list[str],
+    max_restarts: int = 0,
+    cwd: Path | None = None,
+    errors_dir: Path | None = None,
 ) -> int:
-    """Run the workers to completion; SIGINT/SIGTERM are passed on so workers can stop cleanly."""
+    """Run the workers to completion; SIGINT/SIGTERM are passed on so workers can stop cleanly.
+    With `errors_dir`, workers and agent leave what failed there (see `worker_error`)."""
     env = dict(os.environ)
+    if errors_dir is not None:
+        env[ERRORS_ENV] = str(errors_dir)
     # torchrun warns and sets 1 when unset; split the cores between workers instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.update(preemption_env())
@@ -84,3 +99,39 @@ def run_torchrun(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+@dataclass
+class WorkerFailure:
+    rank: int
+    exit_code: int
+    sentence: str | None
+    """The worker's own one sentence (an HpcmlError), or None when it died otherwise."""
+    how: str
+    """'exited with code N' or 'was killed by SIGNAL'."""
+
+
+def worker_error(errors_dir: Path) -> WorkerFailure | None:
+    """What the workers and agent left in `errors_dir`: the lowest rank's sentence, else the
+    first failed rank and its exit code (or signal)."""
+    sentences = []
+    for path in sorted(errors_dir.glob("rank-*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            sentences.append((int(rec["rank"]), int(rec["exit_code"]), str(rec["message"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if sentences:
+        rank, code, message = min(sentences)
+        return WorkerFailure(rank, code, message, f"exited with code {code}")
+    try:
+        agent: dict[str, Any] = json.loads((errors_dir / "agent.json").read_text())
+        first = next(f for f in agent["failures"] if f["rank"] == agent["first_rank"])
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        return None
+    how = (
+        f"was killed by {first['signal']}"
+        if first.get("signal")
+        else f"exited with code {first['exit_code']}"
+    )
+    return WorkerFailure(int(first["rank"]), int(first["exit_code"]), None, how)

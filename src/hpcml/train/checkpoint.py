@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state
 from hpcml.distributed.runtime import Runtime, barrier, broadcast_object
@@ -327,27 +328,121 @@ def prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime) -> Loaded:
-    """Load model + optimizer in place (any world size) and return trainer and per-rank state."""
+def load(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rt: Runtime,
+    cfg: Any = None,
+) -> Loaded:
+    """Load model + optimizer in place (any world size) and return trainer and per-rank state.
+
+    A checkpoint that does not fit ends with one sentence naming the first mismatched key and
+    the config difference that likely caused it, before anything is loaded. With `cfg` (the
+    RunConfig), a changed LR horizon is refused unless optim.decay_steps sets it explicitly.
+    """
     wait_pending()
     problem = verify(path) if rt.is_main else None
     problem = broadcast_object(rt, problem)
     if problem is not None:
         raise CheckpointError(f"{problem}; choose another checkpoint or use --resume auto.")
+    trainer = load_state_file(path / "trainer.pt")
     model_sd, optim_sd = checkpoint_state(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    mismatch = first_mismatch(path, state)
+    if mismatch is not None:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this run: {mismatch}"
+            f"{likely_cause(trainer.get('config'), cfg)}; resume with the config that wrote it, "
+            "or start a new --run-dir."
+        )
+    if cfg is not None:
+        check_lr_horizon(path, trainer, cfg)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # noqa: BLE001 - a checkpoint that does not fit is a user problem
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(
             f"checkpoint {path} does not fit this model or optimizer ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200]}); resume with the config that wrote it."
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); resume with the config "
+            "that wrote it."
         ) from None
     load_checkpoint_state(model, optimizer, state["model"], state["optim"])
-    trainer = load_state_file(path / "trainer.pt")
     rank_file = path / f"rank-{rt.rank}.pt"
     rank_state = None
     same_layout = trainer.get("world_size") == rt.world_size and trainer.get("tp", 1) == rt.tp
     if same_layout and rank_file.exists():
         rank_state = load_state_file(rank_file)
     return Loaded(path, int(trainer["step"]), trainer, rank_state)
+
+
+def _flat_expected(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    """DCP's flattened keys of `state` with each tensor's global shape (None: not a tensor)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
+
+
+def first_mismatch(path: Path, state: dict[str, Any]) -> str | None:
+    """The first key this run expects that the checkpoint lacks or holds in another shape, or
+    the first tensor the checkpoint holds that this run has no place for."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - let dcp.load report an unreadable checkpoint
+        return None
+    expected = _flat_expected(state)
+    for key, shape in expected.items():
+        if key.startswith("optim.param_groups"):
+            continue  # hyper-parameters: the config decides them
+        meta = saved.get(key)
+        if meta is None:
+            return f"it has no '{key}', which this run needs"
+        sized = shape is not None and isinstance(meta, TensorStorageMetadata)
+        if sized and tuple(meta.size) != shape:  # type: ignore[union-attr]
+            return f"'{key}' has shape {list(meta.size)} there and {list(shape or ())} here"  # type: ignore[union-attr]
+    for key, meta in saved.items():
+        if isinstance(meta, TensorStorageMetadata) and key not in expected:
+            return f"it holds '{key}', which this run has no place for"
+    return None
+
+
+_CAUSE_KEYS = (
+    "model.name",
+    "model.args",
+    "optim.name",
+    "train.loss",
+    "data.source",
+    "data.seq_len",
+    "data.vocab_size",
+)
+
+
+def likely_cause(saved_cfg: Any, cfg: Any) -> str:
+    """'; it was written with model.name=mlp, this run has model.name=simple_cnn' or ''."""
+    if not isinstance(saved_cfg, dict) or cfg is None:
+        return ""
+    now = cfg.model_dump(mode="json")
+    for dotted in _CAUSE_KEYS:
+        section, key = dotted.split(".")
+        before = saved_cfg.get(section, {}).get(key)
+        after = now.get(section, {}).get(key)
+        if before != after:
+            return f"; it was written with {dotted}={before}, this run has {dotted}={after}"
+    return ""
+
+
+def check_lr_horizon(path: Path, trainer: dict[str, Any], cfg: Any) -> None:
+    saved = trainer.get("lr_horizon")
+    if saved is None or cfg.optim.schedule == "constant":
+        return  # written before horizons were stored, or a schedule without one
+    explicit = cfg.optim.decay_steps
+    now = explicit or cfg.train.max_steps
+    if explicit is None and int(saved) != now:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with an LR schedule over {saved} steps and this run "
+            f"has train.max_steps={cfg.train.max_steps}, which would silently move the "
+            f"schedule; set optim.decay_steps={saved} to keep it (or optim.decay_steps={now} to "
+            "stretch it) and resume again."
+        )

@@ -1,4 +1,4 @@
-"""What `hpcml train` checks before any worker starts, and running the engine in this process."""
+"""What `hpcml train` checks before any worker starts, and running the Trainer in this process."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ from hpcml.models.zoo import get_spec
 from hpcml.train import rundir
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Everything a user can get wrong that is cheap to check: model name, data location."""
+def preflight(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Cheap checks (model name, data location); with `world_size`, the whole resolved config
+    as the workers will see it (data sizes, the model built on meta, tp/heads/batch)."""
     get_spec(cfg.model.name)
     check_source(cfg.data)
+    if world_size is not None:
+        from hpcml.train.validate import resolve
+
+        resolve(cfg, world_size)
 
 
 def prepare_for_workers(
@@ -34,7 +39,7 @@ def run_here(
     overwrite: bool,
     quiet: bool,
 ) -> dict[str, Any]:
-    from hpcml.train.engine import run
+    from hpcml.train.trainer import run
 
     return run(
         cfg, run_dir=run_dir, resume=resume, overwrite=overwrite, quiet=quiet, config_path=config

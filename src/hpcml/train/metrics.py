@@ -37,6 +37,7 @@ class StepMeter:
         self.step_times: list[float] = []
         self.data_waits: list[float] = []
         self.last_loss: float | None = None
+        self.flags: list[float] = []
         self.extra_sinks: list[Any] = []
         self.workload: Workload | None = None
         """When set, records also carry tokens/s and MFU."""
@@ -68,11 +69,21 @@ class StepMeter:
         self.step_times.append(step_time_s)
         self.data_waits.append(data_wait_s)
 
-    def flush(self) -> list[dict[str, Any]]:
-        """Every rank must call this at the same steps (it reduces the losses across ranks)."""
+    def flush(self, flags: list[float] | None = None) -> list[dict[str, Any]]:
+        """Every rank must call this at the same steps (it reduces the losses across ranks).
+        `flags` ride along in the same collective; their means are in `self.flags` after."""
+        flags = flags or []
+        if not self._pending and not flags:
+            self.flags = []
+            return []
+        dev = self.rt.device
+        parts = [torch.stack(self._losses)] if self._losses else []
+        parts += [torch.tensor(flags, dtype=torch.float32, device=dev)] if flags else []
+        reduced = all_reduce_mean(self.rt, torch.cat(parts)).tolist()
+        n = len(self._losses)
+        losses, self.flags = reduced[:n], reduced[n:]
         if not self._pending:
             return []
-        losses = all_reduce_mean(self.rt, torch.stack(self._losses)).tolist()
         for rec, loss in zip(self._pending, losses, strict=True):
             rec["loss"] = loss
         out = self._pending

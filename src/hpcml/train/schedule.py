@@ -23,14 +23,24 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def lr_horizon(cfg: OptimConfig, max_steps: int) -> int:
+    """Steps over which the LR decays: optim.decay_steps, else train.max_steps. Checkpoints
+    store it, so a resume with another max_steps does not silently bend the schedule."""
+    return cfg.decay_steps or max_steps
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    total = cfg.decay_steps or max_steps
+    total = lr_horizon(cfg, max_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total))
 
 
-def build_optimizer(params: object, cfg: OptimConfig, world_size: int) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: object, cfg: OptimConfig, world_size: int, fused: bool = True
+) -> torch.optim.Optimizer:
+    """AdamW or SGD with the fused kernel (one kernel per step, and a step the Trainer can
+    skip on the device through `found_inf`, as GradScaler does)."""
     lr = cfg.lr * (world_size if cfg.scale_lr_with_world else 1)
     if cfg.name == "sgd":
         return torch.optim.SGD(
@@ -38,6 +48,7 @@ def build_optimizer(params: object, cfg: OptimConfig, world_size: int) -> torch.
             lr=lr,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
+            fused=fused,
         )
     return torch.optim.AdamW(
         params,  # type: ignore[arg-type]
@@ -45,4 +56,5 @@ def build_optimizer(params: object, cfg: OptimConfig, world_size: int) -> torch.
         betas=cfg.betas,
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
+        fused=fused,
     )

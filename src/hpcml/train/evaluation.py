@@ -1,0 +1,53 @@
+"""Validation: loss and accuracy over the whole validation set, each data-parallel rank on its
+share, sums reduced once at the end.
+
+Every rank runs the same number of batches (FSDP and TP forwards are collectives: a rank with
+one batch fewer would leave its peers waiting in an all-gather forever). `shard_for_eval` pads
+the shorter shares with masked samples; masked samples count for nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpcml.distributed.runtime import Runtime, all_reduce_sum
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: nn.Module, loader: Any, rt: Runtime, precision: Any, channels_last: bool
+) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=rt.device)  # loss, correct, count, batches
+    for x, y, valid in loader:
+        x = x.to(rt.device, non_blocking=True)
+        y = y.to(rt.device, non_blocking=True)
+        valid = valid.to(rt.device, non_blocking=True)
+        if channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with precision.autocast():
+            logits = model(x)
+        per_pos = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none"
+        ).reshape(y.shape)
+        mask = valid.reshape(-1, *([1] * (y.dim() - 1))).expand_as(y).double()
+        totals[0] += (per_pos.double() * mask).sum()
+        totals[1] += ((logits.argmax(dim=-1) == y).double() * mask).sum()
+        totals[2] += mask.sum()
+        totals[3] += 1
+    all_reduce_sum(rt, totals)
+    totals /= rt.tp  # the ranks of one tensor-parallel group evaluate the same samples
+    model.train(was_training)
+    values = totals.tolist()  # the one host sync of an evaluation
+    n = max(values[2], 1.0)
+    return {
+        "val_loss": values[0] / n,
+        "val_accuracy": values[1] / n,
+        "val_samples": int(values[2]),
+        "val_batches_per_rank": int(round(values[3] / rt.dp_size)),
+    }

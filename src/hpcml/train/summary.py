@@ -1,0 +1,106 @@
+"""What a finished run writes: the summary.json record (memory per rank, throughput, final
+metrics, environment) and the model export. Every rank calls `build_summary` (gathering shards
+and per-rank memory are collectives); rank 0 gets the record, the others an empty dict."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import resource
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcml import __version__
+from hpcml.distributed.parallel import full_state_dict, local_state_bytes, unwrap
+from hpcml.distributed.runtime import all_gather_object, device_info
+from hpcml.models.export import save_export
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_summary(t: Any) -> dict[str, Any]:
+    """`t` is the Trainer at its end."""
+    cfg, rt, res = t.cfg, t.rt, t.resolved
+    memory: dict[str, Any] = local_state_bytes(unwrap(t.model), t.optimizer)
+    memory["peak_allocated_bytes"] = (
+        int(torch.cuda.max_memory_allocated(rt.device)) if rt.device.type == "cuda" else None
+    )
+    memory["peak_rss_bytes"] = peak_rss_bytes()
+    memory["setup_peak_rss_bytes"] = getattr(t, "setup_peak_rss_bytes", None)
+    per_rank = all_gather_object(rt, memory)
+    weights = full_state_dict(t.model)  # a collective: every rank gathers its shards
+    if not rt.is_main:
+        return {}
+    splits = res.splits
+    summary = {
+        "status": "finished",
+        "run_dir": str(t.out_dir),
+        "steps": t.step,
+        "world_size": rt.world_size,
+        "device": device_info(rt),
+        "precision": cfg.precision,
+        "global_batch": t.global_batch,
+        "model": {
+            "name": cfg.model.name,
+            "args": res.model_args,
+            "parameters": t.n_params,
+            "forward_flops_per_sample": t.flops_per_sample,
+            "train_flops_per_sample": t.meter.workload.train_flops_per_sample,
+        },
+        "data": {
+            "source": cfg.data.source,
+            "fingerprint": splits.fingerprint,
+            "train_samples": len(splits.train),
+            "val_samples": len(splits.val),
+            "epochs_seen": t.train_data.epoch,
+        },
+        "memory": {**memory, "per_rank": per_rank},
+        "throughput": t.meter.throughput(),
+        "final": {**(t.last_eval or {}), "train_loss": t.meter.last_loss},
+        "fault": t.guard.summary(),
+        "resumed_from": str(t.resume_from) if t.resume_from else None,
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "hpcml": __version__,
+            "hostname": platform.node(),
+            "platform": platform.platform(),
+        },
+        "config": cfg.model_dump(mode="json"),
+        "provenance": t.provenance,
+    }
+    save_export(
+        t.out_dir / "export",
+        unwrap(t.model),
+        cfg.model.name,
+        res.model_args,
+        splits.input_shape,
+        (*splits.target_shape, splits.num_classes),
+        input_dtype=splits.input_dtype,
+        task=t.spec.task,
+        state=weights,
+        metadata={
+            "data": cfg.data.model_dump(mode="json"),
+            "run_dir": str(t.out_dir),
+            "final": summary["final"],
+            "step": t.step,
+        },
+    )
+    return summary

@@ -1,0 +1,454 @@
+"""The training loop as a small `Trainer`: `setup`, `train_step`, `evaluate`, `save`, `finish`.
+
+`fit` runs them in order. Fault handling, tracking and anything else that observes or changes a
+step enter through named hooks (`hpcml.train.hooks`), not through branches in the loop. Set-up
+writes nothing into the run folder until the resolved config has been checked and a resumed
+checkpoint has loaded, so a refused start leaves the folder byte-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcml.config import RunConfig, dump_config
+from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
+from hpcml.distributed.parallel import (
+    clip_grad_norm,
+    grad_scaler,
+    local_grad_norm,
+    no_sync,
+    parallelize,
+    shard_optimizer,
+)
+from hpcml.distributed.precision import setup_precision
+from hpcml.distributed.runtime import (
+    Runtime,
+    broadcast_object,
+    init_runtime,
+    launched_by_torchrun,
+    report_worker_error,
+    shutdown,
+)
+from hpcml.errors import HpcmlError, Preempted
+from hpcml.models.zoo import build_model, count_parameters, forward_flops_per_sample, get_spec
+from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
+from hpcml.records import write_text_atomic as write_text
+from hpcml.train import checkpoint as ckpt
+from hpcml.train import mfu, rundir
+from hpcml.train.evaluation import evaluate_model
+from hpcml.train.fault import FaultGuard
+from hpcml.train.fault_hook import FaultHook
+from hpcml.train.hooks import Hooks, StepDecision
+from hpcml.train.losses import resolve_loss
+from hpcml.train.metrics import LiveView, StepMeter
+from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon
+from hpcml.train.summary import build_summary, peak_rss_bytes, seed_everything
+from hpcml.train.validate import resolve
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path | None = None,
+        resume: str | None = None,
+        overwrite: bool = False,
+        quiet: bool = False,
+        config_path: Path | None = None,
+        hooks: Hooks | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir_arg, self.resume_arg, self.overwrite = run_dir, resume, overwrite
+        self.quiet, self.config_path = quiet, config_path
+        if hooks is None:
+            from hpcml.train.tracking import TrackingHook
+
+            hooks = Hooks([TrackingHook(cfg.tracking)])
+        self.hooks = hooks
+        self.step = 0
+        self.last_eval: dict[str, float] | None = None
+        self.log: RunLog | None = None
+        self.view: LiveView | None = None
+        self.out_dir: Path | None = None
+        self.resume_from: Path | None = None
+        self.writing = False
+        """True once this run has started writing into the run folder."""
+        self.fault_hook: FaultHook | None = None
+
+    # --- the whole run ---------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.rt = init_runtime(
+            cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.tp
+        )
+        self.hooks.is_main = self.rt.is_main
+        self.guard = FaultGuard(cfg, self.rt)  # first: a preemption during set-up counts too
+        clean = False
+        try:
+            self.setup()
+            while self.step < cfg.train.max_steps:
+                decision = self.train_step()
+                self.after_step(decision)
+            summary = self.finish()
+            clean = True
+            return summary
+        except BaseException as exc:
+            self._record_failure(exc)
+            if isinstance(exc, HpcmlError) and launched_by_torchrun():
+                exc.reported = report_worker_error(exc.message, exc.exit_code)  # type: ignore[attr-defined]
+            raise
+        finally:
+            self.guard.close()
+            if self.view is not None:
+                self.view.close()
+            if self.log is not None:
+                self.log.close()
+            shutdown(self.rt, clean=clean)
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg, rt = self.cfg, self.rt
+        # Deterministic checks on every rank before the first collective: all ranks agree.
+        self.resolved = resolve(cfg, rt.world_size)
+        self.out_dir, self.resume_from = self._prepare_folder()
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        self.precision = setup_precision(cfg.precision, rt.device)
+        self.loss_fn = resolve_loss(cfg.train.loss)
+        self._build_model()
+        self._build_data()
+        torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout, augmentation)
+        if self.resume_from is not None:
+            self.step = self.restore(self.resume_from)
+        self.setup_peak_rss_bytes = peak_rss_bytes()  # this rank's high-water mark so far
+        self._open_run_folder()
+
+    def _prepare_folder(self) -> tuple[Path, Path | None]:
+        """Rank 0 checks the run folder; every rank gets the same answer or the same error."""
+        rt = self.rt
+        resume, overwrite = self.resume_arg, self.overwrite
+        answer: tuple[str, Any, Any] = ("ok", None, None)
+        if rt.is_main:
+            try:
+                chosen = self.run_dir_arg or rundir.default_run_dir(self.config_path)
+                # A restarted elastic group resumes from the newest checkpoint, whatever was asked.
+                if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+                    resume, overwrite = "auto", False
+                found = rundir.resolve(chosen, resume, overwrite, warn=self._warn)
+                if resume == "auto" and found is None:
+                    self._warn(
+                        f"no complete checkpoint in {chosen / 'checkpoints'}; starting "
+                        "from step 0.",
+                        prefix="",
+                    )
+                answer = ("ok", chosen, found)
+            except HpcmlError as exc:
+                answer = ("error", type(exc).__name__, exc.message)
+        answer = broadcast_object(rt, answer)
+        if answer[0] == "error":
+            import hpcml.errors as errors
+
+            raise getattr(errors, answer[1], HpcmlError)(answer[2])
+        return Path(answer[1]), answer[2]
+
+    def _warn(self, message: str, prefix: str = "warning: ") -> None:
+        if self.rt.is_main:
+            print(f"{prefix}{message}", file=sys.stderr, flush=True)
+
+    def _build_model(self) -> None:
+        cfg, rt, res = self.cfg, self.rt, self.resolved
+        model = build_model(cfg.model.name, res.model_args).to(rt.device)
+        if cfg.train.channels_last:
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        self.n_params = count_parameters(model)
+        splits = res.splits
+        self.flops_per_sample = forward_flops_per_sample(
+            model, splits.input_shape, splits.input_dtype, device=rt.device
+        )
+        self.model = parallelize(model, rt, cfg.parallel, cfg.train, cfg.precision)
+        optimizer = build_optimizer(self.model.parameters(), cfg.optim, rt.dp_size)
+        self.optimizer = shard_optimizer(optimizer, self.model, rt, cfg.parallel)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+        self.scaler = grad_scaler(self.precision, cfg.parallel, rt)
+
+    def _build_data(self) -> None:
+        cfg, rt, splits = self.cfg, self.rt, self.resolved.splits
+        pin = rt.device.type == "cuda" and cfg.data.pin_memory
+        # Data is split over data-parallel replicas; the ranks of a tensor-parallel group share it.
+        self.train_data = EpochLoader(
+            splits.train, cfg.data, rt.dp_rank, rt.dp_size, cfg.train.seed, pin
+        )
+        self.val_data = eval_loader(
+            shard_for_eval(splits.val, rt.dp_rank, rt.dp_size), cfg.data.batch_size * 2, pin
+        )
+        self.global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.dp_size
+
+    def restore(self, path: Path) -> int:
+        """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG."""
+        with self.guard.checkpointing():
+            loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
+        self.scheduler.load_state_dict(loaded.trainer["scheduler"])
+        # The saved lr came from the saved horizon; an explicit optim.decay_steps may differ.
+        at = self.scheduler.last_epoch
+        for group, base, fn in zip(
+            self.optimizer.param_groups,
+            self.scheduler.base_lrs,
+            self.scheduler.lr_lambdas,
+            strict=True,
+        ):
+            group["lr"] = base * fn(at)
+        self.scaler.load_state_dict(loaded.trainer["scaler"])
+        if loaded.rank_state is not None:
+            self.train_data.load_state_dict(loaded.rank_state["data"])
+            ckpt.set_rng_state(loaded.rank_state["rng"])
+        elif "data_position" in loaded.trainer:  # another world size: the next unseen sample
+            pos = loaded.trainer["data_position"]
+            self.train_data.resume_at(int(pos["epoch"]), int(pos["samples"]))
+        else:  # written before positions were stored: continue at the next epoch boundary
+            epoch = int(loaded.trainer.get("epoch", 0)) + 1
+            self.train_data.load_state_dict({"epoch": epoch, "loader": None})
+        return loaded.step
+
+    def _open_run_folder(self) -> None:
+        """From here on the run writes into its folder (and a failure is recorded there)."""
+        cfg, rt, res = self.cfg, self.rt, self.resolved
+        assert self.out_dir is not None
+        if rt.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.writing = True
+            write_text(self.out_dir / CONFIG, dump_config(cfg))
+            # Steps past the resumed one (or every step, starting afresh) are done again.
+            truncate_run_log_after(self.out_dir / "run.jsonl", self.step)
+            self.log = RunLog(self.out_dir / "run.jsonl")
+            self.view = LiveView(cfg.train.max_steps, self.step, self.quiet)
+            if self.resume_from is not None:
+                self.view.message(f"resumed from {self.resume_from} at step {self.step}")
+        self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
+        self.spec = get_spec(cfg.model.name)
+        from hpcml.distributed.runtime import device_info
+
+        self.meter.workload = mfu.workload(
+            self.spec.train_flops_per_token_fn(res.model_args)
+            if self.spec.train_flops_per_token_fn
+            else None,
+            self.flops_per_sample,
+            res.splits.input_shape,
+            res.splits.input_dtype,
+            device_info(rt),
+            cfg.precision,
+            cfg.train.peak_flops,
+            rt.world_size,
+        )
+        self.provenance: dict[str, Any] = {}
+        if rt.is_main:
+            from hpcml.track.provenance import collect
+
+            self.provenance = collect(
+                cfg.model_dump(mode="json"), res.splits.fingerprint, device_info(rt)
+            )
+            self.meter.extra_sinks.append(self.hooks.steps)
+        ctx = {
+            "cfg": cfg,
+            "rt": rt,
+            "run_dir": self.out_dir,
+            "resumed_from": self.resume_from,
+            "step": self.step,
+            "provenance": self.provenance,
+        }
+        self.hooks.start(ctx)
+        self.guard.attach(
+            self.model, self.out_dir, self.log, self.view.message if self.view is not None else None
+        )
+        self.hooks.add(FaultHook(self.guard))
+        self.model.train()
+
+    # --- one optimizer step ------------------------------------------------------------------
+
+    def train_step(self) -> StepDecision:
+        """Forward and backward over `grad_accum` micro-batches, then the optimizer step unless
+        a hook decides otherwise."""
+        self.hooks.before_step(self)
+        t0 = time.perf_counter()
+        loss_sum, data_wait = self.forward_backward()
+        decision = self.hooks.after_backward(self, loss_sum, data_wait)
+        if decision.rollback_to is not None:
+            self.step = self.restore(decision.rollback_to)
+            return decision
+        if decision.skip:
+            return decision
+        lr = self.optimizer_step(decision.skip_on_device)
+        self.step += 1
+        self.meter.record(
+            self.step,
+            loss_sum,
+            lr,
+            time.perf_counter() - t0,
+            data_wait,
+            epoch=self.train_data.epoch,
+        )
+        return decision
+
+    def forward_backward(self) -> tuple[torch.Tensor, float]:
+        accum, dev = self.cfg.train.grad_accum, self.rt.device
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=dev)
+        data_wait = 0.0
+        for micro in range(accum):
+            td = time.perf_counter()
+            x, y = self.train_data.next()
+            data_wait += time.perf_counter() - td
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            if self.cfg.train.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with (
+                no_sync(self.model, skip=micro < accum - 1),
+                self.precision.autocast(),
+                self.hooks.forward(self),
+            ):
+                loss = self.loss_fn(self.model(x), y) / accum
+            self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        return loss_sum, data_wait
+
+    def optimizer_step(self, skip_on_device: bool = False) -> float:
+        """Clip, step, schedule. With `skip_on_device` the update is dropped inside the fused
+        optimizer when the gradient norm is not finite (no host sync)."""
+        norm = None
+        if self.cfg.optim.grad_clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        inner: Any = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1 wraps one
+        if skip_on_device and not self.scaler.is_enabled():
+            norm = local_grad_norm(self.model) if norm is None else norm
+            found_inf = (~torch.isfinite(norm)).float()
+            if inner.defaults.get("fused"):
+                inner.found_inf = found_inf  # read by the fused kernel, as GradScaler sets it
+            elif found_inf.item():  # an optimizer without a fused kernel: one sync per step
+                self.scheduler.step()
+                return lr
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        return lr
+
+    def after_step(self, decision: StepDecision) -> None:
+        """Log flush, evaluation, checkpoint and preemption stop at the configured steps."""
+        t, step = self.cfg.train, self.step
+        if decision.skip or decision.rollback_to is not None:
+            return
+        done = step >= t.max_steps
+        evaluating = bool(t.eval_every and step % t.eval_every == 0) or done
+        preempt = decision.preempt
+        if step % t.log_every == 0 or evaluating:
+            preempt = self.flush() or preempt
+        if evaluating:
+            self.evaluate()
+        saved = None
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or done:
+            saved = self.save()
+        if preempt and not done:
+            self.flush()
+            self.guard.stop_for_preemption(step, saved or self.save())
+
+    def flush(self) -> bool:
+        """Write the buffered step records; the same collective carries the fault hook's
+        flags. True when a rank was asked to stop."""
+        hook = self.fault_hook
+        records = self.meter.flush(hook.flush_flags() if hook else None)
+        return hook.on_flushed(records, self.meter.flags) if hook else False
+
+    # --- evaluation, checkpoints -------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss and accuracy; every rank runs the same number of batches."""
+        self.last_eval = evaluate_model(
+            self.model, self.val_data, self.rt, self.precision, self.cfg.train.channels_last
+        )
+        if self.rt.is_main:
+            rec = {"kind": "eval", "step": self.step, **self.last_eval}
+            if self.log is not None:
+                self.log.write(rec)
+            self.hooks.eval(rec)
+        return self.last_eval
+
+    def save(self) -> Path:
+        assert self.out_dir is not None
+        cfg = self.cfg
+        trainer_state = {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.train_data.epoch,
+            "data_position": self.train_data.position(),
+            "lr_horizon": lr_horizon(cfg.optim, cfg.train.max_steps),
+            "config": cfg.model_dump(mode="json"),
+        }
+        with self.guard.checkpointing():
+            path = ckpt.save(
+                self.out_dir / "checkpoints",
+                self.step,
+                self.model,
+                self.optimizer,
+                trainer_state,
+                {"rng": ckpt.rng_state(), "data": self.train_data.state_dict()},
+                self.rt,
+                cfg.train.keep_last,
+                background=cfg.train.checkpoint_async,
+            )
+        if self.rt.is_main:
+            self.hooks.checkpoint(path, self.step)
+        return path
+
+    # --- the end -----------------------------------------------------------------------------
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for checkpoints, evaluate if not yet done, export and write summary.json."""
+        self.flush()
+        ckpt.wait_pending()
+        self.guard.close()
+        if self.last_eval is None:
+            self.evaluate()
+        summary = build_summary(self)  # collectives inside: every rank calls it
+        if self.rt.is_main:
+            self.hooks.end(summary)
+            assert self.out_dir is not None
+            write_json_atomic(self.out_dir / "summary.json", summary)
+        return summary
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """A run that had started writing records how it ended; a refused start writes nothing."""
+        if not (self.rt.is_main and self.writing and self.out_dir is not None):
+            return
+        kind = "preempted" if isinstance(exc, KeyboardInterrupt | Preempted) else "failed"
+        self.hooks.fail(kind, exc)
+        write_json_atomic(
+            self.out_dir / "summary.json",
+            {
+                "status": kind,
+                "error": f"{type(exc).__name__}: {exc}"[:500],
+                "run_dir": str(self.out_dir),
+            },
+        )
+
+
+def run(
+    cfg: RunConfig,
+    run_dir: Path | None = None,
+    resume: str | None = None,
+    overwrite: bool = False,
+    quiet: bool = False,
+    config_path: Path | None = None,
+    hooks: Hooks | None = None,
+) -> dict[str, Any]:
+    """Train `cfg` to its end; the summary on rank 0, an empty dict on the other ranks."""
+    return Trainer(cfg, run_dir, resume, overwrite, quiet, config_path, hooks).fit()
+
+
+_ = Runtime  # re-exported for type hints of hooks
