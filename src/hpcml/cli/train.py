@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -36,38 +35,57 @@ def train(
         help="Elastic restarts of the whole group after a worker failure (--nproc > 1).",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
+    allow_fresh_start: bool = typer.Option(  # [fault] issue 11
+        False,
+        "--allow-fresh-start",
+        help="With --resume auto: when checkpoints exist but none is complete, move them to "
+        "checkpoints/corrupt/ and start from step 0 (without it, the run refuses).",
+    ),
 ) -> None:
     """Train a model from a YAML config on one process or several (DDP)."""
     from hpcml.config import load_config
     from hpcml.distributed.runtime import launched_by_torchrun
-    from hpcml.errors import REQUEUE_EXIT_CODE, Preempted, WorkFailed
+    from hpcml.errors import REQUEUE_EXIT_CODE, Interrupted, Preempted, WorkFailed
     from hpcml.launch.local import check_nproc, run_torchrun
     from hpcml.train.entry import preflight, prepare_for_workers, run_here
+    from hpcml.train.fault import require_checkpoints_for_restarts, worker_outcome
 
     cfg = load_config(config, overrides or [])
     if launched_by_torchrun():
         # A worker: torchrun (ours or the user's) chose the world; rank 0 checks the folder.
-        summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
+        summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)
     else:
         preflight(cfg)
         check_nproc(nproc)
         if nproc == 1:
-            summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
+            summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)
         else:
-            chosen = prepare_for_workers(config, run_dir, resume, overwrite)
+            require_checkpoints_for_restarts(cfg, max_restarts)  # [fault] issue 11
+            chosen = prepare_for_workers(config, run_dir, resume, overwrite, allow_fresh_start)
             args = ["train", str(config), *(overrides or []), "--run-dir", str(chosen)]
             if resume is not None:
                 args += ["--resume", resume]
             elif max_restarts > 0:
                 args += ["--resume", "auto"]  # the folder was checked empty; restarts resume
             args += ["--quiet"] * quiet + ["--json"] * json_out
+            args += ["--allow-fresh-start"] * allow_fresh_start  # [fault] issue 11
             started = time.time()
             rc = run_torchrun(nproc, args, max_restarts)
-            if rc != 0 and stopped_for_preemption(chosen, started):
+            # [fault] issue 11: 75 only with the checkpoint saved for this preemption; 130 for
+            # Ctrl-C (see hpcml.train.fault.worker_outcome).
+            status, saved = worker_outcome(chosen, started)
+            if rc != 0 and status == "preempted" and saved is not None:
                 raise Preempted(
-                    f"training with {nproc} processes was preempted and saved a checkpoint in "
-                    f"{chosen}; continue with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a "
-                    "scheduler to requeue)."
+                    f"training with {nproc} processes was preempted and saved checkpoint {saved}; "
+                    f"continue with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a scheduler "
+                    "to requeue).",
+                    checkpoint=str(saved),
+                )
+            if rc != 0 and (status == "interrupted" or rc == 130):
+                raise Interrupted(
+                    f"training with {nproc} processes was interrupted (SIGINT); no checkpoint was "
+                    f"saved for it. Continue from the newest complete one in {chosen} with "
+                    "--resume auto."
                 )
             if rc != 0:
                 raise WorkFailed(
@@ -77,18 +95,6 @@ def train(
             return
     if summary:
         report(summary, json_out)
-
-
-def stopped_for_preemption(run_dir: Path, since: float) -> bool:
-    """True when the workers' summary.json, written after `since`, says they stopped on a
-    preemption signal (torchrun itself exits 1 then, whatever the workers' exit codes)."""
-    path = run_dir / "summary.json"
-    try:
-        return path.stat().st_mtime >= since and json.loads(path.read_text())["status"] == (
-            "preempted"
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
 
 
 def report(summary: dict[str, Any], json_out: bool) -> None:

@@ -116,6 +116,7 @@ def _prepare(
     resume: str | None,
     overwrite: bool,
     view_warn: Any,
+    allow_fresh_start: bool = False,  # [fault] issue 11
 ) -> tuple[Path, Path | None]:
     """Rank 0 checks and prepares the run folder; every rank gets the same answer or error."""
     answer: tuple[str, Any, Any] = ("ok", None, None)
@@ -125,7 +126,13 @@ def _prepare(
             # A restarted elastic group resumes from the newest checkpoint, whatever was asked.
             if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
                 resume, overwrite = "auto", False
-            answer = ("ok", chosen, rundir.resolve(chosen, resume, overwrite, warn=view_warn))
+            answer = (
+                "ok",
+                chosen,
+                rundir.resolve(
+                    chosen, resume, overwrite, warn=view_warn, allow_fresh_start=allow_fresh_start
+                ),
+            )
         except HpcmlError as exc:
             answer = ("error", type(exc).__name__, exc.message)
     answer = broadcast_object(rt, answer)
@@ -144,6 +151,7 @@ def run(
     quiet: bool = False,
     config_path: Path | None = None,
     hooks: Hooks | None = None,
+    allow_fresh_start: bool = False,  # [fault] issue 11
 ) -> dict[str, Any]:
     rt = init_runtime(
         cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.tp
@@ -157,7 +165,9 @@ def run(
     out_dir: Path | None = None
     try:
         warn = (lambda m: print(f"warning: {m}", file=sys.stderr)) if rt.is_main else None
-        out_dir, resume_from = _prepare(cfg, rt, run_dir, config_path, resume, overwrite, warn)
+        out_dir, resume_from = _prepare(
+            cfg, rt, run_dir, config_path, resume, overwrite, warn, allow_fresh_start
+        )
 
         # --- build: data, model, optimizer --------------------------------------------------
         seed_everything(cfg.train.seed, cfg.train.deterministic)
@@ -308,7 +318,11 @@ def run(
                         log.write(rec)
                     hooks.eval(rec)
             saved = None
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or done:
+            if (
+                (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
+                or guard.checkpoint_due(step)  # [fault] issue 11: train.checkpoint_every_s
+                or done
+            ):
                 path = saved = save_checkpoint(step)
                 if rt.is_main:
                     hooks.checkpoint(path, step)
@@ -390,7 +404,15 @@ def run(
         return summary
     except BaseException as exc:
         if rt.is_main and out_dir is not None and (out_dir / CONFIG).exists():
-            kind = "preempted" if isinstance(exc, KeyboardInterrupt | Preempted) else "failed"
+            # [fault] issue 11: "preempted" only with the checkpoint saved for it; Ctrl-C is
+            # "interrupted" (exit 130), not a preemption.
+            kind = (
+                "preempted"
+                if isinstance(exc, Preempted)
+                else "interrupted"
+                if isinstance(exc, KeyboardInterrupt)
+                else "failed"
+            )
             hooks.fail(kind, exc)
             write_json_atomic(
                 out_dir / "summary.json",
@@ -398,6 +420,7 @@ def run(
                     "status": kind,
                     "error": f"{type(exc).__name__}: {exc}"[:500],
                     "run_dir": str(out_dir),
+                    "checkpoint": getattr(exc, "checkpoint", None),  # [fault] issue 11
                 },
             )
         raise
