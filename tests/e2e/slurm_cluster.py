@@ -124,7 +124,7 @@ class SlurmCluster:
         return "\n".join(out)
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr or proc.stdout}")
         return proc

@@ -92,16 +92,18 @@ def mlp_config(path: Path, max_steps: int, checkpoint_every: int = 50) -> Path:
     return path
 
 
-def launch(cluster: SlurmCluster, config: Path, run_dir: Path, *args: str) -> dict[str, Any]:
+def launch(
+    cluster: SlurmCluster, config: Path, run_dir: Path, *args: str, **env_extra: str
+) -> dict[str, Any]:
     launched = subprocess.run(
         [
             sys.executable, "-m", "hpcml", "launch", "slurm", str(config),
             "--run-dir", str(run_dir), "--submit", "--json", *args,
         ],
-        env=env(cluster),
+        env={**env(cluster), **env_extra},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=240,  # a loaded 2-core runner imports torch slowly; only a hang reaches this
     )  # fmt: skip
     assert launched.returncode == 0, launched.stderr
     out: dict[str, Any] = json.loads(launched.stdout)
@@ -155,7 +157,12 @@ def test_preempted_job_checkpoints_is_requeued_and_finishes_like_an_uninterrupte
     )
 
     run_dir = tmp_path / "run"
-    job_id = launch(slurm, config, run_dir, "--nodes", "1", "--time", "00:10:00")["job_id"]
+    # 50 ms of sleep per step (no effect on the numbers) keeps the job running for at least 7 s
+    # after step 60, so that even a starved test process sees it running to preempt it.
+    slow = json.dumps({"slow": {"seconds": 0.05}})
+    job_id = launch(
+        slurm, config, run_dir, "--nodes", "1", "--time", "00:10:00", HPCML_FAULT_INJECT=slow
+    )["job_id"]
 
     # Preempt once training is well under way (past its first checkpoint at step 50).
     wait(

@@ -374,3 +374,35 @@ def test_cli_checkpoint_interval_json_and_bad_input() -> None:
     assert bad.returncode == 2
     assert "--mtbf 'soon' is not a positive duration" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_restarts_without_checkpoints_are_refused_and_mtbf_gives_a_daly_interval(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {name: mlp}\ndata: {source: digits}\ntrain: {checkpoint_every: 0}\n")
+
+    def hpcml(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hpcml", *args], env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+
+    train = hpcml("train", str(config), "--nproc", "2", "--max-restarts", "1",
+                  "--run-dir", str(tmp_path / "t"))  # fmt: skip
+    assert train.returncode == 2 and "a restart would start again from step 0" in train.stderr
+    assert "Traceback" not in train.stderr and not (tmp_path / "t").exists()
+
+    base = ["launch", "slurm", str(config), "--nodes", "1", "--time", "04:00:00",
+            "--cpus-per-task", "4", "--mem", "8G", "--run-dir", str(tmp_path / "s"), "--json"]  # fmt: skip
+    refused = hpcml(*base)
+    assert refused.returncode == 2 and "pass --mtbf" in refused.stderr
+    assert not (tmp_path / "s" / "job.sbatch").exists()
+    planned = hpcml(*base, "--mtbf", "24h", "--checkpoint-s", "60")
+    assert planned.returncode == 0, planned.stderr
+    every_s = json.loads(planned.stdout)["checkpoint_every_s"]
+    # Daly's interval for C = 60 s, M = 24 h lies just below Young's sqrt(2CM) = 3220 s.
+    assert 3150 < every_s < math.sqrt(2 * 60 * 86_400)
+    script = (tmp_path / "s" / "job.sbatch").read_text()
+    assert f"train.checkpoint_every_s={every_s:.0f}" in script
