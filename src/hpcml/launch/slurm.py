@@ -272,7 +272,7 @@ def _outcome_lines(job: SlurmJob) -> list[str]:
         f"    exit {REQUEUE_EXIT_CODE}",
         "fi",
         'if [ "$rc" -ne 0 ]; then',
-        '    bad=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,draining,fail,failing,'
+        '    bad=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,drained,draining,fail,'
         "no_respond -o %N 2>/dev/null | sort -u | paste -sd, -)",
         f'    if [ -n "$bad" ] && [ "$restarts" -lt {n} ]; then',
         '        excluded=$(scontrol -o show job "$SLURM_JOB_ID" | tr " " "\\n" '
