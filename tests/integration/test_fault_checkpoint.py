@@ -143,3 +143,18 @@ def test_resume_auto_with_only_corrupt_checkpoints_refuses_then_allow_fresh_star
         if p.is_file()
     }
     assert kept == {p.relative_to(run / "checkpoints"): b for p, b in before.items()}
+
+
+def test_time_based_checkpoints_save_once_the_interval_has_passed(tmp_path: Path) -> None:
+    # Each step sleeps 30 ms in forward (injected), so 50 ms have always passed after two steps:
+    # with checkpoint_every 0, train.checkpoint_every_s alone must save at least every 2 steps.
+    run = tmp_path / "run"
+    cfg = config_dict(
+        train={"max_steps": 12, "checkpoint_every": 0, "checkpoint_every_s": 0.05,
+               "keep_last": 100},
+    )  # fmt: skip
+    outcome = run_engine(cfg, run, HPCML_FAULT_INJECT='{"slow": {"seconds": 0.03}}')
+    assert outcome == ("ok", "finished")
+    steps = sorted(ckpt.step_of(p) or 0 for p in ckpt.list_complete(run / "checkpoints"))
+    assert steps[-1] == 12 and len(steps) >= 6, steps
+    assert all(b - a <= 2 for a, b in zip([0, *steps], steps, strict=False)), steps
