@@ -79,6 +79,9 @@ class TrainConfig(_Section):
     """Evaluate every N steps (and at the end); 0 evaluates at the end only."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps (and at the end); 0 checkpoints at the end only."""
+    checkpoint_every_s: float | None = Field(None, gt=0)  # [fault] issue 11
+    """Also checkpoint when this many seconds passed since the last save (the ranks agree on
+    it every 10 steps); null turns time-based checkpoints off."""
     keep_last: int = Field(3, gt=0)
     grad_accum: int = Field(1, gt=0)
     seed: int = 0
@@ -149,6 +152,21 @@ class FaultConfig(_Section):
     """Steps between the ranks' agreement on a preemption signal; null means at each log flush
     (train.log_every), inside its one collective. Keep K steps well under the scheduler's
     warning time (SLURM --signal lead) so the save still fits."""
+    checkpoint_timeout_s: float = Field(1800.0, ge=0)  # [fault] issue 11
+    """A checkpoint phase (write, fsync, manifest, rename) that runs this long ends the job
+    naming the rank and the phase (a hung filesystem); 0 turns it off."""
+    preempt_grace_s: float = Field(20.0, ge=0)  # [fault] issue 11
+    """After a preemption signal, a checkpoint still being written this long ends the process
+    (exit 1, the newest complete checkpoint kept) before the scheduler's SIGKILL (SLURM's
+    KillWait and Kubernetes' grace period default to 30 s); 0 waits for the save."""
+    preempt_notice: Literal["none", "aws", "gcp", "azure"] = "none"  # [fault] issue 11
+    """Also poll this cloud's instance-metadata endpoint for a spot/preemption notice and treat
+    one like a preemption signal (hpcml.train.preempt_notice)."""
+    preempt_notice_url: str | None = None  # [fault] issue 11
+    """Base URL of the metadata endpoint; null means the provider's (169.254.169.254 or
+    metadata.google.internal)."""
+    preempt_notice_every_s: float = Field(5.0, gt=0)  # [fault] issue 11
+    """How often to ask (AWS recommends every 5 s; it warns 2 minutes ahead, GCP about 30 s)."""
     preempt_signals: list[PreemptSignal] = Field(
         default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGUSR1"])
     )

@@ -46,6 +46,12 @@ class WorkFailed(HpcmlError):
     exit_code = 1
 
 
+class Interrupted(HpcmlError):
+    """Stopped by Ctrl-C (SIGINT) without a checkpoint for it; 130 like a shell's 128 + SIGINT."""
+
+    exit_code = 130
+
+
 REQUEUE_EXIT_CODE = 75
 """EX_TEMPFAIL from sysexits.h ("try again later"): the run saved a checkpoint and stopped on
 request (SIGTERM/SIGUSR1); a scheduler should requeue it and `--resume auto` continues it.
@@ -56,3 +62,8 @@ class Preempted(HpcmlError):
     """Training stopped on a preemption signal after saving a checkpoint; requeue to continue."""
 
     exit_code = REQUEUE_EXIT_CODE
+
+    def __init__(self, message: str, checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        """The checkpoint saved for this preemption (summary.json names it)."""

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd")
+GPU_FILES = ("/dev/null", "/dev/zero")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "srun")
 
 
@@ -40,6 +41,9 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.node = socket.gethostname().split(".")[0]
+        self.cpus = os.cpu_count() or 1
+        self.mem_mb = 1000
+        self.gpus = len(GPU_FILES)
 
     @property
     def env(self) -> dict[str, str]:
@@ -48,12 +52,16 @@ class SlurmCluster:
     def write_conf(self) -> None:
         for d in ("state", "spool", "log"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        cpus = os.cpu_count() or 1
+        cpus = self.cpus
         r = self.root
+        (r / "gres.conf").write_text("".join(f"Name=gpu File={f}\n" for f in GPU_FILES))
         self.conf.write_text(
             "\n".join(
                 [
                     "ClusterName=hpcmltest",
+                    # Two stand-in GPUs (device files that exist everywhere), so that a job's
+                    # --gpus-per-node and --mem-per-gpu are checked by the real scheduler.
+                    "GresTypes=gpu",
                     f"SlurmctldHost={self.node}(127.0.0.1)",
                     f"SlurmctldPort={_free_port()}",
                     f"SlurmdPort={_free_port()}",
@@ -75,15 +83,15 @@ class SlurmCluster:
                     "JobCompType=jobcomp/none",
                     "SchedulerType=sched/builtin",
                     "SelectType=select/cons_tres",
-                    "SelectTypeParameters=CR_Core",
+                    "SelectTypeParameters=CR_Core_Memory",  # memory is a resource jobs ask for
                     "MpiDefault=none",
                     "SwitchType=switch/none",
                     "ReturnToService=2",
                     "JobRequeue=1",
                     "MinJobAge=600",
                     "KillWait=30",
-                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 "
-                    "State=UNKNOWN",
+                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={self.mem_mb} "
+                    f"Gres=gpu:{self.gpus} State=UNKNOWN",
                     f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
                     "",
                 ]
@@ -116,7 +124,7 @@ class SlurmCluster:
         return "\n".join(out)
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr or proc.stdout}")
         return proc

@@ -52,8 +52,9 @@ def test_kill_9_at_random_points_of_checkpoint_writes_never_breaks_resume(tmp_pa
         # (Its pid file appears after the resume has cut run.jsonl back to the checkpoint.)
         wait_for(
             f"trial {trial} to train past step {before}",
-            lambda b=before, p=proc: pid_of(run, 0) == p.pid
-            and any(r["step"] > b for r in records(run)),
+            lambda b=before, p=proc: (
+                pid_of(run, 0) == p.pid and any(r["step"] > b for r in records(run))
+            ),
             timeout=60,
         )
         assert proc.is_alive(), f"trial {trial}: the run ended before the kill ({proc.exitcode})"
@@ -102,5 +103,58 @@ def test_a_corrupted_checkpoint_is_reported_and_the_previous_one_used(tmp_path: 
     assert len(warning) == 1
     assert f"{newest}: {shard.name} does not match its sha256" in warning[0]
     assert "using the previous complete checkpoint" in warning[0]
+    # Moved aside, not deleted, and not overwritten when the run saved step 12 again.
+    assert f"moved it to {run / 'checkpoints' / 'corrupt' / 'step-12'}" in warning[0]
+    assert (run / "checkpoints" / "corrupt" / "step-12" / shard.name).read_bytes() == bytes(data)
     assert summary(run)["resumed_from"] == str(run / "checkpoints" / "step-8")
     assert [r["step"] for r in records(run)] == list(range(1, 15))
+
+
+def test_resume_auto_with_only_corrupt_checkpoints_refuses_then_allow_fresh_start_keeps_them(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    first = run_engine(config_dict(train={"max_steps": 8, "checkpoint_every": 4}), run)
+    assert first == ("ok", "finished")
+    for step in (4, 8):
+        shard = next((run / "checkpoints" / f"step-{step}").glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+
+    config = write_config(tmp_path / "c.yaml", train={"max_steps": 10, "checkpoint_every": 4})
+    refused = run_train(config, run, "--resume", "auto", "--nproc", "2")
+    assert refused.returncode == 2, refused.stderr
+    assert (
+        "none of the 2 checkpoint(s)" in refused.stderr and "--allow-fresh-start" in refused.stderr
+    )
+    assert "Traceback" not in refused.stderr
+    after = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+    assert after == before  # a refusal changes nothing
+
+    fresh = run_train(config, run, "--resume", "auto", "--allow-fresh-start")
+    assert fresh.returncode == 0, fresh.stderr
+    assert fresh.stderr.count("moved it to") == 2
+    assert summary(run)["resumed_from"] is None and summary(run)["steps"] == 10
+    kept = {
+        p.relative_to(run / "checkpoints" / "corrupt"): p.read_bytes()
+        for p in (run / "checkpoints" / "corrupt").rglob("*")
+        if p.is_file()
+    }
+    assert kept == {p.relative_to(run / "checkpoints"): b for p, b in before.items()}
+
+
+def test_time_based_checkpoints_save_once_the_interval_has_passed(tmp_path: Path) -> None:
+    # Each step sleeps 30 ms in forward (injected), so 50 ms have always passed after two steps:
+    # with checkpoint_every 0, train.checkpoint_every_s alone must save at least every 2 steps.
+    run = tmp_path / "run"
+    cfg = config_dict(
+        train={"max_steps": 12, "checkpoint_every": 0, "checkpoint_every_s": 0.05,
+               "keep_last": 100},
+    )  # fmt: skip
+    outcome = run_engine(cfg, run, HPCML_FAULT_INJECT='{"slow": {"seconds": 0.03}}')
+    assert outcome == ("ok", "finished")
+    steps = sorted(ckpt.step_of(p) or 0 for p in ckpt.list_complete(run / "checkpoints"))
+    assert steps[-1] == 12 and len(steps) >= 6, steps
+    assert all(b - a <= 2 for a, b in zip([0, *steps], steps, strict=False)), steps

@@ -65,16 +65,24 @@ def test_sigterm_saves_exits_75_and_resume_matches_an_uninterrupted_run(tmp_path
     assert done["final"] == summary(tmp_path / "ref")["final"]
 
 
-def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step_without_a_restart(
+    tmp_path: Path,
+) -> None:
     # Only rank 1 gets the signal; the step-boundary collective makes rank 0 stop with it, the
     # checkpoint holds both ranks' state, and the parent `hpcml train` exits with the code too.
+    # With --max-restarts the agent must not spend a restart on it and train on.
     config = write_config(tmp_path / "c.yaml", train={"max_steps": 400})
     run = tmp_path / "run"
-    proc = start_train(config, run, "--nproc", "2", "train.checkpoint_async=true")
+    proc = start_train(
+        config, run, "--nproc", "2", "--max-restarts", "2", "train.checkpoint_async=true"
+    )
     wait_for("rank 1 training", lambda: pid_of(run, 1) and len(records(run)) >= 12, proc=proc)
-    os.kill(pid_of(run, 1) or 0, signal.SIGUSR1)
+    workers = (pid_of(run, 0), pid_of(run, 1))
+    os.kill(workers[1] or 0, signal.SIGUSR1)
     out, _ = finish(proc, 120)
     assert proc.returncode == REQUEUE_EXIT_CODE, out
+    assert (pid_of(run, 0), pid_of(run, 1)) == workers  # no restarted group wrote new pids
+    assert "Traceback" not in out and "resumed from" not in out
 
     event = [r for r in records(run, "fault") if r["event"] == "preempted"]
     assert len(event) == 1
@@ -87,3 +95,22 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(tmp_path: Path)
     # The last logged step is the one saved: nothing was trained past the checkpoint.
     assert max(step_losses(run)) == at
     assert summary(run)["status"] == "preempted"
+
+
+def test_ctrl_c_of_a_two_process_run_without_checkpoints_exits_130_interrupted(
+    tmp_path: Path,
+) -> None:
+    # Ctrl-C in a terminal: SIGINT to the whole foreground process group (hpcml train, the
+    # torchrun agent, the workers). No checkpoint was saved, so this is not a preemption: 130,
+    # status "interrupted", and nothing that says a checkpoint exists.
+    config = write_config(tmp_path / "c.yaml", train={"max_steps": 100_000, "checkpoint_every": 0})
+    run = tmp_path / "run"
+    proc = start_train(config, run, "--nproc", "2")
+    wait_for("training", lambda: pid_of(run, 1) and len(records(run)) >= 5, proc=proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = finish(proc, 120)
+    assert proc.returncode == 130, out
+    assert "was interrupted (SIGINT); no checkpoint was saved for it" in out, out
+    assert "preempted" not in out
+    assert summary(run)["status"] == "interrupted"
+    assert not (run / "checkpoints").exists()

@@ -1,12 +1,16 @@
 import json
 
+import pytest
 import torch
 
 from hpcml.distributed.runtime import Runtime
+from hpcml.errors import CheckpointError
 from hpcml.models.zoo import build_model
 from hpcml.train import checkpoint as ckpt
 
-RT = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None)
+RT = Runtime(
+    rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None
+)
 
 
 def _model_opt():
@@ -19,8 +23,16 @@ def _model_opt():
 
 
 def _save(root, step, model, opt, keep=3):
-    return ckpt.save(root, step, model, opt, {"scheduler": {}, "scaler": {}, "epoch": 0},
-                     {"rng": ckpt.rng_state(), "data": {"epoch": 0, "loader": None}}, RT, keep)
+    return ckpt.save(
+        root,
+        step,
+        model,
+        opt,
+        {"scheduler": {}, "scaler": {}, "epoch": 0},
+        {"rng": ckpt.rng_state(), "data": {"epoch": 0, "loader": None}},
+        RT,
+        keep,
+    )
 
 
 def test_round_trip_restores_model_and_optimizer(tmp_path):
@@ -65,3 +77,60 @@ def test_retention_keeps_last_k(tmp_path):
     for s in range(1, 6):
         _save(tmp_path, s, model, opt, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-5"]
+
+
+def _corrupt(path):
+    manifest = json.loads((path / "manifest.json").read_text())
+    victim = path / next(iter(manifest["files"]))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the sha256 can tell
+    victim.write_bytes(bytes(data))
+
+
+def _tree(root):
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_resume_auto_refuses_when_no_checkpoint_is_complete_and_changes_nothing(tmp_path):
+    model, opt = _model_opt()
+    for s in (1, 2):
+        _corrupt(_save(tmp_path, s, model, opt))
+    before = _tree(tmp_path)
+    with pytest.raises(CheckpointError, match="none of the 2 checkpoint.* is complete") as err:
+        ckpt.resume_target(tmp_path)
+    assert "--allow-fresh-start" in err.value.message
+    assert _tree(tmp_path) == before  # not moved, not deleted, byte for byte
+
+
+def test_allow_fresh_start_moves_corrupt_checkpoints_aside_and_keeps_them(tmp_path):
+    model, opt = _model_opt()
+    for s in (1, 2):
+        _corrupt(_save(tmp_path, s, model, opt))
+    before = _tree(tmp_path)
+    warnings = []
+    assert ckpt.resume_target(tmp_path, warnings.append, allow_fresh_start=True) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt"]
+    # The same bytes, under corrupt/.
+    assert _tree(tmp_path) == {f"corrupt/{k}": v for k, v in before.items()}
+    assert len(warnings) == 2 and all("starting from step 0" in w for w in warnings)
+    assert f"moved it to {tmp_path / 'corrupt' / 'step-2'}" in warnings[0]
+
+
+def test_a_corrupt_newest_checkpoint_is_moved_aside_and_survives_retention(tmp_path):
+    model, opt = _model_opt()
+    good = _save(tmp_path, 1, model, opt)
+    bad = _save(tmp_path, 2, model, opt)
+    _corrupt(bad)
+    corrupt_bytes = _tree(bad)
+    assert ckpt.resume_target(tmp_path, lambda m: None) == good
+    # Training goes on past step 2 again: neither a new step-2 save nor pruning touches it.
+    for s in (2, 3, 4, 5):
+        _save(tmp_path, s, model, opt, keep=1)
+    assert _tree(tmp_path / "corrupt" / "step-2") == corrupt_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt", "step-5"]
+    # dry_run (the launcher's check) reports but moves nothing.
+    _corrupt(tmp_path / "step-5")
+    assert ckpt.resume_target(tmp_path, allow_fresh_start=True, dry_run=True) is None
+    assert (tmp_path / "step-5").exists()

@@ -18,7 +18,8 @@ from hpcml.config import RunConfig, load_config
 from hpcml.distributed.runtime import Runtime
 from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.errors import REQUEUE_EXIT_CODE, ConfigError, HpcmlError, LaunchError, Preempted
-from hpcml.launch.slurm import SlurmJob, parse_time_s, render_sbatch
+from hpcml.launch.slurm import NodeShape, SlurmJob, parse_sinfo, parse_time_s, render_sbatch
+from hpcml.train.ckpt_phase import Phase
 from hpcml.train.fault import (
     FaultInjector,
     PreemptionFlag,
@@ -85,7 +86,9 @@ def test_spike_detector_with_a_flat_window_gives_no_score() -> None:
 # --- fault injection -----------------------------------------------------------------------
 
 
-def test_injector_rejects_unknown_faults_and_filters_by_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_injector_rejects_unknown_faults_and_filters_by_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("HPCML_FAULT_INJECT", json.dumps({"meteor": {"step": 1}}))
     with pytest.raises(ConfigError, match="meteor"):
         FaultInjector.from_env(0)
@@ -138,6 +141,51 @@ def test_watchdog_fires_once_without_progress_and_not_while_paused() -> None:
         assert len(fired) == 1 and "rank 0 stopped answering at step 1" in fired[0]
     finally:
         dog.stop()
+
+
+def test_watchdog_ends_a_checkpoint_phase_that_outlives_its_timeout() -> None:
+    dog = Watchdog(0, runtime(), HeartBoard(runtime()), lambda m: None, checkpoint_timeout_s=5)
+    fsync = Phase("fsync", step=40, started=100.0)
+    assert dog.check(104.0, fsync) is None
+    message = dog.check(106.0, fsync)
+    assert message is not None
+    assert message.startswith("rank 0 stalled in the fsync phase of the checkpoint of step 40")
+    assert "fault.checkpoint_timeout_s=5" in message
+    assert dog.check(106.0, None) is None  # no save under way: nothing to time
+
+
+def test_a_rank_waiting_at_the_barrier_names_the_rank_whose_phase_stalled() -> None:
+    rt = runtime(world=3, rank=2)
+    board = HeartBoard(rt)
+    board._local = {
+        0: {"step": 9, "progress": 5, "phase": "manifest", "phase_s": 30.0},
+        1: {"step": 9, "progress": 5, "phase": "wait", "phase_s": 31.0},
+        2: {"step": 9, "progress": 5, "phase": "wait", "phase_s": 31.0},
+    }
+    dog = Watchdog(0, rt, board, lambda m: None, checkpoint_timeout_s=10)
+    message = dog.check(200.0, Phase("wait", step=9, started=169.0))
+    assert message is not None
+    assert message.startswith("rank 0 stalled in the manifest phase of the checkpoint of step 9")
+
+
+def test_preemption_grace_counts_only_for_a_save_already_under_way() -> None:
+    flag = PreemptionFlag(["SIGTERM"])
+    flag.received_at = 50.0
+    dog = Watchdog(
+        0,
+        runtime(),
+        HeartBoard(runtime()),
+        lambda m: None,
+        checkpoint_timeout_s=3600,
+        preemption=flag,
+        preempt_grace_s=20,
+    )
+    stalled = Phase("rename", step=7, started=10.0)  # before the signal
+    assert dog.check(69.0, stalled) is None
+    message = dog.check(71.0, stalled)
+    assert message is not None and "when a preemption signal came 21 s ago" in message
+    # The save the signal asked for (started after it) gets the checkpoint timeout instead.
+    assert dog.check(500.0, Phase("write", step=8, started=55.0)) is None
 
 
 # --- checkpoint interval -------------------------------------------------------------------
@@ -217,18 +265,77 @@ def test_sbatch_script_has_what_preemption_needs_and_is_valid_bash(tmp_path: Pat
     ):
         assert line in text.splitlines()
     assert "--rdzv-backend=c10d" in text and '--rdzv-endpoint="$head_node:$rdzv_port"' in text
-    assert "--nproc-per-node=8" in text and "--nnodes=\"$SLURM_JOB_NUM_NODES\"" in text
+    assert "--nproc-per-node=8" in text and '--nnodes="$SLURM_JOB_NUM_NODES"' in text
     assert "optim.lr=0.01" in text and "--resume auto" in text
     assert "SIGUSR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    # One torchrun per node, through hpcml's agent, bound next to its GPUs, with every core.
+    assert 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=64' in text
+    assert "-m hpcml.launch.agent" in text and "--numa-binding=node" in text
+    assert 'if [ "$restarts" -ge 3 ]' in text  # --max-requeues default 3
+    assert "OMP_NUM_THREADS:-8" in text  # 64 cores / 8 workers
     assert f"'{tmp_path / 'run dir'}'" in text
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
+def test_sinfo_node_shape_is_the_smallest_node_with_enough_gpus() -> None:
+    text = "\n".join(
+        [
+            "64|512000|gpu:a100:8(S:0-1)",
+            "96|1024000|gpu:8,mps:100",
+            "32|256000|gpu:4",  # too few GPUs for 8 per node: left out
+            "16|64000|(null)",
+        ]
+    )
+    assert parse_sinfo(text, gpus_wanted=8) == NodeShape(cpus=64, mem_mb=512000, gpus=8)
+    assert parse_sinfo(text, gpus_wanted=0) == NodeShape(cpus=16, mem_mb=64000, gpus=0)
+    assert parse_sinfo("garbage\n", 0) is None
+
+
+def test_default_cores_and_memory_come_from_the_node_per_gpu(tmp_path: Path) -> None:
+    node = NodeShape(cpus=96, mem_mb=1_000_000, gpus=8)
+    job = SlurmJob(
+        config=Path("c.yaml"), run_dir=tmp_path, nodes=2, time="01:00:00", gpus_per_node=4
+    )
+    job.fill_from(node)
+    assert job.cpus_per_task == 48 and job.mem_per_gpu == "125000M" and job.mem is None
+    lines = render_sbatch(job).splitlines()
+    assert "#SBATCH --cpus-per-task=48" in lines and "#SBATCH --mem-per-gpu=125000M" in lines
+    cpu = SlurmJob(config=Path("c.yaml"), run_dir=tmp_path, nodes=1, time="01:00:00")
+    cpu.fill_from(NodeShape(cpus=32, mem_mb=128_000, gpus=0))
+    assert cpu.cpus_per_task == 32 and cpu.mem == "128000M"
+    given = SlurmJob(
+        config=Path("c.yaml"), run_dir=tmp_path, nodes=1, time="01:00:00", cpus_per_task=4, mem="8G"
+    )
+    given.fill_from(None)  # nothing to ask: sinfo is not needed
+    with pytest.raises(LaunchError, match="--cpus-per-task and --mem"):
+        SlurmJob(config=Path("c.yaml"), run_dir=tmp_path, nodes=1, time="01:00:00").fill_from(None)
+
+
+def test_slurm_job_rejects_resources_that_cannot_work(tmp_path: Path) -> None:
+    base = {"config": Path("c.yaml"), "run_dir": tmp_path, "nodes": 1, "time": "01:00:00"}
+    with pytest.raises(LaunchError, match="fewer than the 8 workers"):
+        SlurmJob(**base, gpus_per_node=8, cpus_per_task=4)  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match="--mem '1.5TB' is not a SLURM memory size"):
+        SlurmJob(**base, mem="1.5TB")  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match="not both"):
+        SlurmJob(**base, gpus_per_node=1, mem="1G", mem_per_gpu="1G")  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match="--mem-per-gpu needs --gpus-per-node"):
+        SlurmJob(**base, mem_per_gpu="1G")  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match="--max-requeues -1"):
+        SlurmJob(**base, max_requeues=-1)  # type: ignore[arg-type]
+
+
 def test_slurm_job_rejects_a_signal_lead_longer_than_the_time_limit(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="does not fit"):
         SlurmJob(config=Path("c.yaml"), run_dir=tmp_path, nodes=1, time="00:01:00")
+    # SLURM may warn up to a minute early: 90 s must remain for training to have started.
+    SlurmJob(config=Path("c.yaml"), run_dir=tmp_path, nodes=1, time="00:02:00", signal_lead_s=30)
+    with pytest.raises(LaunchError, match="up to 60 s early"):
+        SlurmJob(
+            config=Path("c.yaml"), run_dir=tmp_path, nodes=1, time="00:02:00", signal_lead_s=31
+        )
     with pytest.raises(LaunchError, match="--nodes 0"):
         SlurmJob(config=Path("c.yaml"), run_dir=tmp_path, nodes=0, time="01:00:00")
 
@@ -237,9 +344,22 @@ def test_cli_checkpoint_interval_json_and_bad_input() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "hpcml", "launch", "checkpoint-interval"]
     ok = subprocess.run(
-        [*cmd, "--checkpoint-s", "60", "--node-mtbf", "1000d", "--nodes", "500",
-         "--step-time-s", "1.5", "--json"],
-        env=env, capture_output=True, text=True, timeout=60,
+        [
+            *cmd,
+            "--checkpoint-s",
+            "60",
+            "--node-mtbf",
+            "1000d",
+            "--nodes",
+            "500",
+            "--step-time-s",
+            "1.5",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert ok.returncode == 0, ok.stderr
     advice = json.loads(ok.stdout)
@@ -247,8 +367,43 @@ def test_cli_checkpoint_interval_json_and_bad_input() -> None:
     assert advice["young_interval_s"] == pytest.approx(math.sqrt(2 * 60 * advice["mtbf_s"]))
     bad = subprocess.run(
         [*cmd, "--checkpoint-s", "60", "--mtbf", "soon"],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert bad.returncode == 2
     assert "--mtbf 'soon' is not a positive duration" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_restarts_without_checkpoints_are_refused_and_mtbf_gives_a_daly_interval(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {name: mlp}\ndata: {source: digits}\ntrain: {checkpoint_every: 0}\n")
+
+    def hpcml(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hpcml", *args], env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+
+    train = hpcml("train", str(config), "--nproc", "2", "--max-restarts", "1",
+                  "--run-dir", str(tmp_path / "t"))  # fmt: skip
+    assert train.returncode == 2 and "a restart would start again from step 0" in train.stderr
+    assert "Traceback" not in train.stderr and not (tmp_path / "t").exists()
+
+    base = ["launch", "slurm", str(config), "--nodes", "1", "--time", "04:00:00",
+            "--cpus-per-task", "4", "--mem", "8G", "--run-dir", str(tmp_path / "s"), "--json"]  # fmt: skip
+    refused = hpcml(*base)
+    assert refused.returncode == 2 and "pass --mtbf" in refused.stderr
+    assert not (tmp_path / "s" / "job.sbatch").exists()
+    planned = hpcml(*base, "--mtbf", "24h", "--checkpoint-s", "60")
+    assert planned.returncode == 0, planned.stderr
+    every_s = json.loads(planned.stdout)["checkpoint_every_s"]
+    # Daly's interval for C = 60 s, M = 24 h lies just below Young's sqrt(2CM) = 3220 s.
+    assert 3150 < every_s < math.sqrt(2 * 60 * 86_400)
+    script = (tmp_path / "s" / "job.sbatch").read_text()
+    assert f"train.checkpoint_every_s={every_s:.0f}" in script

@@ -51,7 +51,36 @@ def slurm(
         None, "--nproc-per-node", help="Workers per node (default: one per GPU, 1 on CPU)."
     ),
     cpus_per_task: int | None = typer.Option(
-        None, "--cpus-per-task", help="CPU cores per node for its workers."
+        None,
+        "--cpus-per-task",
+        help="CPU cores per node for its workers (default: the node's cores / its GPUs x "
+        "--gpus-per-node, from sinfo; a CPU job gets the whole node).",
+    ),
+    mem: str | None = typer.Option(
+        None, "--mem", help="Memory per node, e.g. 480G (default: from sinfo)."
+    ),
+    mem_per_gpu: str | None = typer.Option(
+        None, "--mem-per-gpu", help="Memory per GPU, e.g. 60G (default on GPU nodes: from sinfo)."
+    ),
+    numa_binding: str = typer.Option(
+        "node",
+        "--numa-binding",
+        help="Bind each worker to the cores next to its GPU (torchrun --numa-binding): node, "
+        "socket, exclusive, core-complex or none.",
+    ),
+    max_requeues: int = typer.Option(
+        3, "--max-requeues", help="Requeues (preemptions, node failures) before the job stops."
+    ),
+    mtbf: str | None = typer.Option(
+        None,
+        "--mtbf",
+        help="Mean time between failures of the job, e.g. 24h: with train.checkpoint_every 0, "
+        "checkpoint every Daly interval (train.checkpoint_every_s).",
+    ),
+    checkpoint_s: float | None = typer.Option(
+        None,
+        "--checkpoint-s",
+        help="Checkpoint cost in seconds for --mtbf (default: measured in RUN_DIR).",
     ),
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Run folder on a shared filesystem (default runs/<config>-<time>)."
@@ -78,7 +107,7 @@ def slurm(
     """Write an sbatch script for `hpcml train` under torchrun (preemption-safe) and submit it."""
     from hpcml.cli.common import console, print_json
     from hpcml.config import load_config
-    from hpcml.launch.slurm import SlurmJob, write_script
+    from hpcml.launch.slurm import SlurmJob, node_shape, write_script
     from hpcml.launch.slurm import submit as sbatch_submit
     from hpcml.models.zoo import get_spec
     from hpcml.train import rundir
@@ -86,6 +115,12 @@ def slurm(
     cfg = load_config(config, overrides or [])  # bad configs fail here, not in the queue
     get_spec(cfg.model.name)
     chosen = run_dir or rundir.default_run_dir(config)
+    interval = _checkpoint_interval(cfg, chosen, mtbf, checkpoint_s)
+    if interval is not None:
+        overrides = [
+            *(overrides or []),
+            f"train.checkpoint_every_s={interval['daly_interval_s']:.0f}",
+        ]
     job = SlurmJob(
         config=config,
         run_dir=chosen,
@@ -96,6 +131,10 @@ def slurm(
         partition=partition,
         account=account,
         cpus_per_task=cpus_per_task,
+        mem=mem,
+        mem_per_gpu=mem_per_gpu,
+        numa_binding=numa_binding,
+        max_requeues=max_requeues,
         overrides=list(overrides or []),
         job_name=job_name,
         signal_lead_s=signal_lead_s,
@@ -103,6 +142,8 @@ def slurm(
         rdzv_port=port,
         sbatch_extra=list(sbatch_extra or []),
     )
+    if cpus_per_task is None or not (mem or mem_per_gpu):
+        job.fill_from(node_shape(partition, gpus_per_node))
     path = write_script(job, script)
     job_id = sbatch_submit(path) if submit else None
     result: dict[str, Any] = {
@@ -114,6 +155,11 @@ def slurm(
         "world_size": nodes * job.workers_per_node,
         "time": time_limit,
         "signal": f"USR1@{signal_lead_s}",
+        "cpus_per_task": job.cpus_per_task,
+        "mem": job.mem,
+        "mem_per_gpu": job.mem_per_gpu,
+        "max_requeues": max_requeues,
+        "checkpoint_every_s": interval["daly_interval_s"] if interval else None,
         "resumes_existing_run": rundir.holds_run(chosen),
         "job_id": job_id,
     }
@@ -125,13 +171,65 @@ def slurm(
     table = Table(title="SLURM job", show_header=False)
     table.add_column("what")
     table.add_column("value")
-    for key in ("script", "run_dir", "log", "world_size", "time", "signal", "job_id"):
+    for key in (
+        "script",
+        "run_dir",
+        "log",
+        "world_size",
+        "cpus_per_task",
+        "mem",
+        "mem_per_gpu",
+        "time",
+        "signal",
+        "max_requeues",
+        "job_id",
+    ):
+        if result[key] is None and key.startswith("mem"):
+            continue
         table.add_row(key, str(result[key]))
     console.print(table)
     if result["resumes_existing_run"]:
         console.print(f"note: {chosen} already holds a run; the job continues it (--resume auto).")
+    if interval is not None:
+        console.print(
+            f"train.checkpoint_every was 0: checkpointing every {_fmt_s(interval['daly_interval_s'])}"
+            f" (Daly, checkpoint cost {_fmt_s(interval['checkpoint_s'])} "
+            f"{interval['checkpoint_s_source']}, MTBF {_fmt_s(interval['mtbf_s'])})."
+        )
     if job_id is None:
         console.print(f"submit with: sbatch {path}")
+
+
+def _checkpoint_interval(
+    cfg: Any, run_dir: Path, mtbf: str | None, checkpoint_s: float | None
+) -> dict[str, Any] | None:
+    """A requeued job resumes from its newest checkpoint: refuse a config that saves only at
+    the end, or (with --mtbf) give it Daly's interval from the measured or given cost."""
+    from hpcml.errors import ConfigError
+    from hpcml.records import read_summary
+    from hpcml.train.fault import checkpoint_advice
+
+    if cfg.train.checkpoint_every or cfg.train.checkpoint_every_s:
+        return None
+    if mtbf is None:
+        raise ConfigError(
+            "train.checkpoint_every is 0 and train.checkpoint_every_s is null, so a preempted or "
+            "failed attempt would start again from step 0; set one of them, or pass --mtbf "
+            "(e.g. --mtbf 24h) to checkpoint every Daly interval."
+        )
+    source = "given (--checkpoint-s)"
+    if checkpoint_s is None and (run_dir / "summary.json").exists():
+        measured = ((read_summary(run_dir).get("fault") or {}).get("checkpoints")) or {}
+        checkpoint_s = measured.get("stall_s_median")
+        source = f"measured in {run_dir}"
+    if not checkpoint_s:
+        raise ConfigError(
+            "--mtbf needs the checkpoint cost: pass --checkpoint-s (seconds one checkpoint "
+            "stalls training), or a --run-dir whose summary.json measured it."
+        )
+    advice = checkpoint_advice(checkpoint_s, parse_duration_s(mtbf, "--mtbf"))
+    advice["checkpoint_s_source"] = source
+    return advice
 
 
 @app.command("checkpoint-interval")
@@ -211,6 +309,8 @@ def checkpoint_interval(
             "train.checkpoint_every",
             f"{advice['checkpoint_every_steps']} steps (at {step_time_s:.3g} s/step)",
         )
-    table.add_row("expected lost work per failure", _fmt_s(advice["expected_lost_work_per_failure_s"]))
+    table.add_row(
+        "expected lost work per failure", _fmt_s(advice["expected_lost_work_per_failure_s"])
+    )
     table.add_row("expected overhead", f"{advice['expected_overhead_fraction'] * 100:.2f} %")
     console.print(table)

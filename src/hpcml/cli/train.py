@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,12 @@ def train(
         help="Elastic restarts of the whole group after a worker failure (--nproc > 1).",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
+    allow_fresh_start: bool = typer.Option(  # [fault] issue 11
+        False,
+        "--allow-fresh-start",
+        help="With --resume auto: when checkpoints exist but none is complete, move them to "
+        "checkpoints/corrupt/ and start from step 0 (without it, the run refuses).",
+    ),
 ) -> None:
     """Train a model from a YAML config on one process or several (DDP)."""
     from hpcml.config import load_config
@@ -47,12 +52,13 @@ def train(
     from hpcml.errors import HpcmlError
     from hpcml.launch.local import check_nproc
     from hpcml.train.entry import preflight, run_here
+    from hpcml.train.fault import require_checkpoints_for_restarts
 
     cfg = load_config(config, overrides or [])
     if launched_by_torchrun():
         # A worker: torchrun (ours or the user's) chose the world; rank 0 checks the folder.
         try:
-            summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
+            summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)
         except HpcmlError as exc:
             if not getattr(exc, "reported", False):
                 report_worker_error(exc.message, exc.exit_code)
@@ -66,8 +72,9 @@ def train(
         # With several processes, the whole resolved config is checked here, before torchrun.
         preflight(cfg, nproc if nproc > 1 else None)
         if nproc == 1:
-            summary = run_here(cfg, config, run_dir, resume, overwrite, quiet)
+            summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)
         else:
+            require_checkpoints_for_restarts(cfg, max_restarts)
             launch_workers(
                 config,
                 overrides or [],
@@ -78,6 +85,7 @@ def train(
                 quiet,
                 max_restarts,
                 json_out,
+                allow_fresh_start,
             )
             return
     if summary:
@@ -94,22 +102,27 @@ def launch_workers(
     quiet: bool,
     max_restarts: int,
     json_out: bool,
+    allow_fresh_start: bool,
 ) -> None:
     """Run `nproc` workers under torchrun's agent; a worker's HpcmlError ends here as its one
-    sentence and exit code (rank 0 has printed it already; another rank's is printed here)."""
+    sentence and exit code (rank 0 has printed it already; another rank's is printed here).
+    Exit 75 only with the checkpoint saved for this preemption; 130 for Ctrl-C
+    (see hpcml.train.fault.worker_outcome)."""
     import tempfile
 
-    from hpcml.errors import REQUEUE_EXIT_CODE, HpcmlError, Preempted, WorkFailed
+    from hpcml.errors import REQUEUE_EXIT_CODE, HpcmlError, Interrupted, Preempted, WorkFailed
     from hpcml.launch.local import run_torchrun, worker_error
     from hpcml.train.entry import prepare_for_workers
+    from hpcml.train.fault import worker_outcome
 
-    chosen = prepare_for_workers(config, run_dir, resume, overwrite)
+    chosen = prepare_for_workers(config, run_dir, resume, overwrite, allow_fresh_start)
     args = ["train", str(config), *overrides, "--run-dir", str(chosen)]
     if resume is not None:
         args += ["--resume", resume]
     elif max_restarts > 0:
         args += ["--resume", "auto"]  # the folder was checked empty; restarts resume
     args += ["--quiet"] * quiet + ["--json"] * json_out
+    args += ["--allow-fresh-start"] * allow_fresh_start
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="hpcml-workers-") as errors:
         rc = run_torchrun(nproc, args, max_restarts, errors_dir=Path(errors))
@@ -120,11 +133,19 @@ def launch_workers(
         exc = HpcmlError(failure.sentence)
         exc.exit_code = failure.exit_code
         raise exc
-    if rc != 0 and stopped_for_preemption(chosen, started):
+    status, saved = worker_outcome(chosen, started)
+    if rc != 0 and status == "preempted" and saved is not None:
         raise Preempted(
-            f"training with {nproc} processes was preempted and saved a checkpoint in "
-            f"{chosen}; continue with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a "
-            "scheduler to requeue)."
+            f"training with {nproc} processes was preempted and saved checkpoint {saved}; "
+            f"continue with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a scheduler "
+            "to requeue).",
+            checkpoint=str(saved),
+        )
+    if rc != 0 and (status == "interrupted" or rc == 130):
+        raise Interrupted(
+            f"training with {nproc} processes was interrupted (SIGINT); no checkpoint was "
+            f"saved for it. Continue from the newest complete one in {chosen} with "
+            "--resume auto."
         )
     if rc != 0:
         what = f"rank {failure.rank} {failure.how}" if failure else f"exit code {rc}"
@@ -132,18 +153,6 @@ def launch_workers(
         raise WorkFailed(
             f"training with {nproc} processes failed ({what}); see the worker output above{where}."
         )
-
-
-def stopped_for_preemption(run_dir: Path, since: float) -> bool:
-    """True when the workers' summary.json, written after `since`, says they stopped on a
-    preemption signal (torchrun itself exits 1 then, whatever the workers' exit codes)."""
-    path = run_dir / "summary.json"
-    try:
-        return path.stat().st_mtime >= since and json.loads(path.read_text())["status"] == (
-            "preempted"
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
 
 
 def report(summary: dict[str, Any], json_out: bool) -> None:

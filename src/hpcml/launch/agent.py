@@ -1,10 +1,21 @@
-"""torchrun's elastic agent, run for `hpcml train --nproc N`, reporting failures quietly.
+"""torchrun (torch.distributed.run), run for `hpcml train --nproc N` and `launch slurm`, with
+what hpcml needs from its agent:
 
-Plain torchrun ends a failed group with its own ChildFailedError traceback and exit code 1,
-whatever the workers said. Here the agent runs the same code (torch.distributed.run), but a
-failure ends with the first failed worker's exit code, and what failed (rank, exit code) is
-written as JSON for the `hpcml train` parent, which turns it into one sentence. The agent's
-log lines are silenced unless HPCML_AGENT_LOGS=1; workers' own output passes through unchanged.
+- a failed group ends with the first failed worker's exit code (not torchrun's ChildFailedError
+  traceback and exit 1), and what failed (rank, exit code) is written as JSON for the
+  `hpcml train` parent, which turns it into one sentence;
+- a worker that exits with REQUEUE_EXIT_CODE saved a checkpoint on a preemption signal: the
+  agent ends the group there and exits with that code, instead of spending an elastic restart
+  (`--max-restarts`) to train on as if nothing had been asked;
+- a signal the agent handles itself (SIGTERM/SIGUSR1 from SLURM, SIGINT) is passed on to the
+  workers by torchrun as usual; it then ends with one line and exit code 128 + signal instead
+  of a SignalException traceback in every preempted attempt's log.
+
+The agent's own log lines are silenced unless HPCML_AGENT_LOGS=1; workers' output passes through.
+Same arguments as torchrun: `python -m hpcml.launch.agent --nproc-per-node 2 -m hpcml train ...`.
+The agent class is torchrun's LocalElasticAgent with `_monitor_workers` (the hook
+SimpleElasticAgent subclasses implement) extended; torchrun builds its agent by that name in
+torch.distributed.launcher.api, where it is replaced for this process.
 """
 
 from __future__ import annotations
@@ -15,8 +26,16 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
+
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from hpcml.distributed.runtime import WORKER_ERRORS_ENV as ERRORS_ENV
+from hpcml.errors import REQUEUE_EXIT_CODE
 
 
 def exit_code_of(code: int) -> int:
@@ -24,28 +43,21 @@ def exit_code_of(code: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def main(argv: list[str] | None = None) -> None:
-    if os.environ.get("HPCML_AGENT_LOGS") != "1":
-        quiet = logging.getLogger("torch.distributed.elastic")
-        quiet.propagate = False
-        quiet.addHandler(logging.NullHandler())
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+def preempted(failures: dict[int, Any]) -> bool:
+    """Whether any failed worker exited with the requeue code (it saved and stopped)."""
+    return any(getattr(f, "exitcode", None) == REQUEUE_EXIT_CODE for f in failures.values())
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        rank, first = exc.get_first_failure()
-        failures = [
-            {"rank": r, "exit_code": exit_code_of(f.exitcode), "signal": _signal_name(f.exitcode)}
-            for r, f in sorted(exc.failures.items())
-        ]
-        folder = os.environ.get(ERRORS_ENV)
-        if folder:
-            record = {"first_rank": rank, "failures": failures}
-            (Path(folder) / "agent.json").write_text(json.dumps(record))
-        sys.exit(exit_code_of(first.exitcode) or 1)
+
+class PreemptionAwareAgent(LocalElasticAgent):
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and preempted(result.failures):
+            self._remaining_restarts = 0  # a preemption is not a crash: no elastic restart
+        return result
+
+
+def _say(message: str) -> None:
+    print(f"[hpcml] torchrun agent: {message}", file=sys.stderr, flush=True)
 
 
 def _signal_name(code: int) -> str | None:
@@ -57,5 +69,42 @@ def _signal_name(code: int) -> str | None:
         return None
 
 
+def _report_failure(exc: ChildFailedError) -> int:
+    rank, first = exc.get_first_failure()
+    failures = [
+        {"rank": r, "exit_code": exit_code_of(f.exitcode), "signal": _signal_name(f.exitcode)}
+        for r, f in sorted(exc.failures.items())
+    ]
+    folder = os.environ.get(ERRORS_ENV)
+    if folder:
+        record = {"first_rank": rank, "failures": failures}
+        (Path(folder) / "agent.json").write_text(json.dumps(record))
+    elif os.environ.get("HPCML_AGENT_LOGS") == "1":
+        print(exc.format_msg(), file=sys.stderr, flush=True)  # torchrun's failure report
+    return exit_code_of(first.exitcode) or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("HPCML_AGENT_LOGS") != "1":
+        quiet = logging.getLogger("torch.distributed.elastic")
+        quiet.propagate = False
+        quiet.addHandler(logging.NullHandler())
+    from torch.distributed.run import parse_args, run
+
+    launcher_api.LocalElasticAgent = PreemptionAwareAgent  # type: ignore[misc]
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as exc:
+        if preempted(exc.failures):
+            _say(f"the workers saved a checkpoint and stopped; exit code {REQUEUE_EXIT_CODE}")
+            return REQUEUE_EXIT_CODE
+        return _report_failure(exc)
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        _say(f"got {name} and passed it on to the workers; they have stopped")
+        return 128 + int(exc.sigval)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -62,7 +62,7 @@ def torchrun_command(nproc: int, worker_args: list[str], max_restarts: int = 0) 
     return [
         sys.executable,
         "-m",
-        "hpcml.launch.agent",
+        "hpcml.launch.agent",  # [fault] torchrun that ends the group on a preemption (issue 11)
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",

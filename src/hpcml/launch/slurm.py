@@ -1,12 +1,17 @@
-"""SLURM launch: write an sbatch script that runs `hpcml train` under torchrun on N nodes and
-survives preemption, and submit it.
+"""SLURM launch: write an sbatch script that runs `hpcml train` under torchrun on N nodes,
+asks SLURM for what the workers need, survives preemption, and submit it.
 
-The script: one srun task per node starts torchrun (c10d rendezvous on the first node of the
-allocation); `--signal=USR1@LEAD` makes SLURM warn the job LEAD seconds before its time limit;
-torchrun's agent passes USR1 to the workers, which save a checkpoint at the next step boundary
-and exit with REQUEUE_EXIT_CODE; the script then sees summary.json say "preempted" and calls
-`scontrol requeue`, and the next attempt continues with `--resume auto`. Every attempt appends
-to the same log file.
+The script asks for one task per node with `--cpus-per-task` cores (default: the node's cores
+divided by its GPUs, times the GPUs used; read from `sinfo`), memory (`--mem`, or
+`--mem-per-gpu` on GPU nodes) and `--gpus-per-node`; `srun` starts one torchrun agent per node
+(c10d rendezvous on the first node), which binds each worker to the cores next to its GPU
+(`torchrun --numa-binding`). `--signal=USR1@LEAD` makes SLURM warn the job LEAD seconds before
+its time limit; the workers save a checkpoint at the next step boundary and exit with
+REQUEUE_EXIT_CODE; the script sees this attempt's summary.json say "preempted" and requeues
+the job, at most `--max-requeues` times (counted by SLURM_RESTART_COUNT). An attempt that fails
+while a node of the allocation is down or drained requeues without that node (ExcNodeList).
+Every attempt writes its own log, `logs/<job>[_<array task>]-r<restart>.out`; the job log
+`slurm-<job>.out` gets one line per attempt and its outcome.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from hpcml.errors import REQUEUE_EXIT_CODE, LaunchError
 from hpcml.launch.local import AGENT_SIGNALS
 
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)$")
+_MEM_RE = re.compile(r"^\d+[KMGT]?$")
+_GRES_GPU_RE = re.compile(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)")
+SIGNAL_MIN_START_S = 90
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex", "none")
 
 
 def parse_time_s(text: str) -> int:
@@ -42,6 +51,44 @@ def parse_time_s(text: str) -> int:
     return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
+@dataclass(frozen=True)
+class NodeShape:
+    """What one node of a partition offers (the smallest such node, so a request fits all)."""
+
+    cpus: int
+    mem_mb: int
+    gpus: int
+
+
+def parse_sinfo(text: str, gpus_wanted: int) -> NodeShape | None:
+    """Lines of `sinfo -h -N -o '%c|%m|%G'`; nodes with fewer GPUs than wanted are left out."""
+    shapes = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3 or not parts[0].strip().isdigit():
+            continue
+        mem = parts[1].strip().rstrip("+")
+        gpus = sum(int(g) for g in _GRES_GPU_RE.findall(parts[2]))
+        if gpus < gpus_wanted:
+            continue
+        shapes.append(NodeShape(int(parts[0]), int(mem) if mem.isdigit() else 0, gpus))
+    if not shapes:
+        return None
+    return NodeShape(
+        min(s.cpus for s in shapes), min(s.mem_mb for s in shapes), min(s.gpus for s in shapes)
+    )
+
+
+def node_shape(partition: str | None, gpus_wanted: int) -> NodeShape | None:
+    """Ask `sinfo` what the partition's nodes offer; None where there is no sinfo."""
+    sinfo = shutil.which("sinfo")
+    if sinfo is None:
+        return None
+    cmd = [sinfo, "-h", "-N", "-o", "%c|%m|%G", *(["-p", partition] if partition else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+    return parse_sinfo(proc.stdout, gpus_wanted) if proc.returncode == 0 else None
+
+
 @dataclass
 class SlurmJob:
     config: Path
@@ -54,6 +101,14 @@ class SlurmJob:
     partition: str | None = None
     account: str | None = None
     cpus_per_task: int | None = None
+    """Cores for the node's one task (its torchrun and all its workers); see `fill_from`."""
+    mem: str | None = None
+    """Memory per node (`--mem`, e.g. 200G); or `mem_per_gpu` on GPU nodes."""
+    mem_per_gpu: str | None = None
+    numa_binding: str = "node"
+    """torchrun --numa-binding on GPU nodes (workers next to their GPU); "none" turns it off."""
+    max_requeues: int = 3
+    """Requeues of the job (preemptions, node failures) before it stops for good."""
     overrides: list[str] = field(default_factory=list)
     job_name: str | None = None
     signal_lead_s: int = 90
@@ -72,12 +127,57 @@ class SlurmJob:
             raise LaunchError(f"--gpus-per-node {self.gpus_per_node} cannot be negative.")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise LaunchError(f"--nproc-per-node {self.nproc_per_node} must be at least 1.")
+        if self.max_requeues < 0:
+            raise LaunchError(f"--max-requeues {self.max_requeues} cannot be negative.")
+        if self.numa_binding not in NUMA_MODES:
+            raise LaunchError(
+                f"--numa-binding {self.numa_binding!r} is not one of {', '.join(NUMA_MODES)}."
+            )
+        for flag, value in (("--mem", self.mem), ("--mem-per-gpu", self.mem_per_gpu)):
+            if value is not None and not _MEM_RE.match(value):
+                raise LaunchError(
+                    f"{flag} {value!r} is not a SLURM memory size; write e.g. 64G or 500M."
+                )
+        if self.mem is not None and self.mem_per_gpu is not None:
+            raise LaunchError("give --mem or --mem-per-gpu, not both.")
+        if self.mem_per_gpu is not None and not self.gpus_per_node:
+            raise LaunchError("--mem-per-gpu needs --gpus-per-node; on CPU nodes use --mem.")
+        if self.cpus_per_task is not None and self.cpus_per_task < self.workers_per_node:
+            raise LaunchError(
+                f"--cpus-per-task {self.cpus_per_task} is fewer than the "
+                f"{self.workers_per_node} workers per node; give each worker at least one core."
+            )
         limit = parse_time_s(self.time)
-        if self.signal_lead_s <= 0 or self.signal_lead_s >= limit:
+        # SLURM may send the warning up to a minute early; before the workers have installed
+        # their handlers it would end them without a checkpoint.
+        if self.signal_lead_s <= 0 or limit - self.signal_lead_s < SIGNAL_MIN_START_S:
             raise LaunchError(
                 f"the warning signal {self.signal_lead_s} s before the end does not fit in "
-                f"--time {self.time}; choose a longer --time or a smaller --signal-lead."
+                f"--time {self.time} (SLURM may send it up to 60 s early, and training must "
+                f"have started: leave at least {SIGNAL_MIN_START_S} s); choose a longer --time "
+                "or a smaller --signal-lead."
             )
+
+    def fill_from(self, shape: NodeShape | None) -> None:
+        """Default cores and memory from what a node offers: its cores (and memory) divided by
+        its GPUs, times the GPUs this job uses; a CPU job gets the whole node."""
+        if self.cpus_per_task is not None and (self.mem or self.mem_per_gpu):
+            return
+        if shape is None:
+            raise LaunchError(
+                "cannot ask sinfo what a node offers (not on a SLURM login node?); pass "
+                "--cpus-per-task and --mem (or --mem-per-gpu), e.g. --cpus-per-task 64 --mem 480G."
+            )
+        if self.cpus_per_task is None:
+            per_gpu = shape.cpus // shape.gpus if shape.gpus and self.gpus_per_node else 0
+            self.cpus_per_task = per_gpu * self.gpus_per_node if per_gpu else shape.cpus
+            self.cpus_per_task = max(self.cpus_per_task, self.workers_per_node)
+        if not (self.mem or self.mem_per_gpu) and shape.mem_mb > 1:
+            if self.gpus_per_node and shape.gpus:
+                self.mem_per_gpu = f"{shape.mem_mb // shape.gpus}M"
+            else:
+                self.mem = f"{shape.mem_mb}M"
+        self.__post_init__()
 
     @property
     def workers_per_node(self) -> int:
@@ -94,66 +194,146 @@ class SlurmJob:
         return self.run_dir / "slurm-%j.out"
 
 
-def render_sbatch(job: SlurmJob) -> str:
-    q = shlex.quote
-    run_dir = job.run_dir.resolve()
-    directives = [
-        f"--job-name={job.name}",
-        f"--nodes={job.nodes}",
-        "--ntasks-per-node=1",
-    ]
-    if job.gpus_per_node:
-        directives.append(f"--gpus-per-node={job.gpus_per_node}")
+def _directives(job: SlurmJob) -> list[str]:
+    out = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     if job.cpus_per_task:
-        directives.append(f"--cpus-per-task={job.cpus_per_task}")
-    directives.append(f"--time={job.time}")
+        out.append(f"--cpus-per-task={job.cpus_per_task}")
+    if job.mem:
+        out.append(f"--mem={job.mem}")
+    if job.gpus_per_node:
+        out.append(f"--gpus-per-node={job.gpus_per_node}")
+    if job.mem_per_gpu:
+        out.append(f"--mem-per-gpu={job.mem_per_gpu}")
+    out.append(f"--time={job.time}")
     if job.partition:
-        directives.append(f"--partition={job.partition}")
+        out.append(f"--partition={job.partition}")
     if job.account:
-        directives.append(f"--account={job.account}")
-    directives += [
+        out.append(f"--account={job.account}")
+    return [
+        *out,
         f"--signal=USR1@{job.signal_lead_s}",
         "--requeue",
         "--open-mode=append",
         f"--output={job.run_dir.resolve() / 'slurm-%j.out'}",
         *job.sbatch_extra,
     ]
-    port = (
-        str(job.rdzv_port) if job.rdzv_port is not None else "$(( 20000 + SLURM_JOB_ID % 20000 ))"
-    )
+
+
+def _launch_lines(job: SlurmJob) -> list[str]:
+    """srun: one task per node with all its cores; torchrun (through hpcml's agent, which ends
+    the group without a restart or a traceback on a preemption) starts the workers."""
+    q = shlex.quote
     train_args = " ".join(
         q(a)
         for a in [
-            "-m",
-            "hpcml",
-            "train",
-            str(job.config.resolve()),
-            *job.overrides,
-            "--run-dir",
-            str(run_dir),
-            "--resume",
-            "auto",
-            "--quiet",
+            "-m", "hpcml", "train", str(job.config.resolve()), *job.overrides,
+            "--run-dir", str(job.run_dir.resolve()), "--resume", "auto", "--quiet",
         ]
+    )  # fmt: skip
+    numa = (
+        f" --numa-binding={job.numa_binding}"
+        if job.gpus_per_node and job.numa_binding != "none"
+        else ""
+    )
+    cpus = f" --cpus-per-task={job.cpus_per_task}" if job.cpus_per_task else ""
+    return [
+        # srun does not inherit --cpus-per-task from sbatch in SLURM 22.05-23.02: say it again.
+        f'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1{cpus} --kill-on-bad-exit=1 \\',
+        '    "$PYTHON" -m hpcml.launch.agent \\',
+        f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={job.workers_per_node}{numa} \\',
+        '    --rdzv-backend=c10d --rdzv-endpoint="$head_node:$rdzv_port" '
+        '--rdzv-id="hpcml-$SLURM_JOB_ID" \\',
+        f"    --max-restarts={job.max_restarts} \\",
+        f"    {train_args}",
+        "rc=$?",
+    ]
+
+
+def _outcome_lines(job: SlurmJob) -> list[str]:
+    """After srun: requeue a preempted attempt (up to --max-requeues); requeue a failed one
+    without its broken node(s); otherwise end with the attempt's exit code."""
+    n = job.max_requeues
+    return [
+        'if [ "$RUN_DIR/summary.json" -nt "$ATTEMPT_MARK" ] && '
+        'grep -q \'"status": "preempted"\' "$RUN_DIR/summary.json"; then',
+        '    if [ "$got_term" -eq 1 ]; then',
+        '        say "attempt $attempt saved a checkpoint and stopped on SIGTERM (scancel, time '
+        'limit or a preemption by SLURM): not requeueing it here"',
+        f"        exit {REQUEUE_EXIT_CODE}",
+        "    fi",
+        f'    if [ "$restarts" -ge {n} ]; then',
+        '        say "attempt $attempt saved a checkpoint and stopped; the job was requeued '
+        f'$restarts times (--max-requeues {n}): not requeueing; resubmit this script to continue"',
+        f"        exit {REQUEUE_EXIT_CODE}",
+        "    fi",
+        '    say "attempt $attempt saved a checkpoint and stopped: requeueing job $SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        '    say "the job cannot be requeued (cancelled?)"',
+        f"    exit {REQUEUE_EXIT_CODE}",
+        "fi",
+        'if [ "$rc" -ne 0 ]; then',
+        '    bad=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,drained,draining,fail,'
+        "no_respond -o %N 2>/dev/null | sort -u | paste -sd, -)",
+        f'    if [ -n "$bad" ] && [ "$restarts" -lt {n} ]; then',
+        '        excluded=$(scontrol -o show job "$SLURM_JOB_ID" | tr " " "\\n" '
+        "| sed -n 's/^ExcNodeList=//p')",
+        '        [ -n "$excluded" ] && [ "$excluded" != "(null)" ] && bad="$excluded,$bad"',
+        '        say "attempt $attempt failed (exit $rc) on unhealthy node(s) $bad: requeueing '
+        'job $SLURM_JOB_ID without them"',
+        "        # A running job's ExcNodeList cannot change: hold it pending first.",
+        '        scontrol requeuehold "$SLURM_JOB_ID" && '
+        'scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$bad"',
+        '        scontrol release "$SLURM_JOB_ID"',
+        "        exit 0",
+        "    fi",
+        "fi",
+        'say "attempt $attempt ended with exit code $rc"',
+        'exit "$rc"',
+    ]
+
+
+def render_sbatch(job: SlurmJob) -> str:
+    q = shlex.quote
+    run_dir = job.run_dir.resolve()
+    port = (
+        str(job.rdzv_port) if job.rdzv_port is not None else "$(( 20000 + SLURM_JOB_ID % 20000 ))"
     )
     threads = max(1, (job.cpus_per_task or 1) // job.workers_per_node)
     # The agent may wait for the workers' checkpoint until shortly before SLURM's hard kill.
     shutdown_s = max(10, job.signal_lead_s - 10)
+    n = job.max_requeues
     lines = [
         "#!/bin/bash",
         f"# Written by `hpcml launch slurm` (hpcml {__version__}). Submit with: sbatch <this file>",
         f"# USR1 ({job.signal_lead_s} s before the time limit, or `scancel --signal=USR1 <job>`)"
         " makes training save a",
-        f"# checkpoint and exit {REQUEUE_EXIT_CODE}; this script then requeues the job and the"
-        " next attempt resumes (--resume auto).",
-        *(f"#SBATCH {d}" for d in directives),
+        f"# checkpoint and exit {REQUEUE_EXIT_CODE}; this script then requeues the job (at most"
+        f" {n} times) and the next",
+        "# attempt resumes (--resume auto).",
+        *(f"#SBATCH {d}" for d in _directives(job)),
         "",
         "set -uo pipefail",
         f"RUN_DIR={q(str(run_dir))}",
         f"PYTHON={q(job.python)}",
-        'mkdir -p "$RUN_DIR"',
-        "attempt=$(( ${SLURM_RESTART_COUNT:-0} + 1 ))",
-        'echo "[hpcml] job $SLURM_JOB_ID attempt $attempt on $SLURM_JOB_NODELIST at $(date -Is)"',
+        'mkdir -p "$RUN_DIR/logs"',
+        "restarts=${SLURM_RESTART_COUNT:-0}",
+        "attempt=$(( restarts + 1 ))",
+        'job_tag="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"',
+        'job_tag="${job_tag:-$SLURM_JOB_ID}"',
+        'JOB_LOG="$RUN_DIR/slurm-$SLURM_JOB_ID.out"',
+        'ATTEMPT_LOG="$RUN_DIR/logs/$job_tag-r$restarts.out"',
+        'say() { echo "[hpcml] $(date -Is) $*" | tee -a "$ATTEMPT_LOG" >> "$JOB_LOG"; }',
+        'say "job $job_tag attempt $attempt on $SLURM_JOB_NODELIST: log $ATTEMPT_LOG"',
+        'exec >> "$ATTEMPT_LOG" 2>&1',
+        f'if [ "$restarts" -gt {n} ]; then',
+        f'    say "the job was requeued $restarts times, more than --max-requeues {n}: '
+        'not starting"',
+        "    exit 1",
+        "fi",
+        "# SIGTERM (scancel, the time limit, a preemption by another job) ends srun's tasks;",
+        "# this script stays to say how, and leaves requeueing to SLURM (or the user's cancel).",
+        "got_term=0",
+        "trap 'got_term=1; say \"SIGTERM: the workers save a checkpoint within the grace time\"' TERM",
         "",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"rdzv_port={port}",
@@ -164,23 +344,10 @@ def render_sbatch(job: SlurmJob) -> str:
         f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}",
         "",
         "# summary.json newer than this marker was written by this attempt.",
-        'touch "$RUN_DIR/.slurm-attempt"',
-        'srun --kill-on-bad-exit=1 "$PYTHON" -m torch.distributed.run \\',
-        f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={job.workers_per_node} \\',
-        '    --rdzv-backend=c10d --rdzv-endpoint="$head_node:$rdzv_port" '
-        '--rdzv-id="hpcml-$SLURM_JOB_ID" \\',
-        f"    --max-restarts={job.max_restarts} \\",
-        f"    {train_args}",
-        "rc=$?",
-        'if [ "$RUN_DIR/summary.json" -nt "$RUN_DIR/.slurm-attempt" ] && '
-        'grep -q \'"status": "preempted"\' "$RUN_DIR/summary.json"; then',
-        '    echo "[hpcml] attempt $attempt saved a checkpoint and stopped: requeueing job '
-        '$SLURM_JOB_ID"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
-        "    exit 0",
-        "fi",
-        'echo "[hpcml] attempt $attempt ended with exit code $rc at $(date -Is)"',
-        'exit "$rc"',
+        'ATTEMPT_MARK="$RUN_DIR/logs/.attempt-$job_tag-r$restarts"',
+        'touch "$ATTEMPT_MARK"',
+        *_launch_lines(job),
+        *_outcome_lines(job),
         "",
     ]
     return "\n".join(lines)

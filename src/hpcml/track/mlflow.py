@@ -28,7 +28,12 @@ if TYPE_CHECKING:
 
 TRACKING_FILE = "tracking.json"
 EXPORT_DIR = "export"
-STATUS_TO_MLFLOW = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
+STATUS_TO_MLFLOW = {
+    "finished": "FINISHED",
+    "failed": "FAILED",
+    "preempted": "KILLED",
+    "interrupted": "KILLED",  # Ctrl-C / SIGINT (issue 11)
+}
 # Fields of a step record that are coordinates or labels, not measurements.
 _NOT_METRICS = frozenset({"step", "kind", "epoch", "time", "timestamp", "wall_time", "rank"})
 _MAX_QUEUED = 5000  # metric points; bounds memory and the size of one store write

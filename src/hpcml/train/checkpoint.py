@@ -42,6 +42,8 @@ from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state
 from hpcml.distributed.runtime import Runtime, barrier, broadcast_object
 from hpcml.distributed.sidechannel import checkpoint_group
 from hpcml.errors import CheckpointError, WorkFailed
+from hpcml.train import ckpt_phase
+from hpcml.train.ckpt_phase import phase
 
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -159,6 +161,62 @@ def find_latest(root: Path, warn: Any = None) -> Path | None:
     return None
 
 
+def list_saved(root: Path) -> list[Path]:
+    """Every `step-N` folder (renamed into place, so complete when written), newest first."""
+    if not root.exists():
+        return []
+    found = [(step_of(p) or 0, p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
+
+
+CORRUPT_DIR = "corrupt"
+
+
+def move_aside(path: Path) -> Path:
+    """Move a checkpoint that failed verification to `checkpoints/corrupt/` (never deleted: a
+    person may still recover it; out of the way of resume, retention and a new save of that
+    step)."""
+    target_dir = path.parent / CORRUPT_DIR
+    target_dir.mkdir(exist_ok=True)
+    target = target_dir / path.name
+    n = 1
+    while target.exists():
+        target = target_dir / f"{path.name}.{n}"
+        n += 1
+    os.replace(path, target)
+    return target
+
+
+def resume_target(
+    root: Path, warn: Any = None, allow_fresh_start: bool = False, dry_run: bool = False
+) -> Path | None:
+    """The checkpoint `--resume auto` continues from: the newest that verifies. Newer ones that
+    do not are moved aside (see `move_aside`), each reported through `warn`. When checkpoints
+    exist but none verifies, starting again from step 0 needs `allow_fresh_start`; otherwise
+    this raises and changes nothing. None when there is no checkpoint at all."""
+    saved = list_saved(root)
+    bad: list[tuple[Path, str]] = []
+    chosen = None
+    for p in saved:
+        problem = verify(p)
+        if problem is None:
+            chosen = p
+            break
+        bad.append((p, problem))
+    if chosen is None and bad and not allow_fresh_start:
+        raise CheckpointError(
+            f"none of the {len(bad)} checkpoint(s) in {root} is complete ({bad[0][1]}); nothing "
+            "was changed. Pass --allow-fresh-start to move them to "
+            f"{root / CORRUPT_DIR} and start from step 0, or --resume a checkpoint path."
+        )
+    then = "using the previous complete checkpoint" if chosen else "starting from step 0"
+    for p, problem in bad:
+        where = "" if dry_run else f"; moved it to {move_aside(p)}"
+        if warn is not None:
+            warn(f"{problem}{where}; {then}.")
+    return chosen
+
+
 @dataclass
 class SaveTiming:
     step: int
@@ -217,11 +275,58 @@ def timing_summary(items: list[SaveTiming] | None = None) -> dict[str, Any]:
 
 
 def _finalize(root: Path, tmp: Path, final: Path, step: int, keep_last: int) -> None:
-    _fsync_tree(tmp)
-    _write_manifest(tmp, step)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    prune(root, keep_last)
+    with phase("fsync", step):
+        _fsync_tree(tmp)
+    with phase("manifest", step):
+        _write_manifest(tmp, step)
+    with phase("rename", step):
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    with phase("prune", step):
+        prune(root, keep_last)
+
+
+def _barrier(rt: Runtime, step: int) -> None:
+    with phase("wait", step):
+        barrier(rt)
+
+
+def _save_in_background(
+    root: Path,
+    tmp: Path,
+    final: Path,
+    step: int,
+    keep_last: int,
+    rt: Runtime,
+    timing: SaveTiming,
+    t0: float,
+    writing: int,
+    state: dict[str, Any],
+) -> None:
+    """Rank-R files are on disk before this rank joins DCP's collectives, and rank 0's DCP
+    future completes only after every rank's write: then rank 0 can finalize alone (in the
+    writer's callback thread; the phases it goes through are watched like the loop's)."""
+    global _pending
+    upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=checkpoint_group(rt))
+    # Newer torch returns an AsyncSaveResponse (staging + upload futures), older a Future.
+    upload_done: Future[Any] = getattr(upload, "upload_completion", upload)  # type: ignore[arg-type]
+    done: Future[None] = Future()
+
+    def finish(f: Future[Any]) -> None:
+        try:
+            ckpt_phase.end(writing)
+            f.result()
+            if rt.is_main:
+                _finalize(root, tmp, final, step, keep_last)
+                timing.total_s = time.perf_counter() - t0
+            done.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait_pending()
+            done.set_exception(exc)
+
+    upload_done.add_done_callback(finish)
+    with _lock:
+        _pending = _Pending(final, done)
+    timing.stall_s = time.perf_counter() - t0
 
 
 def save(
@@ -237,7 +342,6 @@ def save(
 ) -> Path:
     """Save step `step`; the returned path exists once the save is complete (at return, unless
     `background`: then after `wait_pending()` or the next save)."""
-    global _pending
     wait_pending()
     t0 = time.perf_counter()
     final = root / f"step-{step}"
@@ -249,48 +353,41 @@ def save(
         if final.exists():  # re-saving the same step (e.g. after a rollback): replace it whole
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
-    barrier(rt)
-    model_sd, optim_sd = checkpoint_state(model, optimizer)
-    torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
-    if rt.is_main:
-        torch.save(
-            {**trainer_state, "step": step, "world_size": rt.world_size, "tp": rt.tp},
-            tmp / "trainer.pt",
-        )
+    _barrier(rt, step)
+    writing = ckpt_phase.begin("write", step)
     timing = SaveTiming(step, background, 0.0)
     timings.append(timing)
-    if background:
-        # Rank-R files are on disk before this rank joins DCP's collectives, and rank 0's DCP
-        # future completes only after every rank's write: then rank 0 can finalize alone.
-        upload = dcp.async_save(
-            {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=str(tmp),
-            process_group=checkpoint_group(rt),
-        )
-        # Newer torch returns an AsyncSaveResponse (staging + upload futures), older a Future.
-        upload_done: Future[Any] = getattr(upload, "upload_completion", upload)  # type: ignore[arg-type]
-        done: Future[None] = Future()
-
-        def finish(f: Future[Any]) -> None:
-            try:
-                f.result()
-                if rt.is_main:
-                    _finalize(root, tmp, final, step, keep_last)
-                    timing.total_s = time.perf_counter() - t0
-                done.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to wait_pending()
-                done.set_exception(exc)
-
-        upload_done.add_done_callback(finish)
-        with _lock:
-            _pending = _Pending(final, done)
-        timing.stall_s = time.perf_counter() - t0
-        return final
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    barrier(rt)
+    try:
+        model_sd, optim_sd = checkpoint_state(model, optimizer)
+        torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
+        if rt.is_main:
+            torch.save(
+                {**trainer_state, "step": step, "world_size": rt.world_size, "tp": rt.tp},
+                tmp / "trainer.pt",
+            )
+        if background:
+            _save_in_background(
+                root,
+                tmp,
+                final,
+                step,
+                keep_last,
+                rt,
+                timing,
+                t0,
+                writing,
+                {"model": model_sd, "optim": optim_sd},
+            )
+            return final
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    except BaseException:
+        ckpt_phase.end(writing)
+        raise
+    ckpt_phase.end(writing)
+    _barrier(rt, step)
     if rt.is_main:
         _finalize(root, tmp, final, step, keep_last)
-    barrier(rt)
+    _barrier(rt, step)
     timing.stall_s = time.perf_counter() - t0
     timing.total_s = timing.stall_s if rt.is_main else None
     return final

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,21 @@ def preflight(cfg: RunConfig, world_size: int | None = None) -> None:
 
 
 def prepare_for_workers(
-    config: Path, run_dir: Path | None, resume: str | None, overwrite: bool
+    config: Path,
+    run_dir: Path | None,
+    resume: str | None,
+    overwrite: bool,
+    allow_fresh_start: bool = False,  # [fault] issue 11
 ) -> Path:
     """Check (and on --overwrite clear) the run folder in one process before workers start."""
     chosen = run_dir or rundir.default_run_dir(config)
-    rundir.resolve(chosen, resume, overwrite)
+    rundir.resolve(
+        chosen,
+        resume,
+        overwrite,
+        warn=lambda m: print(f"warning: {m}", file=sys.stderr),  # [fault] corrupt ones moved
+        allow_fresh_start=allow_fresh_start,
+    )
     return chosen
 
 
@@ -38,9 +49,16 @@ def run_here(
     resume: str | None,
     overwrite: bool,
     quiet: bool,
+    allow_fresh_start: bool = False,  # [fault] issue 11
 ) -> dict[str, Any]:
     from hpcml.train.trainer import run
 
     return run(
-        cfg, run_dir=run_dir, resume=resume, overwrite=overwrite, quiet=quiet, config_path=config
+        cfg,
+        run_dir=run_dir,
+        resume=resume,
+        overwrite=overwrite,
+        quiet=quiet,
+        config_path=config,
+        allow_fresh_start=allow_fresh_start,
     )

@@ -34,11 +34,19 @@ from torch import nn
 
 from hpcml.config import RunConfig
 from hpcml.distributed.parallel import unwrap
-from hpcml.distributed.runtime import Runtime, all_gather_object, all_reduce_sum, broadcast_object
+from hpcml.distributed.runtime import (
+    Runtime,
+    all_gather_object,
+    all_reduce_max,
+    all_reduce_sum,
+    broadcast_object,
+)
 from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.errors import REQUEUE_EXIT_CODE, ConfigError, Preempted, WorkFailed
 from hpcml.records import RunLog, write_json_atomic
 from hpcml.train import checkpoint as ckpt
+from hpcml.train import ckpt_phase
+from hpcml.train.preempt_notice import NoticeWatcher
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
@@ -52,6 +60,8 @@ __all__ = [
 ]
 
 INJECT_ENV = "HPCML_FAULT_INJECT"
+DUE_PROBE_STEPS = 10
+"""With several ranks, time-based checkpoints are decided every this many steps."""
 
 
 # --- preemption ----------------------------------------------------------------------------
@@ -64,6 +74,9 @@ class PreemptionFlag:
     def __init__(self, names: Sequence[str]) -> None:
         self.signals = [getattr(signal, n) for n in names]
         self.received: int | None = None
+        self.received_at: float | None = None
+        """time.monotonic() of the first signal."""
+        self.reason: str | None = None
         self._old: dict[int, Any] = {}
 
     def install(self) -> bool:
@@ -76,6 +89,21 @@ class PreemptionFlag:
     def _handler(self, signum: int, _frame: object) -> None:
         if self.received is None:
             self.received = signum
+            self.received_at = time.monotonic()
+
+    def notice(self, what: str) -> None:
+        """A preemption announced some other way (a cloud's metadata notice): same effect."""
+        if self.received is None:
+            self.reason = what
+            self.received = -1
+            self.received_at = time.monotonic()
+
+    def describe(self) -> str:
+        if self.reason is not None:
+            return self.reason
+        if self.received is not None and self.received > 0:
+            return signal.Signals(self.received).name
+        return "a signal on another rank"
 
     @property
     def requested(self) -> bool:
@@ -128,8 +156,14 @@ class Verdict:
 
 
 class Watchdog:
-    """A thread per rank: posts this rank's progress to the HeartBoard and, when the rank has
-    made no progress for `timeout_s`, names the rank(s) furthest behind and ends the process.
+    """A thread per rank: posts this rank's progress to the HeartBoard and ends the process
+    with a sentence when
+    - the rank has made no progress for `timeout_s` outside checkpoint I/O (names the rank(s)
+      furthest behind),
+    - a checkpoint phase (write, fsync, manifest, rename, ...; see ckpt_phase) has run for
+      `checkpoint_timeout_s` (names the rank and the phase: a hung filesystem),
+    - a preemption signal came while a checkpoint phase ran and `preempt_grace_s` passed
+      without that phase ending (the scheduler's SIGKILL is near: exit before it, saying why).
 
     Rank 0 speaks first; the others wait a grace period so that one clear message (and
     summary.json) comes from rank 0 unless rank 0 itself is frozen.
@@ -142,13 +176,20 @@ class Watchdog:
         board: HeartBoard,
         on_fire: Callable[[str], None],
         poll_s: float | None = None,
+        checkpoint_timeout_s: float = 0.0,
+        preemption: PreemptionFlag | None = None,
+        preempt_grace_s: float = 0.0,
     ) -> None:
         self.timeout_s = timeout_s
+        self.checkpoint_timeout_s = checkpoint_timeout_s
+        self.preemption = preemption
+        self.preempt_grace_s = preempt_grace_s
         self.rt = rt
         self.board = board
         self.on_fire = on_fire
-        self.poll_s = poll_s if poll_s is not None else max(0.05, min(1.0, timeout_s / 10))
-        self.grace_s = 0.0 if rt.is_main else max(1.0, 0.2 * timeout_s)
+        shortest = min(t for t in (timeout_s, checkpoint_timeout_s, preempt_grace_s, 10.0) if t > 0)
+        self.poll_s = poll_s if poll_s is not None else max(0.05, min(1.0, shortest / 10))
+        self.grace_s = 0.0 if rt.is_main else max(1.0, 0.2 * shortest)
         self.progress = 0
         self.step = 0
         self.last_progress = time.monotonic()
@@ -181,25 +222,74 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def _post(self) -> None:
+    def _post(self, now: float, ph: ckpt_phase.Phase | None) -> None:
         self.board.post(
             {
                 "step": self.step,
                 "progress": self.progress,
-                "idle_s": time.monotonic() - self.last_progress,
+                "idle_s": now - self.last_progress,
                 "pid": os.getpid(),
+                "phase": ph.name if ph else None,
+                "phase_s": ph.elapsed_s(now) if ph else 0.0,
             }
         )
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            self._post()
-            if not self.armed or self._paused:
-                continue
-            idle = time.monotonic() - self.last_progress
-            if idle > self.timeout_s + self.grace_s:
-                self.on_fire(self.diagnose(idle))
+            now = time.monotonic()
+            ph = ckpt_phase.longest()
+            self._post(now, ph)
+            message = self.check(now, ph)
+            if message is not None:
+                self.on_fire(message)
                 return
+
+    def check(self, now: float, ph: ckpt_phase.Phase | None) -> str | None:
+        """The sentence to end the job with, or None while all is well."""
+        if ph is not None:
+            ran = ph.elapsed_s(now)
+            if self.checkpoint_timeout_s and ran > self.checkpoint_timeout_s + self.grace_s:
+                return self.diagnose_checkpoint(ph, ran)
+            # Only a save already under way when the signal came: the save the signal asks
+            # for starts after it and has fault.checkpoint_timeout_s like any other.
+            asked = self.preemption.received_at if self.preemption is not None else None
+            late = asked is not None and ph.started < asked and now - asked > self.preempt_grace_s
+            if self.preempt_grace_s and late:
+                return self.diagnose_checkpoint(ph, ran, preempted_for=now - (asked or now))
+        if not self.armed or self._paused or not self.timeout_s:
+            return None
+        idle = now - self.last_progress
+        if idle > self.timeout_s + self.grace_s:
+            return self.diagnose(idle)
+        return None
+
+    def diagnose_checkpoint(
+        self, ph: ckpt_phase.Phase, ran_s: float, preempted_for: float | None = None
+    ) -> str:
+        """Name the rank and phase that stalled. A rank only waiting for the others (phase
+        `wait`) names the rank(s) whose own phase has run longest, from the HeartBoard."""
+        who, name = [self.rt.rank], ph.name
+        if ph.name == "wait":
+            beats = {r: b for r, b in self.board.read_all().items() if b and b.get("phase")}
+            busy = {r: b for r, b in beats.items() if b["phase"] != "wait"}
+            if busy:
+                longest = max(b["phase_s"] for b in busy.values())
+                who = sorted(r for r, b in busy.items() if b["phase_s"] == longest)
+                name = busy[who[0]]["phase"]
+        names = ("rank " if len(who) == 1 else "ranks ") + ", ".join(str(r) for r in who)
+        what = f"the {name} phase of the checkpoint of step {ph.step}"
+        if preempted_for is not None:
+            return (
+                f"{names} stalled in {what} ({ran_s:.0f} s) when a preemption signal came "
+                f"{preempted_for:.0f} s ago (fault.preempt_grace_s={self.preempt_grace_s:g}); "
+                "ending without a new checkpoint: the newest complete one is kept, resume "
+                "with --resume auto."
+            )
+        return (
+            f"{names} stalled in {what} for {ran_s:.0f} s "
+            f"(fault.checkpoint_timeout_s={self.checkpoint_timeout_s:g}); ending the job instead "
+            "of hanging: check the run folder's filesystem, then resume with --resume auto."
+        )
 
     def diagnose(self, idle_s: float) -> str:
         beats = self.board.read_all()
@@ -212,8 +302,10 @@ class Watchdog:
             behind = sorted(r for r, b in known.items() if b["progress"] == least)
             who = behind if len(behind) < len(known) else sorted(known)
             step = min(int(known[r]["step"]) for r in who)
-        names = "rank " + ", ".join(str(r) for r in who) if len(who) == 1 else (
-            "ranks " + ", ".join(str(r) for r in who)
+        names = (
+            "rank " + ", ".join(str(r) for r in who)
+            if len(who) == 1
+            else ("ranks " + ", ".join(str(r) for r in who))
         )
         if len(who) == self.rt.world_size and self.rt.world_size > 1:
             cause = f"{names} all stopped making progress"
@@ -237,12 +329,16 @@ class FaultInjector:
     {"nan":   {"step": 7, "rank": 0}}                     once: that forward's output becomes NaN
     {"spike": {"step": 30, "scale": 100.0}}               once: output x -scale (confidently
                                                           wrong logits, a large loss)
+    {"ckpt_stall": {"rank": 0, "phase": "fsync", "step": 10, "seconds": 3600}}
+                                                          once: that checkpoint phase hangs
+                                                          (a hung filesystem); "step" left out
+                                                          means the first save
 
     Steps are 1-based optimizer steps; "rank" left out means every rank.
     """
 
     def __init__(self, spec: dict[str, Any], rank: int) -> None:
-        known = {"slow", "stall", "nan", "spike"}
+        known = {"slow", "stall", "nan", "spike", "ckpt_stall"}
         unknown = set(spec) - known
         if unknown:
             raise ConfigError(
@@ -269,6 +365,16 @@ class FaultInjector:
             return False
         self.fired.add(name)
         return True
+
+    def checkpoint_phase(self, name: str, step: int) -> None:
+        """ckpt_phase.hook: sleep in the named phase of a save (once)."""
+        s = self.spec.get("ckpt_stall")
+        if s is None or "ckpt_stall" in self.fired or s.get("phase") != name:
+            return
+        if "step" in s and int(s["step"]) != step:
+            return
+        self.fired.add("ckpt_stall")
+        time.sleep(float(s.get("seconds", 3600)))
 
     def before_forward(self, step: int) -> None:
         if "slow" in self.spec:
@@ -318,6 +424,8 @@ class FaultGuard:
         self._handles: list[Any] = []
         self._timings_from = len(ckpt.timings)
         self.watchdog: Watchdog | None = None
+        self.notices: NoticeWatcher | None = None
+        self._last_save_t = time.monotonic()
         self.run_dir: Path | None = None
         self.log: RunLog | None = None
         self.warn: Callable[[str], None] = lambda m: None
@@ -345,9 +453,28 @@ class FaultGuard:
             inner.register_forward_pre_hook(self._pre_forward),
             inner.register_forward_hook(self._post_forward),
         ]
+        if self.injector is not None:
+            ckpt_phase.hook = self.injector.checkpoint_phase
+        if self.fc.preempt_notice != "none" and self.rt.local_rank == 0:
+            self.notices = NoticeWatcher(
+                self.fc.preempt_notice,
+                self._on_notice,
+                self.fc.preempt_notice_every_s,
+                self.fc.preempt_notice_url,
+                self.warn,
+            ).start()
         timeout = self.watchdog_timeout_s()
-        if timeout > 0:
-            self.watchdog = Watchdog(timeout, self.rt, HeartBoard(self.rt), self._hang)
+        ckpt_timeout, grace = self.fc.checkpoint_timeout_s, self.fc.preempt_grace_s
+        if timeout > 0 or ckpt_timeout > 0 or grace > 0:
+            self.watchdog = Watchdog(
+                timeout,
+                self.rt,
+                HeartBoard(self.rt),
+                self._hang,
+                checkpoint_timeout_s=ckpt_timeout,
+                preemption=self.preemption,
+                preempt_grace_s=grace,
+            )
             self.watchdog.start()
 
     def watchdog_timeout_s(self) -> float:
@@ -355,8 +482,16 @@ class FaultGuard:
             return float(self.fc.watchdog_s)
         return 0.9 * self.cfg.parallel.timeout_s
 
+    def _on_notice(self, what: str) -> None:
+        self.preemption.notice(what)
+        self.warn(f"{what}: saving a checkpoint at the next step boundary.")
+
     def close(self) -> None:
         self.preemption.restore()
+        ckpt_phase.hook = None
+        if self.notices is not None:
+            self.notices.stop()
+            self.notices = None
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -425,8 +560,14 @@ class FaultGuard:
 
         self._bad_in_a_row += 1
         what = "NaN/Inf" if kind == "nonfinite" else f"a spike ({self._zdesc(loss)})"
-        self._event({"event": kind, "step": n, "loss": loss if math.isfinite(loss) else str(loss),
-                     "policy": policy})
+        self._event(
+            {
+                "event": kind,
+                "step": n,
+                "loss": loss if math.isfinite(loss) else str(loss),
+                "policy": policy,
+            }
+        )
         if policy == "stop":
             raise WorkFailed(
                 f"the loss at step {n} was {what} and fault.{kind_key(kind)}=stop; lower "
@@ -489,8 +630,16 @@ class FaultGuard:
         for rank, t in enumerate(times):
             if t > self.fc.straggler_factor * ref:
                 self.stragglers[rank] = self.stragglers.get(rank, 0) + 1
-                self._event({"event": "straggler", "step": n, "rank": rank,
-                             "local_step_s": t, "median_s": ref, "ratio": t / ref})
+                self._event(
+                    {
+                        "event": "straggler",
+                        "step": n,
+                        "rank": rank,
+                        "local_step_s": t,
+                        "median_s": ref,
+                        "ratio": t / ref,
+                    }
+                )
                 self.warn(
                     f"step {n}: rank {rank} is a straggler: {t * 1000:.1f} ms of local work per "
                     f"step, {t / ref:.1f}x the median {ref * 1000:.1f} ms "
@@ -505,17 +654,32 @@ class FaultGuard:
         cm = self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
         with cm:
             yield
+        self._last_save_t = time.monotonic()
+
+    def checkpoint_due(self, step: int) -> bool:
+        """train.checkpoint_every_s: whether that long has passed since the last save. Ranks
+        decide together (the largest elapsed time, one all-reduce every DUE_PROBE_STEPS steps),
+        so they never disagree about a collective save."""
+        every_s = self.cfg.train.checkpoint_every_s
+        if not every_s:
+            return False
+        if self.rt.world_size > 1 and step % DUE_PROBE_STEPS:
+            return False
+        elapsed = torch.tensor([time.monotonic() - self._last_save_t], dtype=torch.float64)
+        if self.rt.world_size > 1:
+            elapsed = all_reduce_max(self.rt, elapsed.to(self.rt.device)).cpu()
+        return float(elapsed.item()) >= every_s
 
     def stop_for_preemption(self, step: int, path: Path) -> NoReturn:
         """Every rank calls this at the same step, after saving `path`; raises `Preempted`."""
         ckpt.wait_pending()
         self.preempted_at = step
-        sig = self.preemption.received
-        by = signal.Signals(sig).name if sig is not None else "a signal on another rank"
+        by = self.preemption.describe()
         self._event({"event": "preempted", "step": step, "signal": by, "checkpoint": str(path)})
         raise Preempted(
             f"preempted by {by}: saved checkpoint {path} at step {step} and stopped; continue "
-            f"with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a scheduler to requeue)."
+            f"with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a scheduler to requeue).",
+            checkpoint=str(path),
         )
 
     def _hang(self, message: str) -> None:
@@ -525,8 +689,12 @@ class FaultGuard:
             with contextlib.suppress(Exception):
                 write_json_atomic(
                     self.run_dir / "summary.json",
-                    {"status": "failed", "error": message, "run_dir": str(self.run_dir),
-                     "fault": self.summary()},
+                    {
+                        "status": "failed",
+                        "error": message,
+                        "run_dir": str(self.run_dir),
+                        "fault": self.summary(),
+                    },
                 )
         # The main thread is stuck (that is the point), so no exception can reach it.
         os._exit(WorkFailed.exit_code)
@@ -546,6 +714,38 @@ class FaultGuard:
             "watchdog_s": self.watchdog_timeout_s(),
             "checkpoints": checkpoints,
         }
+
+
+def require_checkpoints_for_restarts(cfg: RunConfig, max_restarts: int) -> None:
+    """A restart resumes from the newest checkpoint: with none until the end, it would train
+    from step 0 again. Refuse that with a sentence (`hpcml launch slurm --mtbf` picks one)."""
+    if max_restarts <= 0 or cfg.train.checkpoint_every or cfg.train.checkpoint_every_s:
+        return
+    raise ConfigError(
+        f"--max-restarts {max_restarts} restarts training from its newest checkpoint, but "
+        "train.checkpoint_every is 0 and train.checkpoint_every_s is null (a checkpoint only at "
+        "the end): a restart would start again from step 0. Set train.checkpoint_every=N or "
+        "train.checkpoint_every_s=S (`hpcml launch checkpoint-interval --mtbf ...` suggests one)."
+    )
+
+
+def worker_outcome(run_dir: Path, since: float) -> tuple[str | None, Path | None]:
+    """How workers started at `since` ended, from the summary.json they wrote (torchrun's own
+    exit code does not say): its status, and for a preemption the checkpoint saved for it, only
+    when that checkpoint is complete (renamed into place, every file of its manifest there)."""
+    path = run_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None, None
+        summary = json.loads(path.read_text())
+        status = str(summary["status"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+    saved = summary.get("checkpoint")
+    if status != "preempted" or not saved:
+        return status, None
+    saved_path = Path(saved)
+    return status, saved_path if ckpt.verify(saved_path, deep=False) is None else None
 
 
 def kind_key(kind: str) -> str:

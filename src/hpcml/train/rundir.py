@@ -36,11 +36,18 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def resolve(
-    run_dir: Path, resume: str | None, overwrite: bool, dry_run: bool = False, warn: object = None
+    run_dir: Path,
+    resume: str | None,
+    overwrite: bool,
+    dry_run: bool = False,
+    warn: object = None,
+    allow_fresh_start: bool = False,
 ) -> Path | None:
     """Check the folder against the request; return the checkpoint to resume from (or None).
 
-    With `dry_run` nothing is changed (the launcher checks before starting workers).
+    With `dry_run` nothing is changed (the launcher checks before starting workers). With
+    `--resume auto`, checkpoints that fail verification are moved aside, and when none is left
+    the run starts from step 0 only with `allow_fresh_start` (see checkpoint.resume_target).
     """
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"--run-dir {run_dir} is a file, not a folder; choose another path.")
@@ -65,7 +72,7 @@ def resolve(
             )
         return None
     if resume == "auto":
-        return ckpt.find_latest(run_dir / "checkpoints", warn=warn)
+        return ckpt.resume_target(run_dir / "checkpoints", warn, allow_fresh_start, dry_run)
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(

@@ -62,8 +62,10 @@ class Trainer:
         quiet: bool = False,
         config_path: Path | None = None,
         hooks: Hooks | None = None,
+        allow_fresh_start: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.allow_fresh_start = allow_fresh_start
         self.run_dir_arg, self.resume_arg, self.overwrite = run_dir, resume, overwrite
         self.quiet, self.config_path = quiet, config_path
         if hooks is None:
@@ -141,7 +143,13 @@ class Trainer:
                 # A restarted elastic group resumes from the newest checkpoint, whatever was asked.
                 if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
                     resume, overwrite = "auto", False
-                found = rundir.resolve(chosen, resume, overwrite, warn=self._warn)
+                found = rundir.resolve(
+                    chosen,
+                    resume,
+                    overwrite,
+                    warn=self._warn,
+                    allow_fresh_start=self.allow_fresh_start,
+                )
                 if resume == "auto" and found is None:
                     self._warn(
                         f"no complete checkpoint in {chosen / 'checkpoints'}; starting "
@@ -352,7 +360,11 @@ class Trainer:
         if evaluating:
             self.evaluate()
         saved = None
-        if (t.checkpoint_every and step % t.checkpoint_every == 0) or done:
+        if (
+            (t.checkpoint_every and step % t.checkpoint_every == 0)
+            or self.guard.checkpoint_due(step)  # train.checkpoint_every_s
+            or done
+        ):
             saved = self.save()
         if preempt and not done:
             self.flush()
@@ -426,7 +438,14 @@ class Trainer:
         """A run that had started writing records how it ended; a refused start writes nothing."""
         if not (self.rt.is_main and self.writing and self.out_dir is not None):
             return
-        kind = "preempted" if isinstance(exc, KeyboardInterrupt | Preempted) else "failed"
+        # "preempted" only with the checkpoint saved for it; Ctrl-C is "interrupted" (exit 130).
+        kind = (
+            "preempted"
+            if isinstance(exc, Preempted)
+            else "interrupted"
+            if isinstance(exc, KeyboardInterrupt)
+            else "failed"
+        )
         self.hooks.fail(kind, exc)
         write_json_atomic(
             self.out_dir / "summary.json",
@@ -434,6 +453,7 @@ class Trainer:
                 "status": kind,
                 "error": f"{type(exc).__name__}: {exc}"[:500],
                 "run_dir": str(self.out_dir),
+                "checkpoint": getattr(exc, "checkpoint", None),
             },
         )
 
@@ -446,9 +466,11 @@ def run(
     quiet: bool = False,
     config_path: Path | None = None,
     hooks: Hooks | None = None,
+    allow_fresh_start: bool = False,
 ) -> dict[str, Any]:
     """Train `cfg` to its end; the summary on rank 0, an empty dict on the other ranks."""
-    return Trainer(cfg, run_dir, resume, overwrite, quiet, config_path, hooks).fit()
+    trainer = Trainer(cfg, run_dir, resume, overwrite, quiet, config_path, hooks, allow_fresh_start)
+    return trainer.fit()
 
 
 _ = Runtime  # re-exported for type hints of hooks
