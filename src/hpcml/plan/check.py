@@ -66,9 +66,14 @@ class CheckRow:
         return None if r is None else abs(r - 1.0) <= self.goal
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quantity": self.quantity, "predicted": self.predicted,
-                "measured": self.measured, "ratio": self.ratio, "goal": self.goal,
-                "ok": self.ok}
+        return {
+            "quantity": self.quantity,
+            "predicted": self.predicted,
+            "measured": self.measured,
+            "ratio": self.ratio,
+            "goal": self.goal,
+            "ok": self.ok,
+        }
 
 
 @dataclass(frozen=True)
@@ -115,17 +120,28 @@ def _get(d: Mapping[str, Any], *path: str, default: Any = None) -> Any:
 
 
 def _shape_from_run(summary: Mapping[str, Any], config: Mapping[str, Any]) -> ModelShape:
-    name = str(_get(config, "model", "name", default=_get(summary, "model", "name",
-                                                           default="model")))
-    args = dict(_get(config, "model", "args", default=None) or
-                _get(summary, "model", "args", default=None) or {})
+    name = str(
+        _get(config, "model", "name", default=_get(summary, "model", "name", default="model"))
+    )
+    args = dict(
+        _get(config, "model", "args", default=None)
+        or _get(summary, "model", "args", default=None)
+        or {}
+    )
     params = _get(summary, "model", "parameters")
     fwd = _get(summary, "model", "forward_flops_per_sample")
     dims = {k: next((int(args[a]) for a in keys if a in args), 0) for k, keys in _DIM_KEYS.items()}
     if dims["layers"] and dims["hidden"] and dims["heads"]:
-        shape = transformer(name, dims["layers"], dims["hidden"], dims["heads"],
-                            dims["seq"] or 256, dims["vocab"] or 256,
-                            params=int(params) if params else None, source="run summary")
+        shape = transformer(
+            name,
+            dims["layers"],
+            dims["hidden"],
+            dims["heads"],
+            dims["seq"] or 256,
+            dims["vocab"] or 256,
+            params=int(params) if params else None,
+            source="run summary",
+        )
         return shape
     try:
         shape = model_shape(name, args)
@@ -159,16 +175,23 @@ def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
     if isinstance(memory, Mapping):
         if "model_states_bytes" in memory or "params_bytes" in memory:
             return (memory,)
-        ranks = [v for _, v in sorted(memory.items(), key=lambda kv: str(kv[0]).zfill(6))
-                 if isinstance(v, Mapping)]
+        ranks = [
+            v
+            for _, v in sorted(memory.items(), key=lambda kv: str(kv[0]).zfill(6))
+            if isinstance(v, Mapping)
+        ]
         return tuple(ranks)
     if isinstance(memory, list):
         return tuple(m for m in memory if isinstance(m, Mapping))
     return ()
 
 
-def setup_from_summary(summary: Mapping[str, Any], catalog: Catalog, label: str = "run",
-                       include_data_wait: bool = False) -> RunSetup:
+def setup_from_summary(
+    summary: Mapping[str, Any],
+    catalog: Catalog,
+    label: str = "run",
+    include_data_wait: bool = False,
+) -> RunSetup:
     """Turn a run's summary.json (hpcml train's run-folder contract) into a plan."""
     status = str(summary.get("status", ""))
     if status and status != "finished" and "model" not in summary:
@@ -262,43 +285,64 @@ def check_run(
 ) -> CheckReport:
     """Prediction next to measurement for one run; step time after calibration on other runs."""
     notes = list(setup.notes)
-    mem = per_device_bytes(setup.model, setup.layout, setup.training, setup.cluster.devices,
-                           setup.cluster.accelerator.memory_bytes)
+    mem = per_device_bytes(
+        setup.model,
+        setup.layout,
+        setup.training,
+        setup.cluster.devices,
+        setup.cluster.accelerator.memory_bytes,
+    )
     calibrated = False
     if calibration is None and calibration_runs:
         for other in calibration_runs:
             if other.cluster.accelerator.key != setup.cluster.accelerator.key:
-                notes.append(f"calibration run {other.label} ran on "
-                             f"{other.cluster.accelerator.key}, not "
-                             f"{setup.cluster.accelerator.key}")
-            elif (setup.cluster.accelerator.key == "cpu"
-                  and other.cluster.devices != setup.cluster.devices):
-                notes.append(f"calibration run {other.label} used {other.cluster.devices} "
-                             "processes; CPU processes share cores, so calibrate with the same "
-                             "world size")
+                notes.append(
+                    f"calibration run {other.label} ran on "
+                    f"{other.cluster.accelerator.key}, not "
+                    f"{setup.cluster.accelerator.key}"
+                )
+            elif (
+                setup.cluster.accelerator.key == "cpu"
+                and other.cluster.devices != setup.cluster.devices
+            ):
+                notes.append(
+                    f"calibration run {other.label} used {other.cluster.devices} "
+                    "processes; CPU processes share cores, so calibrate with the same "
+                    "world size"
+                )
             if other.label == setup.label:
-                notes.append("the run calibrates itself: its step-time ratio is 1 by "
-                             "construction")
+                notes.append("the run calibrates itself: its step-time ratio is 1 by construction")
         calibration = calibrate_from(calibration_runs, overlap)
         calibrated = True
     elif calibration is not None:
         calibrated = True
     else:
         calibration = Calibration(setup.cluster.accelerator.default_efficiency)
-        notes.append("step time uncalibrated: the catalog's default efficiency is a guess; "
-                     "pass --calibrate-with RUN_DIR (another run on this hardware)")
-    est = step_time(setup.model, setup.layout, setup.training, setup.cluster, calibration,
-                    overlap)
+        notes.append(
+            "step time uncalibrated: the catalog's default efficiency is a guess; "
+            "pass --calibrate-with RUN_DIR (another run on this hardware)"
+        )
+    est = step_time(setup.model, setup.layout, setup.training, setup.cluster, calibration, overlap)
     ranks = setup.measured_memory
     rows = [
-        CheckRow("params_bytes", mem.params_bytes, _max_over_ranks(ranks, "params_bytes"),
-                 MEMORY_GOAL),
-        CheckRow("grads_bytes", mem.grads_bytes, _max_over_ranks(ranks, "grads_bytes"),
-                 MEMORY_GOAL),
-        CheckRow("optimizer_bytes", mem.optimizer_bytes,
-                 _max_over_ranks(ranks, "optimizer_bytes"), MEMORY_GOAL),
-        CheckRow("model_states_bytes", mem.model_states_bytes,
-                 _max_over_ranks(ranks, "model_states_bytes"), MEMORY_GOAL),
+        CheckRow(
+            "params_bytes", mem.params_bytes, _max_over_ranks(ranks, "params_bytes"), MEMORY_GOAL
+        ),
+        CheckRow(
+            "grads_bytes", mem.grads_bytes, _max_over_ranks(ranks, "grads_bytes"), MEMORY_GOAL
+        ),
+        CheckRow(
+            "optimizer_bytes",
+            mem.optimizer_bytes,
+            _max_over_ranks(ranks, "optimizer_bytes"),
+            MEMORY_GOAL,
+        ),
+        CheckRow(
+            "model_states_bytes",
+            mem.model_states_bytes,
+            _max_over_ranks(ranks, "model_states_bytes"),
+            MEMORY_GOAL,
+        ),
     ]
     peak = _max_over_ranks(ranks, "peak_allocated_bytes")
     if peak is not None:
