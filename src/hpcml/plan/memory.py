@@ -139,6 +139,13 @@ class Layout:
     offload: str = "none"
     """optimizer: optimizer states and this device's gradient shard live on the host and the
     step runs there (ZeRO-Offload, Ren et al. 2021); params: parameter shards too (ZeRO-3)."""
+    sp_saves_gathered: bool = False
+    """Under sequence parallelism, torch's DTensor plan keeps the all-gathered inputs of the
+    attention, MLP and output matmuls for backward; Megatron-LM keeps its shard and gathers
+    again in backward (Korthikanti et al. 2022, Sec. 4.2.2), the default here."""
+    vocab_parallel_loss: bool = True
+    """Megatron computes the cross-entropy on vocabulary shards; hpcml's gpt TP plan gathers
+    whole logits on every rank (False)."""
     attention: str | None = None
     """eager, sdpa or flash; None takes the model's own (sdpa for the zoo's gpt, flash for
     other transformers)."""
@@ -327,6 +334,7 @@ def activation_bytes_per_layer(
     gated_mlp: bool = False,
     kv_heads: int | None = None,
     attention: str = "eager",
+    sp_saves_gathered: bool = False,
 ) -> float:
     """Bytes one transformer block keeps for its backward pass.
 
@@ -356,6 +364,8 @@ def activation_bytes_per_layer(
     sharded = (qkv_out + mlp_inner) * half
     replicated = 8.0 * half + 2.0 * mask
     per = sbh * (sharded / t + (replicated / t if sp else replicated))
+    if sp and sp_saves_gathered:
+        per += sbh * 4.0 * half * (1.0 - 1.0 / t)  # attention and MLP inputs kept whole
     if attention == "eager" and recompute == "none":
         # Softmax output and its dropout output (2 + 2 bytes) plus the dropout mask (1 byte),
         # for each of a heads' s x s score matrices; without dropout only the softmax output.
@@ -397,6 +407,7 @@ def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: i
         model.gated_mlp,
         model.kv_heads,
         attention,
+        layout.sp_saves_gathered,
     )
     layers_per_stage = math.ceil(model.layers / layout.pp)
     t = layout.tp
@@ -405,7 +416,14 @@ def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: i
     # Korthikanti et al. 2022, Sec. 4.3: the output layer keeps the final LayerNorm and
     # projection inputs and fp32 logits for the cross-entropy, 4sbh/t (1 + v/h) for 16-bit
     # activations; the input embedding keeps a dropout mask of sbh.
-    output = (2.0 * act_bytes * sbh + 4.0 * sbv) / t
+    # Without sequence parallelism the final norm and head inputs are whole on every rank;
+    # without a vocabulary-parallel loss (Megatron's) the fp32 log-probabilities are too.
+    head_input = act_bytes * sbh / (t if layout.sp and not layout.sp_saves_gathered else 1)
+    output = (
+        act_bytes * sbh / (t if layout.sp else 1)
+        + head_input
+        + 4.0 * sbv / (t if layout.vocab_parallel_loss else 1)
+    )
     embed_mask = (sbh if model.dropout else 0.0) / (t if layout.sp else 1)
     inflight = inflight_microbatches(
         layout.pp, layout.grad_accum, layout.schedule, layout.virtual_stages
@@ -429,6 +447,7 @@ def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: i
             model.gated_mlp,
             model.kv_heads,
             attention,
+            layout.sp_saves_gathered,
         )
     return acts
 

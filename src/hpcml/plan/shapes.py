@@ -5,8 +5,8 @@ against the zoo by a test), transformers are computed from their dimensions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
