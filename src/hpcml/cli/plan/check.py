@@ -18,6 +18,7 @@ from hpcml.cli.plan.options import (
     _catalog,
     app,
 )
+from hpcml.plan.common import PlanError
 
 
 def _read_run(run_dir: Path) -> dict[str, Any]:
@@ -40,9 +41,14 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
 
 @app.command("check")
 def check_cmd(
-    run_dir: Path = typer.Argument(..., help="Run folder with summary.json."),
+    run_dirs: list[Path] = typer.Argument(..., help="Run folders with summary.json."),
     calibrate_with: list[Path] = typer.Option(
         None, "--calibrate-with", help="Other run folders on the same hardware (repeat)."
+    ),
+    loo: bool = typer.Option(
+        False,
+        "--leave-one-model-out",
+        help="Calibrate each run's step time on the runs of the other models given.",
     ),
     efficiency: float | None = EFF_OPT,
     overhead: float = OVERHEAD_OPT,
@@ -52,12 +58,36 @@ def check_cmd(
     catalog: list[Path] = CATALOG_OPT,
     json_out: bool = JSON_OPT,
 ) -> None:
-    """Predict a measured run and print prediction, measurement and their ratio."""
-    from hpcml.plan.check import check_run, setup_from_summary
+    """Predict measured runs and print prediction, measurement and their ratio."""
+    from hpcml.plan.check import check_run, leave_one_model_out, setup_from_summary
     from hpcml.plan.perf import Calibration
 
     cat = _catalog(catalog)
-    setup = setup_from_summary(_read_run(run_dir), cat, str(run_dir), include_data_wait)
+    setups = [setup_from_summary(_read_run(p), cat, str(p), include_data_wait) for p in run_dirs]
+    if loo:
+        if calibrate_with or efficiency is not None:
+            raise PlanError(
+                "--leave-one-model-out fits its own calibrations; drop --calibrate-with and "
+                "--efficiency."
+            )
+        reports = leave_one_model_out(setups)
+        if json_out:
+            print_json({"reports": [r.to_dict() for r in reports]})
+            return
+        _print_summary_table(reports)
+        return
+    if len(setups) != 1:
+        raise PlanError(
+            f"{len(setups)} run folders given; check one run, or pass --leave-one-model-out "
+            "to check several against each other."
+        )
+    setup = setups[0]
+    resolved = {p.resolve() for p in calibrate_with or []}
+    if run_dirs[0].resolve() in resolved:
+        raise PlanError(
+            f"{run_dirs[0]} is also in --calibrate-with: a run calibrated on itself agrees with "
+            "itself by construction; calibrate on other runs of this hardware."
+        )
     others = [
         setup_from_summary(_read_run(p), cat, str(p), include_data_wait)
         for p in calibrate_with or []
@@ -67,6 +97,40 @@ def check_cmd(
     if json_out:
         print_json(report.to_dict())
         return
+    _print_report(report, run_dirs[0])
+
+
+def _print_summary_table(reports: list[Any]) -> None:
+    quantities = (
+        "model_states_bytes",
+        "activations_bytes",
+        "states_plus_activations_bytes",
+        "step_time_s",
+    )
+    t = Table(title="predicted / measured, step time calibrated on the other models' runs")
+    for col in ("run", "model", "world", "zero", "tp", *quantities):
+        t.add_column(col.replace("_bytes", ""), justify="left" if col == "run" else "right")
+    for rep in reports:
+        d = rep.to_dict()
+        ratios = {r.quantity: r for r in rep.rows}
+        cells = []
+        for q in quantities:
+            r = ratios.get(q)
+            cells.append(
+                "-" if r is None or r.ratio is None else f"{r.ratio:.3f}{'' if r.ok else ' MISS'}"
+            )
+        t.add_row(
+            Path(d["run"]).name,
+            d["model"],
+            str(d["world_size"]),
+            str(d["zero"]),
+            str(rep.setup.layout.tp),
+            *cells,
+        )
+    console.print(t)
+
+
+def _print_report(report: Any, run_dir: Path) -> None:
     d = report.to_dict()
     t = Table(
         title=f"{run_dir}: {d['model']} ({d['parameters']:,} params) on {d['world_size']} x "
