@@ -20,7 +20,9 @@ from hpcml.plan.shapes import ModelShape, model_shape, transformer
 MEMORY_GOAL = 0.10
 STEP_GOAL = 0.25
 
-_STRATEGY_ZERO = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "zero3": 3}
+# hpcml's zero2 is FSDP2 with reshard_after_forward=False: between steps it holds parameter
+# shards like ZeRO-3 (what is measured), and keeps the gathered model from forward to backward.
+_STRATEGY_ZERO = {"ddp": 0, "zero1": 1, "zero2": 3, "fsdp": 3, "zero3": 3}
 _DIM_KEYS = {
     "layers": ("n_layer", "n_layers", "num_layers", "layers", "depth"),
     "hidden": ("n_embd", "d_model", "hidden_size", "hidden", "dim"),
@@ -247,6 +249,12 @@ def setup_from_summary(
     tp = int(_get(config, "parallel", "tp", default=1) or 1)
     ac = str(_get(config, "train", "activation_checkpointing", default="none"))
     model, shape_notes = _shape_from_run(summary, config)
+    if strategy == "zero2" and world // tp > 1:
+        shape_notes.append(
+            "hpcml's zero2 (FSDP2, reshard_after_forward=False) keeps parameter shards between "
+            "steps, so model states are predicted as ZeRO-3; the whole model gathered during "
+            "forward and backward is not in the prediction's buffers"
+        )
     if ac == "selective":
         shape_notes.append(
             "hpcml's selective checkpointing recomputes every ac_every-th block in full; the "
