@@ -27,19 +27,23 @@ from hpcml.plan.shapes import model_shape, shape_from_raw
 A100 = load_catalog().accelerator("a100-80gb")
 
 
-@pytest.mark.parametrize(
-    "name,recompute", [("llama3-8b", "selective"), ("llama3-70b", "full")]
-)
+@pytest.mark.parametrize("name,recompute", [("llama3-8b", "selective"), ("llama3-70b", "full")])
 def test_torchtitan_recipes_fit_on_64_a100(name: str, recompute: str) -> None:
     # FSDP2 keeps fp32 parameter shards and computes in bf16: 'amp' weights, 16 bytes/param.
-    mem = per_device_bytes(model_shape(name), Layout(zero=3, recompute=recompute),
-                           Training("bf16", weights="amp"), 64, A100.memory_bytes)
+    mem = per_device_bytes(
+        model_shape(name),
+        Layout(zero=3, recompute=recompute),
+        Training("bf16", weights="amp"),
+        64,
+        A100.memory_bytes,
+    )
     assert mem.fits()
 
 
 def test_full_finetune_of_7b_on_one_a100_does_not_fit() -> None:
-    mem = per_device_bytes(model_shape("llama-7b"), Layout(), Training("bf16", weights="amp"),
-                           1, A100.memory_bytes)
+    mem = per_device_bytes(
+        model_shape("llama-7b"), Layout(), Training("bf16", weights="amp"), 1, A100.memory_bytes
+    )
     assert mem.model_states_bytes / model_shape("llama-7b").params == pytest.approx(16, rel=1e-3)
     assert not mem.fits()
 
@@ -49,8 +53,9 @@ def test_full_finetune_of_7b_on_one_a100_does_not_fit() -> None:
 T5_PARAMS, T5_LARGEST = 60_506_624, 16_449_536
 
 
-def _deepspeed_zero3_gpu(params: float, largest: float, gpus: int, offload_opt: bool,
-                         offload_params: bool) -> float:
+def _deepspeed_zero3_gpu(
+    params: float, largest: float, gpus: int, offload_opt: bool, offload_params: bool
+) -> float:
     """DeepSpeed's estimate_zero3_model_states_mem_needs, per GPU."""
     if offload_opt and offload_params:
         return 4 * largest
@@ -61,8 +66,11 @@ def _deepspeed_zero3_gpu(params: float, largest: float, gpus: int, offload_opt: 
 
 def test_deepspeed_documented_t5_small_numbers() -> None:
     # The formulas reproduce DeepSpeed's printed table (two decimals, GiB).
-    for (opt, par), printed in {(False, False): 1.08, (True, False): 0.17,
-                                (True, True): 0.06}.items():
+    for (opt, par), printed in {
+        (False, False): 1.08,
+        (True, False): 0.17,
+        (True, True): 0.06,
+    }.items():
         got = _deepspeed_zero3_gpu(T5_PARAMS, T5_LARGEST, 1, opt, par) / GiB
         assert round(got, 2) == printed
 
@@ -74,11 +82,11 @@ def test_zero3_matches_deepspeed_with_fp32_gradients(offload: str) -> None:
     # is hpcml's two gathered 16-bit layers (the current one and the prefetched one).
     shape = shape_from_raw(params=T5_PARAMS, largest_layer=T5_LARGEST)
     gpus = 8
-    mem = per_device_bytes(shape, Layout(zero=3, offload=offload),
-                           Training("fp16", grad_dtype="fp32"), gpus)
+    mem = per_device_bytes(
+        shape, Layout(zero=3, offload=offload), Training("fp16", grad_dtype="fp32"), gpus
+    )
     device = mem.model_states_bytes + mem.buffers_bytes
-    want = _deepspeed_zero3_gpu(T5_PARAMS, T5_LARGEST, gpus, offload != "none",
-                                offload == "params")
+    want = _deepspeed_zero3_gpu(T5_PARAMS, T5_LARGEST, gpus, offload != "none", offload == "params")
     assert device == pytest.approx(want, abs=1.0)
 
 
