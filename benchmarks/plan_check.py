@@ -79,7 +79,10 @@ def _train(cfg: Path, run_dir: Path, world: int, overrides: list[str]) -> str | 
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     cmd = [sys.executable, *(launch if world > 1 else []), "-m", "hpcml", "train", str(cfg)]
     cmd += [*overrides, "--run-dir", str(run_dir), "--quiet", "--overwrite"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return "did not finish in 900 s"
     if proc.returncode != 0:
         return (proc.stderr.strip().splitlines() or ["failed"])[-1][:300]
     return None

@@ -182,3 +182,38 @@ def test_check_compares_prediction_and_measurement(measured_run: Path) -> None:
     human = hpcml("plan", "check", str(measured_run))
     assert human.returncode == 0, human.stderr
     assert "predicted / measured" in human.stdout and "uncalibrated" in human.stdout
+
+
+def test_spot_and_checkpoint_interval_give_one_goodput() -> None:
+    # Daly 2006's case (checkpoint 5 min, MTBF 15 min): both verbs call plan.cost.checkpoint_plan.
+    spot = invoke_json("cost", "spot", "--on-demand-price", "10", "--discount", "0.6",
+                       "--preemptions-per-hour", "4", "--instances", "1", "--checkpoint-s", "300",
+                       "--restart-s", "0")
+    res = runner.invoke(app, ["launch", "checkpoint-interval", "--checkpoint-s", "300", "--mtbf",
+                              "15m", "--restart-s", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    advice = json.loads(res.stdout)
+    assert advice["expected_goodput"] == pytest.approx(spot["spot_goodput"], rel=1e-12)
+    assert advice["daly_interval_s"] == pytest.approx(spot["daly_interval_s"], rel=1e-12)
+
+
+def test_cost_run_applies_recomputation_like_the_library() -> None:
+    # Narayanan et al. 2021, Sec. 5.1: GPT-3 175B on 300B tokens with 1024 A100s at 140
+    # TFLOP/s each (full recomputation, 8TP FLOPs) takes about 34 days.
+    args = ["cost", "run", "--model", "gpt3-175b", "--tokens", "300e9", "--gpu", "a100-80gb",
+            "--devices", "1024", "--mfu", str(140 / 312), "--tp", "8", "--pp", "8"]
+    full = invoke_json(*args, "--recompute", "full")["options"][0]
+    assert full["wall_hours"] / 24 == pytest.approx(34, rel=0.03)
+    none = invoke_json(*args)["options"][0]
+    assert none["wall_hours"] < 0.8 * full["wall_hours"]  # 6TP instead of 8TP FLOPs
+
+
+def test_params_alone_under_zero3_is_refused_in_one_sentence() -> None:
+    proc = hpcml("plan", "memory", "--params", "7e9", "--devices", "64", "--zero", "3")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "--largest-layer" in proc.stderr and "Traceback" not in proc.stderr
+    ok = hpcml("plan", "memory", "--params", "7e9", "--devices", "64", "--zero", "3",
+               "--largest-layer", "2e8", "--json")
+    assert ok.returncode == 0, ok.stderr
+    z2 = hpcml("plan", "memory", "--params", "7e9", "--devices", "64", "--zero", "2", "--json")
+    assert json.loads(ok.stdout)["total_bytes"] < json.loads(z2.stdout)["total_bytes"]

@@ -255,6 +255,11 @@ def setup_from_summary(
             "steps, so model states are predicted as ZeRO-3; the whole model gathered during "
             "forward and backward is not in the prediction's buffers"
         )
+    if strategy == "zero1" and world // tp > 1:
+        shape_notes.append(
+            "torch's ZeroRedundancyOptimizer gives each rank whole parameter tensors, so the "
+            "busiest rank can hold more than 1/N of the optimizer states predicted here"
+        )
     if ac == "selective":
         shape_notes.append(
             "hpcml's selective checkpointing recomputes every ac_every-th block in full; the "
