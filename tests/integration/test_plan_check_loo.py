@@ -116,3 +116,15 @@ def test_a_run_calibrated_on_itself_is_refused(runs: dict[str, Path]) -> None:
     # A PlanError is a user error: `hpcml` prints its one sentence and exits 2 (test_plan_cli).
     assert isinstance(res.exception, PlanError)
     assert "calibrated on itself" in str(res.exception)
+
+
+def test_the_check_verb_prints_every_run(runs: dict[str, Path]) -> None:
+    res = CliRunner().invoke(
+        app, ["plan", "check", *map(str, runs.values()), "--leave-one-model-out", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    reports = json.loads(res.stdout)["reports"]
+    assert sorted(Path(r["run"]).name for r in reports) == sorted(runs)
+    one = CliRunner().invoke(app, ["plan", "check", str(runs["mlp"])])
+    assert one.exit_code == 0, one.output
+    assert "uncalibrated" in one.output and "activations_bytes" in one.output
