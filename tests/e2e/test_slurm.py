@@ -150,6 +150,7 @@ def test_preempted_job_checkpoints_is_requeued_and_finishes_like_an_uninterrupte
         if '"kind": "fault"' in line
     ]
     (preempted,) = [e for e in events if e["event"] == "preempted"]
+    # >= 60: signalled after 60 logged steps; < 200: handled before the last step (max_steps).
     assert preempted["signal"] == "SIGUSR1" and 60 <= preempted["step"] < 200
 
     summary = json.loads((run_dir / "summary.json").read_text())

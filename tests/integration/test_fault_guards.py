@@ -100,6 +100,7 @@ def test_a_slow_rank_is_named_as_a_straggler(tmp_path: Path) -> None:
     events = [e for e in records(run, "fault") if e["event"] == "straggler"]
     assert [e["step"] for e in events] == [5, 10, 15]
     assert {e["rank"] for e in events} == {1}
+    # The detector's own threshold (straggler_factor 1.5): every reported event must exceed it.
     assert all(e["ratio"] > 1.5 for e in events)
     assert summary(run)["fault"]["stragglers"] == {"1": 3}
     assert "rank 1 is a straggler" in proc.stderr

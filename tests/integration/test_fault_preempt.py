@@ -45,6 +45,8 @@ def test_sigterm_saves_exits_75_and_resume_matches_an_uninterrupted_run(tmp_path
     event = [r for r in records(run, "fault") if r["event"] == "preempted"]
     assert len(event) == 1 and event[0]["signal"] == "SIGTERM"
     at = event[0]["step"]
+    # >= 15: sent after 15 logged steps; < 60: handled before the run's last step (max_steps).
+    # Speed-bound: a CPU running 45 steps within one 50 ms poll would fail it.
     assert 15 <= at < 60
     saved = Path(event[0]["checkpoint"])
     assert saved == run / "checkpoints" / f"step-{at}" and ckpt.verify(saved) is None
@@ -77,6 +79,7 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(tmp_path: Path)
     event = [r for r in records(run, "fault") if r["event"] == "preempted"]
     assert len(event) == 1
     at = event[0]["step"]
+    # Handled before the run's last step (max_steps 400).
     assert at < 400
     saved = run / "checkpoints" / f"step-{at}"
     assert ckpt.verify(saved) is None

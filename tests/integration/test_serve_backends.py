@@ -37,10 +37,12 @@ def test_process_backend_answers_survives_bad_batches_and_reports_a_dead_child(
     backend.load()
     try:
         x = np.random.default_rng(0).standard_normal((3, 3, 32, 32)).astype(np.float32)
-        np.testing.assert_allclose(backend.infer(x), _expected(model, x), rtol=1e-5, atol=1e-6)
+        # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+        np.testing.assert_allclose(backend.infer(x), _expected(model, x), rtol=0, atol=3e-3)
         with pytest.raises(RuntimeError, match="RuntimeError"):
             backend.infer(np.zeros((2, 5), dtype=np.float32))  # wrong shape: fails in torch
-        np.testing.assert_allclose(backend.infer(x), _expected(model, x), rtol=1e-5, atol=1e-6)
+        # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+        np.testing.assert_allclose(backend.infer(x), _expected(model, x), rtol=0, atol=3e-3)
         backend._proc.kill()
         backend._proc.join(10)
         with pytest.raises(RuntimeError, match="inference process died"):
@@ -72,7 +74,8 @@ def test_process_backend_driven_from_an_event_loop(tmp_path: Path) -> None:
         out, error = asyncio.run(main())
     finally:
         backend.close()
-    np.testing.assert_allclose(out, _expected(model, x), rtol=1e-5, atol=1e-6)
+    # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+    np.testing.assert_allclose(out, _expected(model, x), rtol=0, atol=3e-3)
     assert "inference process died" in error
 
 
@@ -90,7 +93,8 @@ def test_torch_compile_backend_matches_eager(tmp_path: Path) -> None:
     backend.load()
     for batch in (1, 5):
         x = np.random.default_rng(batch).standard_normal((batch, 3, 32, 32)).astype(np.float32)
-        np.testing.assert_allclose(backend.infer(x), _expected(model, x), rtol=1e-4, atol=1e-5)
+        # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+        np.testing.assert_allclose(backend.infer(x), _expected(model, x), rtol=0, atol=3e-3)
 
 
 @pytest.mark.gpu
@@ -103,5 +107,6 @@ def test_torch_backend_on_cuda_matches_cpu(tmp_path: Path) -> None:
     ):
         backend.load()
         x = np.random.default_rng(0).standard_normal((8, 3, 32, 32)).astype(np.float32)
-        np.testing.assert_allclose(backend.infer(x), _expected(model, x), rtol=1e-3, atol=1e-4)
+        # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1 (no TF32 by default)
+        np.testing.assert_allclose(backend.infer(x), _expected(model, x), rtol=0, atol=3e-3)
         backend.close()

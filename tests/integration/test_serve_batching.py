@@ -90,7 +90,8 @@ def test_many_clients_are_merged_into_batches_and_split_back(
     with torch.inference_mode():
         expected = model(torch.from_numpy(xs[:, 0])).numpy()
     for i, out in enumerate(outputs):
-        np.testing.assert_allclose(out[0], expected[i], rtol=1e-5, atol=1e-6)
+        # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+        np.testing.assert_allclose(out[0], expected[i], rtol=0, atol=3e-3)
     text = httpx.get(f"{url}/metrics").text
     forward_passes = _metric(text, "hpcml_batch_size_count", "batched")
     assert _metric(text, "hpcml_batch_size_sum", "batched") == 16

@@ -73,14 +73,15 @@ def test_inference_matches_torch_and_echoes_the_request_id(
         assert body["outputs"][0]["name"] == "logits" and body["outputs"][0]["shape"] == [3, 10]
         with torch.inference_mode():
             expected = model(torch.from_numpy(x)).numpy()
-        np.testing.assert_allclose(decode_output(body), expected, rtol=1e-5, atol=1e-6)
+        # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+        np.testing.assert_allclose(decode_output(body), expected, rtol=0, atol=3e-3)
         nested = {
             "inputs": [
                 {"name": "input", "shape": [3, 3, 32, 32], "datatype": "FP32", "data": x.tolist()}
             ]
         }
         r2 = c.post("/v2/models/digits/versions/1/infer", json=nested)
-        np.testing.assert_allclose(decode_output(r2.json()), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(decode_output(r2.json()), expected, rtol=0, atol=3e-3)
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,8 @@ def test_canary_split_follows_the_weights_and_versions_answer_as_themselves(
             body = c.post("/v2/models/digits/infer", content=payload, headers=JSON).json()
             counts[body["model_version"]] += 1
             np.testing.assert_allclose(
-                decode_output(body), expected[body["model_version"]], rtol=1e-5, atol=1e-6
+                # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+                decode_output(body), expected[body["model_version"]], rtol=0, atol=3e-3
             )
         pinned = {
             c.post("/v2/models/digits/versions/2/infer", content=payload, headers=JSON).json()[
@@ -95,7 +96,8 @@ def test_shadow_mirrors_without_changing_answers_and_counts_disagreements(
             ).json()
             assert body["model_version"] == "1"
             v1, v2 = _logits(models["1"], x), _logits(models["2"], x)
-            np.testing.assert_allclose(decode_output(body), v1, rtol=1e-5, atol=1e-6)
+            # fp32 sums in another order: 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3; answers differ > .1
+            np.testing.assert_allclose(decode_output(body), v1, rtol=0, atol=3e-3)
             expected_disagreements += int(v1.argmax() != v2.argmax())
         for _ in range(200):  # comparisons finish just after the answers
             stats = c.get("/admin/models/digits").json()["shadow_stats"].get("2", {})

@@ -32,6 +32,7 @@ CAT = load_catalog()
 )
 def test_daly_published_intervals(mtbf_min: float, published_min: float) -> None:
     tau = daly_interval(5 * MIN, mtbf_min * MIN) / MIN
+    # Daly prints 3 digits: half a unit of the last digit plus the rounding of his inputs.
     assert tau == pytest.approx(published_min, abs=0.6 if published_min > 10 else 0.06)
 
 
@@ -47,6 +48,7 @@ def test_daly_estimate_is_near_the_minimum_of_his_wall_time(mtbf_min: float) -> 
     tau = daly_interval(d, m)
     grid = [tau * (0.5 + i / 1000) for i in range(1001)]
     best = min(grid, key=lambda t: daly_wall_time(500 * HOUR, t, d, r, m))
+    # Daly's closed form is his model's optimum to first order; the grid step is 0.1% of tau.
     assert tau == pytest.approx(best, rel=0.01)
 
 
@@ -69,6 +71,7 @@ def test_narayanan_training_time_estimates() -> None:
     gpt3 = transformer("gpt3", 96, 12288, 96, 2048, 51200)
     days = run_cost(gpt3, a100, "bf16", 1024, tokens=300e9, mfu=140 / 312,
                     recompute="full")[0].wall_hours / 24
+    # Published in whole days from the 8TP/(nX) approximation, which drops terms counted here.
     assert days == pytest.approx(34, rel=0.05)
     one_t = transformer("1t", 128, 25600, 160, 2048, 51200)
     days = run_cost(one_t, a100, "bf16", 3072, tokens=450e9, mfu=163 / 312,

@@ -27,6 +27,7 @@ MEGATRON_TABLE_1 = [
 
 @pytest.mark.parametrize("billions,heads,hidden,layers", MEGATRON_TABLE_1)
 def test_megatron_parameter_counts(billions: float, heads: int, hidden: int, layers: int) -> None:
+    # Table 1 prints one decimal of a billion: 0.05 plus the paper's own rounding.
     assert megatron_params(layers, hidden, 51200, 2048) / 1e9 == pytest.approx(billions, abs=0.06)
     # The block-by-block count is Eq. 2 plus the final LayerNorm (2h), which Eq. 2 leaves out.
     t = transformer("m", layers, hidden, heads, 2048, 51200)
@@ -48,6 +49,7 @@ def test_palm_540b_mfu() -> None:
     # PaLM (Chowdhery et al. 2022), Appendix B: 540B parameters, L=118, H=48, Q=256, T=2048,
     # 238.3K tokens/s on 6144 TPU v4 chips (275 TFLOP/s bf16) is 46.2% MFU.
     per_token = palm_flops_per_token(540.35e9, 118, 48 * 256, 2048)
+    # 46.2% printed to 3 digits: half a unit of the last is 0.0005, doubled for the inputs.
     assert per_token * 238.3e3 / (6144 * 275e12) == pytest.approx(0.462, abs=0.001)
 
 

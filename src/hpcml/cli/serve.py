@@ -223,6 +223,12 @@ def export_onnx_cmd(
         False, "--int8", help="Also write model.int8.onnx (ONNX Runtime dynamic quantization)."
     ),
     opset: int | None = typer.Option(None, "--opset", help="ONNX opset (default: the exporter's)."),
+    reduce_range: bool | None = typer.Option(
+        None,
+        "--reduce-range/--no-reduce-range",
+        help="INT8 weights in 7 bits (safe on every CPU) or 8 bits (only for x86 with VNNI or "
+        "ARM). Default: chosen from this machine's CPU features.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Export to ONNX with a dynamic batch axis, check it against torch, optionally quantize to INT8."""
@@ -230,11 +236,19 @@ def export_onnx_cmd(
 
     export_dir = check_export_dir(path)
     with err_console.status("exporting to ONNX and measuring"):
-        report = export_onnx(export_dir, int8=int8, opset=opset)
+        report = export_onnx(export_dir, int8=int8, opset=opset, reduce_range=reduce_range)
     if json_out:
         print_json(report)
         return
     console.print(f"wrote {report['onnx']}" + (f" and {report['onnx_int8']}" if int8 else ""))
+    if int8:
+        q = report["int8_settings"]
+        cpu = q["cpu"]
+        console.print(
+            f"INT8 for this CPU ({cpu['arch']}, features {', '.join(cpu['features']) or 'none'} "
+            f"from {cpu['source']}): reduce_range={q['reduce_range']}, "
+            f"per_channel={q['per_channel']}; {q['reason']}."
+        )
     checks = ", ".join(
         f"batch {c['batch']}: max |diff| {c['max_abs_diff']:.2g}" for c in report["check"]
     )

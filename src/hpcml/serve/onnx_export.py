@@ -5,6 +5,18 @@ change measured side by side.
 The exporter is torch's dynamo-based `torch.onnx.export(dynamo=True)` (the TorchScript one is
 deprecated). Dynamic quantization covers MatMul/Gemm (every nn.Linear): ONNX Runtime's CPU
 ConvInteger kernel is several times slower than its fp32 Conv, so convolutions stay fp32.
+
+INT8 settings follow ONNX Runtime's quantization guide ("Data type selection", "When to use
+reduce-range and per-channel quantization"): activations are quantized to uint8 at run time and
+weights to int8 (U8S8). On x86-64 CPUs without VNNI, ONNX Runtime computes U8S8 products with
+VPMADDUBSW, which adds two u8*s8 products into a saturating int16: 2 * 255 * 127 = 64770 does not
+fit in 32767, so 8-bit weights can be clamped. `reduce_range` quantizes weights to 7 bits
+([-64, 64]: 2 * 255 * 64 = 32640 fits), which the guide prescribes for those CPUs; per-channel
+weight scales win back the precision of the lost bit (one scale per output column instead of one
+per tensor). CPUs with VNNI (AVX512-VNNI, AVX-VNNI) and ARM have no such saturation and keep
+8-bit weights. The CPU features are read from /proc/cpuinfo (Linux) or sysctl (macOS): a few
+lines of parsing, where a CPU-info package would add a dependency that spawns subprocesses; when
+they cannot be read, the 7-bit choice (correct on every CPU) is taken.
 """
 
 from __future__ import annotations
@@ -12,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import platform
+import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -25,6 +39,95 @@ from hpcml.serve.backends import ONNX_FILE, ONNX_INT8_FILE, export_dir_of
 
 REPORT_FILE = "onnx_report.json"
 QUANTIZED_OPS = ["MatMul", "Gemm"]
+# CPU flags that matter for ONNX Runtime's U8S8 kernels, as Linux names them in /proc/cpuinfo.
+X86_FLAGS = ("sse4_1", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+ARM_FLAGS = ("asimd", "asimddp", "i8mm", "sve")  # Linux names; dp/i8mm are int8 dot products
+
+
+def cpu_features() -> dict[str, Any]:
+    """The machine and the int8-relevant features its CPU reports, and where they came from."""
+    machine = platform.machine().lower()
+    arch = (
+        "x86-64"
+        if machine in ("x86_64", "amd64", "i386", "i686", "x86")
+        else "arm64"
+        if machine in ("aarch64", "arm64") or machine.startswith("armv8")
+        else machine or "unknown"
+    )
+    flags: set[str] | None = None
+    source = "none"
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags, source = set(value.split()), "/proc/cpuinfo"
+            break
+    if flags is None and platform.system() == "Darwin":
+        flags, source = _darwin_flags(arch)
+    known = X86_FLAGS if arch == "x86-64" else ARM_FLAGS if arch == "arm64" else ()
+    return {
+        "machine": machine,
+        "arch": arch,
+        "features": sorted(f for f in known if flags and f in flags),
+        "source": source if flags is not None else "unknown",
+    }
+
+
+def _darwin_flags(arch: str) -> tuple[set[str] | None, str]:
+    keys = (
+        ["machdep.cpu.features", "machdep.cpu.leaf7_features"]
+        if arch == "x86-64"
+        else ["hw.optional.arm.FEAT_DotProd", "hw.optional.arm.FEAT_I8MM"]
+    )
+    try:
+        out = subprocess.run(
+            ["sysctl", *keys], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+    except OSError:
+        return None, "none"
+    flags = {"asimd"} if arch == "arm64" else set()
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if arch == "arm64" and value.strip() == "1":
+            flags.add("asimddp" if key.endswith("DotProd") else "i8mm")
+        else:  # x86 sysctl spells flags in capitals without underscores (AVX512VNNI, AVX2)
+            names = {v.lower().replace(".", "") for v in value.split()}
+            flags |= {f for f in X86_FLAGS if f.replace("_", "") in names}
+    return flags, "sysctl"
+
+
+def int8_settings(cpu: dict[str, Any], reduce_range: bool | None = None) -> dict[str, Any]:
+    """ONNX Runtime dynamic-quantization settings for this CPU (see the module docstring)."""
+    features = set(cpu["features"])
+    x86 = cpu["arch"] == "x86-64"
+    if reduce_range is not None:
+        why = "set by the caller (--reduce-range / --no-reduce-range)"
+    elif x86 and features & set(VNNI_FLAGS):
+        reduce_range = False
+        why = "x86-64 with VNNI: U8S8 products do not saturate, 8-bit weights"
+    elif x86 and cpu["source"] != "unknown":
+        reduce_range = True
+        why = (
+            "x86-64 without VNNI: U8S8 products go through a saturating int16 (VPMADDUBSW), "
+            "so weights are quantized to 7 bits as ONNX Runtime's guide prescribes"
+        )
+    elif cpu["arch"] == "arm64":
+        reduce_range = False
+        why = "ARM: U8S8 products do not saturate, 8-bit weights"
+    else:
+        reduce_range = True
+        why = "CPU features unknown: 7-bit weights, which cannot saturate on any CPU"
+    return {
+        "activations": "uint8, scale and zero point computed per batch at run time",
+        "weights": "int8 symmetric",
+        "reduce_range": reduce_range,
+        "per_channel": True,
+        "reason": why + "; per-channel weight scales (one per output column)",
+    }
 
 
 @contextlib.contextmanager
@@ -90,6 +193,7 @@ def export_onnx(
     atol: float = 1e-4,
     val_limit: int = 10_000,
     speed_budget_s: float = 0.5,
+    reduce_range: bool | None = None,
 ) -> dict[str, Any]:
     """Write model.onnx (and model.int8.onnx) into the export folder; return the report."""
     import torch
@@ -168,7 +272,10 @@ def export_onnx(
 
     runners: dict[str, Any] = {"torch": run_torch, "onnx": run_onnx}
     if int8:
-        int8_path = _quantize(onnx_path, export_dir / ONNX_INT8_FILE)
+        cpu = cpu_features()
+        settings = int8_settings(cpu, reduce_range)
+        report["int8_settings"] = {"cpu": cpu, **settings}
+        int8_path = _quantize(onnx_path, export_dir / ONNX_INT8_FILE, settings)
         int8_session = _session(int8_path)
         runners["onnx-int8"] = lambda x: run_onnx(x, int8_session)
         report["onnx_int8"] = str(int8_path)
@@ -190,7 +297,7 @@ def _session(path: Path) -> Any:
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def _quantize(src: Path, dst: Path) -> Path:
+def _quantize(src: Path, dst: Path, settings: dict[str, Any]) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -200,7 +307,12 @@ def _quantize(src: Path, dst: Path) -> Path:
             # Shape inference + graph cleanup first, as ONNX Runtime's quantization guide asks.
             quant_pre_process(str(src), str(pre))
             quantize_dynamic(
-                str(pre), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=QUANTIZED_OPS
+                str(pre),
+                str(dst),
+                weight_type=QuantType.QInt8,
+                op_types_to_quantize=QUANTIZED_OPS,
+                per_channel=settings["per_channel"],
+                reduce_range=settings["reduce_range"],
             )
     except Exception as exc:  # noqa: BLE001
         raise WorkFailed(
