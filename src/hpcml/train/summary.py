@@ -44,6 +44,7 @@ def build_summary(t: Any) -> dict[str, Any]:
     )
     memory["peak_rss_bytes"] = peak_rss_bytes()
     memory["setup_peak_rss_bytes"] = getattr(t, "setup_peak_rss_bytes", None)
+    memory.update(t.probe.result(rt.device))  # saved activations of the sampled forward
     per_rank = all_gather_object(rt, memory)
     weights = full_state_dict(t.model)  # a collective: every rank gathers its shards
     if not rt.is_main:

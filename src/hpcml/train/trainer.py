@@ -40,7 +40,7 @@ from hpcml.models.zoo import build_model, count_parameters, forward_flops_per_sa
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
 from hpcml.train import checkpoint as ckpt
-from hpcml.train import mfu, rundir
+from hpcml.train import memprobe, mfu, rundir
 from hpcml.train.evaluation import evaluate_model
 from hpcml.train.fault import FaultGuard
 from hpcml.train.fault_hook import FaultHook
@@ -181,6 +181,8 @@ class Trainer:
             model, splits.input_shape, splits.input_dtype, device=rt.device
         )
         self.model = parallelize(model, rt, cfg.parallel, cfg.train, cfg.precision)
+        # Saved activations of one sampled forward, measured beside the planner's prediction.
+        self.probe = memprobe.SavedActivationProbe(self.model)
         optimizer = build_optimizer(self.model.parameters(), cfg.optim, rt.dp_size)
         self.optimizer = shard_optimizer(optimizer, self.model, rt, cfg.parallel)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
@@ -319,6 +321,7 @@ class Trainer:
                 no_sync(self.model, skip=micro < accum - 1),
                 self.precision.autocast(),
                 self.hooks.forward(self),
+                self.probe.sample(micro == 0),  # one sampled forward per run
             ):
                 loss = self.loss_fn(self.model(x), y) / accum
             self.scaler.scale(loss).backward()
@@ -429,6 +432,7 @@ class Trainer:
             self.evaluate()
         summary = build_summary(self)  # collectives inside: every rank calls it
         if self.rt.is_main:
+            summary["prediction"] = memprobe.prediction_block(summary)
             self.hooks.end(summary)
             assert self.out_dir is not None
             write_json_atomic(self.out_dir / "summary.json", summary)
