@@ -216,6 +216,8 @@ class EvalShard(Dataset):
         return self.length
 
     def __getitem__(self, i: int) -> tuple[Any, Any, bool]:
+        if not 0 <= i < self.length:
+            raise IndexError(i)  # also ends plain iteration, which stops at IndexError
         valid = i < len(self.indices)
         x, y = self.dataset[self.indices[i if valid else 0]]
         return x, y, valid
