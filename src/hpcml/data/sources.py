@@ -129,6 +129,9 @@ class _CifarUnpickler(pickle.Unpickler):
     _ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
+        # numpy scalars (labels written as numpy integers by re-packaged copies): data only.
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
         # Protocol-2 pickles written by Python 3 spell bytes as _codecs.encode(str, "latin1").

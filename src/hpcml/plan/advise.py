@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 
 from hpcml.plan.common import GB, PlanError, divisors
 from hpcml.plan.hardware import Cluster
-from hpcml.plan.memory import Layout, MemoryBreakdown, Training, per_device_bytes
+from hpcml.plan.memory import (
+    CUDA_RESERVE_BYTES,
+    USABLE_FRACTION,
+    Layout,
+    MemoryBreakdown,
+    Training,
+    per_device_bytes,
+)
 from hpcml.plan.perf import Calibration, StepEstimate, step_time
 from hpcml.plan.shapes import ModelShape
 
@@ -21,12 +28,18 @@ class Candidate:
 
     def label(self) -> str:
         lay = self.layout
-        parts = [f"dp={self.estimate.dp}", f"tp={lay.tp}" + ("+sp" if lay.sp else ""),
-                 f"pp={lay.pp}"]
+        parts = [
+            f"dp={self.estimate.dp}",
+            f"tp={lay.tp}" + ("+sp" if lay.sp else ""),
+            f"pp={lay.pp}",
+        ]
         if lay.schedule == "interleaved":
             parts[-1] += f"x{lay.virtual_stages}"
-        parts += [f"ZeRO-{lay.zero}", f"mb={lay.micro_batch}x{lay.grad_accum}",
-                  f"recompute={lay.recompute}"]
+        parts += [
+            f"ZeRO-{lay.zero}",
+            f"mb={lay.micro_batch}x{lay.grad_accum}",
+            f"recompute={lay.recompute}",
+        ]
         if lay.offload != "none":
             parts.append(f"offload={lay.offload}")
         return " ".join(parts)
@@ -52,13 +65,20 @@ _TERMS = (
 )
 
 
-def _why(best: Candidate, others: Sequence[Candidate], model: ModelShape,
-         usable: float | None) -> str:
+def _why(
+    best: Candidate, others: Sequence[Candidate], model: ModelShape, usable: float | None
+) -> str:
     e = best.estimate
-    rate = f"{e.tokens_per_s:,.0f} tokens/s" if model.is_transformer else (
-        f"{e.samples_per_s:,.0f} samples/s")
-    fit = (f"fits in {best.memory.total_bytes / GB:.1f} of {usable / GB:.1f} GB usable"
-           if usable else "fits in host memory")
+    rate = (
+        f"{e.tokens_per_s:,.0f} tokens/s"
+        if model.is_transformer
+        else (f"{e.samples_per_s:,.0f} samples/s")
+    )
+    fit = (
+        f"fits in {best.memory.total_bytes / GB:.1f} of {usable / GB:.1f} GB usable"
+        if usable
+        else "fits in host memory"
+    )
     line = f"{best.label()} wins at {rate} (MFU {e.mfu:.0%}): it {fit}"
     if not others:
         return line + "; no other layout fits."
@@ -67,10 +87,13 @@ def _why(best: Candidate, others: Sequence[Candidate], model: ModelShape,
     slower = r.step_s / e.step_s - 1.0
     deltas = [(name, f(r) - f(e)) for name, f in _TERMS]
     name, delta = max(deltas, key=lambda x: x[1])
-    reason = (f"mostly from {name} (+{delta:.3g} s per step)" if delta > 0 else
-              "for no single dominant reason")
+    reason = (
+        f"mostly from {name} (+{delta:.3g} s per step)"
+        if delta > 0
+        else "for no single dominant reason"
+    )
     tie = " - a tie within the model's accuracy" if slower < 0.02 else ""
-    return (f"{line}; the runner-up ({runner.label()}) is {slower:.1%} slower, {reason}{tie}.")
+    return f"{line}; the runner-up ({runner.label()}) is {slower:.1%} slower, {reason}{tie}."
 
 
 def advise(
@@ -79,7 +102,8 @@ def advise(
     cluster: Cluster,
     global_batch: int,
     top: int = 5,
-    usable_fraction: float = 0.9,
+    usable_fraction: float = USABLE_FRACTION,
+    reserve_bytes: float = CUDA_RESERVE_BYTES,
     calibration: Calibration | None = None,
     overlap: float = 1.0,
     zero_stages: Sequence[int] = (0, 1, 2, 3),
@@ -97,11 +121,18 @@ def advise(
     if global_batch < 1:
         raise PlanError(f"--global-batch {global_batch} must be at least 1.")
     n = cluster.devices
-    usable = (usable_fraction * cluster.accelerator.memory_bytes
-              if cluster.accelerator.memory_bytes else None)
+    usable = (
+        usable_fraction * cluster.accelerator.memory_bytes - reserve_bytes
+        if cluster.accelerator.memory_bytes
+        else None
+    )
     tp_cap = min(max_tp or cluster.devices_per_node, cluster.devices_per_node)
     if model.is_transformer:
-        tps = [t for t in divisors(n) if t <= tp_cap and model.heads % t == 0]
+        tps = [
+            t
+            for t in divisors(n)
+            if t <= tp_cap and model.heads % t == 0 and (model.kv_heads or model.heads) % t == 0
+        ]
     else:
         tps = [1]
     fitting: list[Candidate] = []
@@ -127,13 +158,23 @@ def advise(
                             for off in offload:
                                 if off == "params" and zero != 3:
                                     continue
-                                lay = Layout(tp=tp, pp=pp, zero=zero, sp=tp > 1, schedule=sched,
-                                             virtual_stages=v, micro_batch=mb, grad_accum=m,
-                                             recompute=rc, offload=off)
+                                lay = Layout(
+                                    tp=tp,
+                                    pp=pp,
+                                    zero=zero,
+                                    sp=tp > 1,
+                                    schedule=sched,
+                                    virtual_stages=v,
+                                    micro_batch=mb,
+                                    grad_accum=m,
+                                    recompute=rc,
+                                    offload=off,
+                                )
                                 considered += 1
                                 try:
-                                    mem = per_device_bytes(model, lay, training, n,
-                                                           cluster.accelerator.memory_bytes)
+                                    mem = per_device_bytes(
+                                        model, lay, training, n, cluster.accelerator.memory_bytes
+                                    )
                                 except PlanError:
                                     continue
                                 if smallest is None or mem.total_bytes < smallest:
@@ -141,8 +182,7 @@ def advise(
                                 if usable is not None and mem.total_bytes > usable:
                                     rejected += 1
                                     continue
-                                est = step_time(model, lay, training, cluster, calibration,
-                                                overlap)
+                                est = step_time(model, lay, training, cluster, calibration, overlap)
                                 fitting.append(Candidate(lay, mem, est))
     if considered == 0:
         raise PlanError(
@@ -154,11 +194,13 @@ def advise(
         cap = cluster.accelerator.memory_bytes or 0
         raise PlanError(
             f"no layout of {model.name} fits on {n} x {cluster.accelerator.key} "
-            f"({cap / GB:.0f} GB each, {usable_fraction:.0%} usable): the smallest needs {need} "
+            f"({cap / GB:.0f} GB each, {usable_fraction:.0%} usable less "
+            f"{reserve_bytes / GB:.1f} GB reserve): the smallest needs {need} "
             "per device; add devices, allow offload, or pick hardware with more memory."
         )
-    fitting.sort(key=lambda c: (c.estimate.step_s / c.estimate.samples_per_step,
-                                c.memory.total_bytes))
+    fitting.sort(
+        key=lambda c: (c.estimate.step_s / c.estimate.samples_per_step, c.memory.total_bytes)
+    )
     best, rest = fitting[0], fitting[1:]
 
     def structure(c: Candidate) -> tuple[object, ...]:

@@ -18,9 +18,11 @@ from hpcml.plan.perf import Calibration, CalibrationPoint, StepEstimate, calibra
 from hpcml.plan.shapes import ModelShape, model_shape, transformer
 
 MEMORY_GOAL = 0.10
-STEP_GOAL = 0.20
+STEP_GOAL = 0.25
 
-_STRATEGY_ZERO = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "zero3": 3}
+# hpcml's zero2 is FSDP2 with reshard_after_forward=False: between steps it holds parameter
+# shards like ZeRO-3 (what is measured), and keeps the gathered model from forward to backward.
+_STRATEGY_ZERO = {"ddp": 0, "zero1": 1, "zero2": 3, "fsdp": 3, "zero3": 3}
 _DIM_KEYS = {
     "layers": ("n_layer", "n_layers", "num_layers", "layers", "depth"),
     "hidden": ("n_embd", "d_model", "hidden_size", "hidden", "dim"),
@@ -66,9 +68,14 @@ class CheckRow:
         return None if r is None else abs(r - 1.0) <= self.goal
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quantity": self.quantity, "predicted": self.predicted,
-                "measured": self.measured, "ratio": self.ratio, "goal": self.goal,
-                "ok": self.ok}
+        return {
+            "quantity": self.quantity,
+            "predicted": self.predicted,
+            "measured": self.measured,
+            "ratio": self.ratio,
+            "goal": self.goal,
+            "ok": self.ok,
+        }
 
 
 @dataclass(frozen=True)
@@ -114,41 +121,65 @@ def _get(d: Mapping[str, Any], *path: str, default: Any = None) -> Any:
     return cur
 
 
-def _shape_from_run(summary: Mapping[str, Any], config: Mapping[str, Any]) -> ModelShape:
-    name = str(_get(config, "model", "name", default=_get(summary, "model", "name",
-                                                           default="model")))
-    args = dict(_get(config, "model", "args", default=None) or
-                _get(summary, "model", "args", default=None) or {})
+def _shape_from_run(
+    summary: Mapping[str, Any], config: Mapping[str, Any]
+) -> tuple[ModelShape, list[str]]:
+    """The planner's own shape of the run's model. Only a model the planner does not know
+    takes its numbers from the run, and the notes say so: a prediction that copies the
+    measurement would agree with it by construction."""
+    name = str(
+        _get(config, "model", "name", default=_get(summary, "model", "name", default="model"))
+    )
+    args = dict(
+        _get(summary, "model", "args", default=None)
+        or _get(config, "model", "args", default=None)
+        or {}
+    )
     params = _get(summary, "model", "parameters")
     fwd = _get(summary, "model", "forward_flops_per_sample")
-    dims = {k: next((int(args[a]) for a in keys if a in args), 0) for k, keys in _DIM_KEYS.items()}
-    if dims["layers"] and dims["hidden"] and dims["heads"]:
-        shape = transformer(name, dims["layers"], dims["hidden"], dims["heads"],
-                            dims["seq"] or 256, dims["vocab"] or 256,
-                            params=int(params) if params else None, source="run summary")
-        return shape
+    notes: list[str] = []
     try:
         shape = model_shape(name, args)
     except PlanError:
-        shape = ModelShape(name, int(params or 0), source="run summary")
         try:
-            # The engine fills in default arguments (num_classes, in_channels); the table
-            # entry still describes the model when its parameter count agrees.
-            table = model_shape(name)
-            if not params or table.params == int(params):
-                shape = table
+            # The engine fills in default arguments (num_classes, in_channels): the table
+            # entry of the default model describes it.
+            shape = model_shape(name)
         except PlanError:
-            pass
-    if params:
-        shape = replace(shape, params=int(params))
-    if fwd:
-        shape = replace(shape, forward_flops_per_sample=float(fwd))
-    if not shape.params:
-        raise PlanError(
-            f"the run's summary.json gives no parameter count for model '{name}' and the planner "
-            "does not know it; the summary needs model.parameters."
-        )
-    return shape
+            dims = {
+                k: next((int(args[a]) for a in keys if a in args), 0)
+                for k, keys in _DIM_KEYS.items()
+            }
+            if not params:
+                raise PlanError(
+                    f"the run's summary.json gives no parameter count for model '{name}' and "
+                    "the planner does not know it; the summary needs model.parameters."
+                ) from None
+            if dims["layers"] and dims["hidden"] and dims["heads"]:
+                shape = transformer(
+                    name,
+                    dims["layers"],
+                    dims["hidden"],
+                    dims["heads"],
+                    dims["seq"] or 256,
+                    dims["vocab"] or 256,
+                    params=int(params),
+                    source="run summary",
+                )
+            else:
+                shape = ModelShape(
+                    name,
+                    int(params),
+                    forward_flops_per_sample=float(fwd or 2.0 * params),
+                    source="run summary",
+                )
+            notes.append(
+                f"'{name}' is not known to the planner: its parameter count (and FLOPs) come "
+                "from the run, so those rows are not independent predictions"
+            )
+    if params and int(params) != shape.params:
+        notes.append(f"the planner counts {shape.params:,} parameters, the run {int(params):,}")
+    return shape, notes
 
 
 def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
@@ -159,16 +190,23 @@ def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
     if isinstance(memory, Mapping):
         if "model_states_bytes" in memory or "params_bytes" in memory:
             return (memory,)
-        ranks = [v for _, v in sorted(memory.items(), key=lambda kv: str(kv[0]).zfill(6))
-                 if isinstance(v, Mapping)]
+        ranks = [
+            v
+            for _, v in sorted(memory.items(), key=lambda kv: str(kv[0]).zfill(6))
+            if isinstance(v, Mapping)
+        ]
         return tuple(ranks)
     if isinstance(memory, list):
         return tuple(m for m in memory if isinstance(m, Mapping))
     return ()
 
 
-def setup_from_summary(summary: Mapping[str, Any], catalog: Catalog, label: str = "run",
-                       include_data_wait: bool = False) -> RunSetup:
+def setup_from_summary(
+    summary: Mapping[str, Any],
+    catalog: Catalog,
+    label: str = "run",
+    include_data_wait: bool = False,
+) -> RunSetup:
     """Turn a run's summary.json (hpcml train's run-folder contract) into a plan."""
     status = str(summary.get("status", ""))
     if status and status != "finished" and "model" not in summary:
@@ -208,16 +246,39 @@ def setup_from_summary(summary: Mapping[str, Any], catalog: Catalog, label: str 
             f"{label}: parallel.strategy '{strategy}' is not one the planner maps; known are "
             f"{', '.join(_STRATEGY_ZERO)}."
         )
+    tp = int(_get(config, "parallel", "tp", default=1) or 1)
+    ac = str(_get(config, "train", "activation_checkpointing", default="none"))
+    model, shape_notes = _shape_from_run(summary, config)
+    if strategy == "zero2" and world // tp > 1:
+        shape_notes.append(
+            "hpcml's zero2 (FSDP2, reshard_after_forward=False) keeps parameter shards between "
+            "steps, so model states are predicted as ZeRO-3; the whole model gathered during "
+            "forward and backward is not in the prediction's buffers"
+        )
+    if strategy == "zero1" and world // tp > 1:
+        shape_notes.append(
+            "torch's ZeroRedundancyOptimizer gives each rank whole parameter tensors, so the "
+            "busiest rank can hold more than 1/N of the optimizer states predicted here"
+        )
+    if ac == "selective":
+        shape_notes.append(
+            "hpcml's selective checkpointing recomputes every ac_every-th block in full; the "
+            "planner's 'selective' is Korthikanti's (attention core only), so it predicts none"
+        )
     layout = Layout(
-        zero=_STRATEGY_ZERO[strategy] if world > 1 else 0,
+        tp=tp,
+        sp=bool(_get(config, "parallel", "sequence_parallel", default=False)),
+        zero=_STRATEGY_ZERO[strategy] if world // tp > 1 else 0,
         micro_batch=int(_get(config, "data", "batch_size", default=1)),
         grad_accum=int(_get(config, "train", "grad_accum", default=1)),
+        recompute="full" if ac == "full" else "none",
+        vocab_parallel_loss=False,  # hpcml's gpt TP plan gathers whole logits
+        sp_saves_gathered=True,  # and keeps gathered matmul inputs (torch DTensor SP)
     )
-    model = _shape_from_run(summary, config)
 
     step = _get(summary, "throughput", "step_time_s")
     wait = _get(summary, "throughput", "data_wait_s")
-    notes: list[str] = []
+    notes: list[str] = list(shape_notes)
     measured: float | None = None
     if step is not None and float(step) > 0:
         measured = float(step)
@@ -254,6 +315,66 @@ def _max_over_ranks(ranks: Sequence[Mapping[str, Any]], key: str) -> float | Non
     return max(values) if values else None
 
 
+def memory_rows(mem: MemoryBreakdown, ranks: Sequence[Mapping[str, Any]]) -> list[CheckRow]:
+    """Predicted memory next to the busiest rank's measurement, quantity by quantity.
+
+    Measured: model states from the optimizer's and model's tensors, saved activations from
+    autograd's saved-tensor hooks on one micro-batch (hpcml.train.memprobe), and on CUDA the
+    allocator's peak. Their sum is the CPU peak (states + activations)."""
+
+    def row(quantity: str, predicted: float, key: str) -> CheckRow:
+        return CheckRow(quantity, predicted, _max_over_ranks(ranks, key), MEMORY_GOAL)
+
+    rows = [
+        row("params_bytes", mem.params_bytes, "params_bytes"),
+        row("grads_bytes", mem.grads_bytes, "grads_bytes"),
+        row("optimizer_bytes", mem.optimizer_bytes, "optimizer_bytes"),
+        row("model_states_bytes", mem.model_states_bytes, "model_states_bytes"),
+        row("activations_bytes", mem.activations_bytes, "saved_activation_bytes"),
+    ]
+    sums = [
+        float(r["model_states_bytes"]) + float(r["saved_activation_bytes"])
+        for r in ranks
+        if r.get("model_states_bytes") is not None and r.get("saved_activation_bytes") is not None
+    ]
+    rows.append(
+        CheckRow(
+            "states_plus_activations_bytes",
+            mem.model_states_bytes + mem.activations_bytes,
+            max(sums) if sums else None,
+            MEMORY_GOAL,
+        )
+    )
+    if _max_over_ranks(ranks, "peak_allocated_bytes") is not None:
+        rows.append(row("peak_allocated_bytes", mem.total_bytes, "peak_allocated_bytes"))
+    return rows
+
+
+def leave_one_model_out(setups: Sequence[RunSetup], overlap: float = 1.0) -> list[CheckReport]:
+    """Each run's step time predicted with a calibration (one efficiency and one overhead for
+    the hardware) fitted on the runs of every *other* model on the same hardware and, on CPU,
+    the same number of processes (they share cores). Memory needs no calibration."""
+    reports = []
+    for s in setups:
+        others = [
+            o
+            for o in setups
+            if o.model.name != s.model.name
+            and o.cluster.accelerator.key == s.cluster.accelerator.key
+            and (s.cluster.accelerator.key != "cpu" or o.cluster.devices == s.cluster.devices)
+            and o.measured_step_s
+        ]
+        if not others:
+            reports.append(check_run(s, overlap=overlap))
+            continue
+        cal = calibrate_from(others, overlap)
+        rep = check_run(s, calibration=cal, overlap=overlap)
+        names = sorted({o.model.name for o in others})
+        note = f"step time calibrated on {len(others)} runs of {', '.join(names)} (not this model)"
+        reports.append(replace(rep, notes=(*rep.notes, note)))
+    return reports
+
+
 def check_run(
     setup: RunSetup,
     calibration_runs: Sequence[RunSetup] = (),
@@ -262,49 +383,51 @@ def check_run(
 ) -> CheckReport:
     """Prediction next to measurement for one run; step time after calibration on other runs."""
     notes = list(setup.notes)
-    mem = per_device_bytes(setup.model, setup.layout, setup.training, setup.cluster.devices,
-                           setup.cluster.accelerator.memory_bytes)
+    mem = per_device_bytes(
+        setup.model,
+        setup.layout,
+        setup.training,
+        setup.cluster.devices,
+        setup.cluster.accelerator.memory_bytes,
+    )
     calibrated = False
     if calibration is None and calibration_runs:
         for other in calibration_runs:
             if other.cluster.accelerator.key != setup.cluster.accelerator.key:
-                notes.append(f"calibration run {other.label} ran on "
-                             f"{other.cluster.accelerator.key}, not "
-                             f"{setup.cluster.accelerator.key}")
-            elif (setup.cluster.accelerator.key == "cpu"
-                  and other.cluster.devices != setup.cluster.devices):
-                notes.append(f"calibration run {other.label} used {other.cluster.devices} "
-                             "processes; CPU processes share cores, so calibrate with the same "
-                             "world size")
+                notes.append(
+                    f"calibration run {other.label} ran on "
+                    f"{other.cluster.accelerator.key}, not "
+                    f"{setup.cluster.accelerator.key}"
+                )
+            elif (
+                setup.cluster.accelerator.key == "cpu"
+                and other.cluster.devices != setup.cluster.devices
+            ):
+                notes.append(
+                    f"calibration run {other.label} used {other.cluster.devices} "
+                    "processes; CPU processes share cores, so calibrate with the same "
+                    "world size"
+                )
             if other.label == setup.label:
-                notes.append("the run calibrates itself: its step-time ratio is 1 by "
-                             "construction")
+                notes.append("the run calibrates itself: its step-time ratio is 1 by construction")
         calibration = calibrate_from(calibration_runs, overlap)
         calibrated = True
     elif calibration is not None:
         calibrated = True
     else:
         calibration = Calibration(setup.cluster.accelerator.default_efficiency)
-        notes.append("step time uncalibrated: the catalog's default efficiency is a guess; "
-                     "pass --calibrate-with RUN_DIR (another run on this hardware)")
-    est = step_time(setup.model, setup.layout, setup.training, setup.cluster, calibration,
-                    overlap)
+        notes.append(
+            "step time uncalibrated: the catalog's default efficiency is a guess; "
+            "pass --calibrate-with RUN_DIR (another run on this hardware)"
+        )
+    est = step_time(setup.model, setup.layout, setup.training, setup.cluster, calibration, overlap)
     ranks = setup.measured_memory
-    rows = [
-        CheckRow("params_bytes", mem.params_bytes, _max_over_ranks(ranks, "params_bytes"),
-                 MEMORY_GOAL),
-        CheckRow("grads_bytes", mem.grads_bytes, _max_over_ranks(ranks, "grads_bytes"),
-                 MEMORY_GOAL),
-        CheckRow("optimizer_bytes", mem.optimizer_bytes,
-                 _max_over_ranks(ranks, "optimizer_bytes"), MEMORY_GOAL),
-        CheckRow("model_states_bytes", mem.model_states_bytes,
-                 _max_over_ranks(ranks, "model_states_bytes"), MEMORY_GOAL),
-    ]
-    peak = _max_over_ranks(ranks, "peak_allocated_bytes")
-    if peak is not None:
-        rows.append(CheckRow("peak_allocated_bytes", mem.total_bytes, peak, MEMORY_GOAL))
-    else:
-        notes.append("no peak device memory measured (CPU run): only model states compared")
+    rows = memory_rows(mem, ranks)
+    if not any(r.quantity == "peak_allocated_bytes" for r in rows):
+        notes.append(
+            "no allocator peak measured (CPU run): peak compared as model states plus saved "
+            "activations"
+        )
     rows.append(CheckRow("step_time_s", est.step_s, setup.measured_step_s, STEP_GOAL))
     if not ranks:
         notes.append("summary.json has no memory block: memory not compared")

@@ -123,8 +123,10 @@ def collective_time(
             )
             return (n - 1) * alpha + max(t_intra, t_inter), (n - 1) * alpha
         # sendrecv: one hop.
-        p2p_bw = cluster.intra.effective_bandwidth if group.nodes <= 1 else min(
-            cluster.intra.effective_bandwidth, cluster.inter_bandwidth_per_device
+        p2p_bw = (
+            cluster.intra.effective_bandwidth
+            if group.nodes <= 1
+            else min(cluster.intra.effective_bandwidth, cluster.inter_bandwidth_per_device)
         )
         return alpha + size_bytes / p2p_bw, alpha
 
@@ -244,8 +246,9 @@ def step_communication(
         add("ZeRO gradient reduce-scatter", "reducescatter", grad_size, calls, dp_g, "backward")
         add("ZeRO parameter all-gather", "allgather", param_size, 1, dp_g, "none")
     else:
-        add("ZeRO-3 parameter all-gather (fwd+bwd)", "allgather", param_size, 2 * m, dp_g,
-            "compute")
+        add(
+            "ZeRO-3 parameter all-gather (fwd+bwd)", "allgather", param_size, 2 * m, dp_g, "compute"
+        )
         add("ZeRO-3 gradient reduce-scatter", "reducescatter", grad_size, m, dp_g, "compute")
 
     if model.is_transformer:
@@ -255,8 +258,7 @@ def step_communication(
         if layout.tp > 1:
             if layout.sp:
                 add("TP+SP all-gather", "allgather", act, m * layers * per_mb, tp_g, "none")
-                add("TP+SP reduce-scatter", "reducescatter", act, m * layers * per_mb, tp_g,
-                    "none")
+                add("TP+SP reduce-scatter", "reducescatter", act, m * layers * per_mb, tp_g, "none")
             else:
                 add("TP all-reduce", "allreduce", act, m * layers * per_mb, tp_g, "none")
         if layout.pp > 1:

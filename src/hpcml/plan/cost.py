@@ -38,8 +38,12 @@ class RunCost:
         return asdict(self)
 
 
-def training_flops(model: ModelShape, tokens: float | None = None, samples: float | None = None,
-                   recompute: str = "none") -> tuple[float, float]:
+def training_flops(
+    model: ModelShape,
+    tokens: float | None = None,
+    samples: float | None = None,
+    recompute: str = "none",
+) -> tuple[float, float]:
     """(FLOPs, samples) of a run given its tokens (transformers) or samples.
 
     Model FLOPs: 6N + 12LHQT per token (PaLM, Appendix B), about Kaplan et al.'s C = 6ND.
@@ -80,24 +84,31 @@ def run_cost(
         peak = acc.peak(precision)
         gpu_hours = flops / (peak * eff) / HOUR_S
         offer = acc.price(provider)
-        price = price_usd_per_gpu_hour if price_usd_per_gpu_hour is not None else (
-            offer.usd_per_gpu_hour if offer else None)
-        out.append(RunCost(
-            accelerator=acc.key,
-            precision=precision,
-            devices=devices,
-            mfu=eff,
-            total_flops=flops,
-            gpu_hours=gpu_hours,
-            wall_hours=gpu_hours / devices,
-            usd_per_gpu_hour=price,
-            price_provider="--price" if price_usd_per_gpu_hour is not None else (
-                offer.provider if offer else ""),
-            price_as_of="" if price_usd_per_gpu_hour is not None else (
-                offer.as_of if offer else ""),
-            cost_usd=gpu_hours * price if price is not None else None,
-            energy_kwh=gpu_hours * acc.tdp_watts / 1000.0,
-        ))
+        price = (
+            price_usd_per_gpu_hour
+            if price_usd_per_gpu_hour is not None
+            else (offer.usd_per_gpu_hour if offer else None)
+        )
+        out.append(
+            RunCost(
+                accelerator=acc.key,
+                precision=precision,
+                devices=devices,
+                mfu=eff,
+                total_flops=flops,
+                gpu_hours=gpu_hours,
+                wall_hours=gpu_hours / devices,
+                usd_per_gpu_hour=price,
+                price_provider="--price"
+                if price_usd_per_gpu_hour is not None
+                else (offer.provider if offer else ""),
+                price_as_of=""
+                if price_usd_per_gpu_hour is not None
+                else (offer.as_of if offer else ""),
+                cost_usd=gpu_hours * price if price is not None else None,
+                energy_kwh=gpu_hours * acc.tdp_watts / 1000.0,
+            )
+        )
     return out
 
 
@@ -213,14 +224,20 @@ def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * d * m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - d
 
 
-def daly_wall_time(solve_s: float, interval_s: float, checkpoint_s: float, restart_s: float,
-                   mtbf_s: float) -> float:
+def daly_wall_time(
+    solve_s: float, interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float
+) -> float:
     """Expected wall time to finish `solve_s` of work with Poisson interruptions of mean M
     (Daly 2006, the complete cost function with restart time R):
     T_w = M e^{R/M} (e^{(tau + delta)/M} - 1) T_s / tau."""
     m = mtbf_s
-    return (m * math.exp(restart_s / m) * math.expm1((interval_s + checkpoint_s) / m)
-            * solve_s / interval_s)
+    return (
+        m
+        * math.exp(restart_s / m)
+        * math.expm1((interval_s + checkpoint_s) / m)
+        * solve_s
+        / interval_s
+    )
 
 
 def goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float) -> float:
@@ -228,6 +245,48 @@ def goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: fl
     if math.isinf(mtbf_s):
         return interval_s / (interval_s + checkpoint_s)
     return 1.0 / daly_wall_time(1.0, interval_s, checkpoint_s, restart_s, mtbf_s)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where to checkpoint and what failures then cost: the one implementation behind
+    `plan cost spot` and `launch checkpoint-interval`."""
+
+    checkpoint_s: float
+    mtbf_s: float
+    restart_s: float
+    young_interval_s: float
+    daly_interval_s: float
+    goodput: float
+    """Share of wall time that advances the job at Daly's interval (Daly 2006's full model)."""
+    lost_work_per_failure_s: float
+    """Expected work redone after a failure: half an interval (failures fall uniformly within
+    one) plus the restart time."""
+
+    @property
+    def overhead_fraction(self) -> float:
+        return 1.0 - self.goodput
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "overhead_fraction": self.overhead_fraction}
+
+
+def checkpoint_plan(checkpoint_s: float, mtbf_s: float, restart_s: float = 0.0) -> CheckpointPlan:
+    """Young's and Daly's intervals and the goodput at Daly's; no failures: goodput 1."""
+    if checkpoint_s <= 0 or restart_s < 0:
+        raise PlanError("give a positive checkpoint time and a restart time of at least 0.")
+    if math.isinf(mtbf_s):
+        return CheckpointPlan(checkpoint_s, mtbf_s, restart_s, math.inf, math.inf, 1.0, 0.0)
+    tau = daly_interval(checkpoint_s, mtbf_s)
+    return CheckpointPlan(
+        checkpoint_s,
+        mtbf_s,
+        restart_s,
+        young_interval(checkpoint_s, mtbf_s),
+        tau,
+        goodput(tau, checkpoint_s, restart_s, mtbf_s),
+        tau / 2.0 + restart_s,
+    )
 
 
 @dataclass(frozen=True)
@@ -278,11 +337,8 @@ def spot_economics(
         return math.inf if rate == 0 else HOUR_S / rate
 
     def best_goodput(rate: float) -> tuple[float, float, float]:
-        m = mtbf(rate)
-        if math.isinf(m):
-            return m, math.inf, 1.0
-        tau = daly_interval(checkpoint_s, m)
-        return m, tau, goodput(tau, checkpoint_s, restart_s, m)
+        p = checkpoint_plan(checkpoint_s, mtbf(rate), restart_s)
+        return p.mtbf_s, p.daly_interval_s, p.goodput
 
     m_spot, tau_spot, g_spot = best_goodput(preemptions_per_instance_hour)
     _, _, g_od = best_goodput(on_demand_failures_per_instance_hour)
@@ -311,7 +367,8 @@ def spot_economics(
         mtbf_s=m_spot,
         checkpoint_s=checkpoint_s,
         restart_s=restart_s,
-        young_interval_s=young_interval(checkpoint_s, m_spot) if math.isfinite(m_spot)
+        young_interval_s=young_interval(checkpoint_s, m_spot)
+        if math.isfinite(m_spot)
         else math.inf,
         daly_interval_s=tau_spot,
         spot_goodput=g_spot,

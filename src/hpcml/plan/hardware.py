@@ -65,8 +65,11 @@ class Accelerator:
 
     def price(self, provider: str | None = None, kind: str = "on-demand") -> Price | None:
         """The offer of `provider`, or the cheapest listed offer of that kind."""
-        offers = [o for o in self.prices
-                  if o.kind == kind and (provider is None or o.provider == provider)]
+        offers = [
+            o
+            for o in self.prices
+            if o.kind == kind and (provider is None or o.provider == provider)
+        ]
         return min(offers, key=lambda o: o.usd_per_gpu_hour) if offers else None
 
 
@@ -258,29 +261,52 @@ def _build_node(key: str, d: Mapping[str, Any], origin: str) -> NodeShape:
         ) from None
 
 
+def _merge_fields(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, field by field (nested mappings such as peak_flops too), so a
+    later catalog can change one number of an entry without restating the rest."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge_fields(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
 def _merge(
     layers: Iterable[tuple[str, str]],
 ) -> Catalog:
-    accs: dict[str, Accelerator] = {}
-    links: dict[str, Link] = {}
-    nodes: dict[str, NodeShape] = {}
+    raw: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
+        "accelerators": {},
+        "links": {},
+        "nodes": {},
+    }
     origins: list[str] = []
     for text, origin in layers:
         data = _read_yaml(text, origin)
         origins.append(origin)
-        for k, v in (data.get("accelerators") or {}).items():
-            accs[str(k).lower()] = _build_accelerator(str(k).lower(), v, origin)
-        for k, v in (data.get("links") or {}).items():
-            links[str(k).lower()] = _build_link(str(k).lower(), v, origin)
-        for k, v in (data.get("nodes") or {}).items():
-            nodes[str(k).lower()] = _build_node(str(k).lower(), v, origin)
+        for section, table in raw.items():
+            entries = data.get(section) or {}
+            if not isinstance(entries, Mapping):
+                raise PlanError(f"'{section}' in hardware catalog {origin} must be a mapping.")
+            for k, v in entries.items():
+                if not isinstance(v, Mapping):
+                    raise PlanError(
+                        f"{section[:-1]} '{k}' in {origin} must be a mapping of fields."
+                    )
+                key = str(k).lower()
+                before = table.get(key, ({}, origin))[0]
+                table[key] = (_merge_fields(before, v), origin)
+    accs = {k: _build_accelerator(k, v, o) for k, (v, o) in raw["accelerators"].items()}
+    links = {k: _build_link(k, v, o) for k, (v, o) in raw["links"].items()}
+    nodes = {k: _build_node(k, v, o) for k, (v, o) in raw["nodes"].items()}
     for node in nodes.values():
-        for ref, table in (
+        for ref, table2 in (
             (node.accelerator, accs),
             (node.intra_link, links),
             (node.inter_link, links),
         ):
-            if ref.lower() not in table:
+            if ref.lower() not in table2:
                 raise PlanError(
                     f"node shape '{node.key}' names '{ref}', which is not in the catalog; "
                     "define it or fix the name."
@@ -361,8 +387,10 @@ def resolve_cluster(
         acc = catalog.accelerator(accelerator or "h100-sxm")
         node = acc.default_node or None
     shape = catalog.node(node) if node else None
-    acc = catalog.accelerator(accelerator) if accelerator else catalog.accelerator(
-        shape.accelerator if shape else "h100-sxm"
+    acc = (
+        catalog.accelerator(accelerator)
+        if accelerator
+        else catalog.accelerator(shape.accelerator if shape else "h100-sxm")
     )
     per_node = devices_per_node or (shape.devices_per_node if shape else 8)
     if per_node < 1:

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hpcml.plan.activations import activation_bytes_per_layer, inflight_microbatches
 from hpcml.plan.common import DTYPE_BYTES, PlanError, normalize_precision
 from hpcml.plan.shapes import ModelShape
 
@@ -36,8 +37,18 @@ OPTIMIZER_TRAFFIC_BYTES: dict[str, float] = {
     "adam8bit": 16.0,
 }
 WEIGHT_MODES = ("pure", "amp", "mixed")
+# What a device loses before the first tensor: the CUDA context with cuBLAS/cuDNN/NCCL
+# workspaces (about 0.5-1 GB on Hopper with torch 2.x; `plan memory --reserve-gb` changes
+# it), and the share the caching allocator loses to fragmentation (`--usable`).
+CUDA_RESERVE_BYTES = 1.0e9
+USABLE_FRACTION = 0.9
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer", "params")
+ATTENTION = ("eager", "sdpa", "flash")
+"""eager materialises the s x s softmax (and dropout) per head and keeps it for backward;
+sdpa and flash (PyTorch's scaled_dot_product_attention with a fused kernel, FlashAttention,
+Dao et al. 2022) keep only Q, K, V, the output and a per-row log-sum-exp."""
+GRAD_DTYPES = ("bf16", "fp16", "fp32")
 SCHEDULES = ("1f1b", "interleaved")
 
 
@@ -52,6 +63,9 @@ class Training:
     `precision` (torch autocast); mixed: half-precision weights and gradients with an fp32
     master copy in the optimizer (Micikevicius et al. 2018; the ZeRO paper's 16 bytes/param).
     Default: mixed for 16-bit precisions, pure otherwise."""
+    grad_dtype: str | None = None
+    """Gradient (and reduce) element type: fp32 as FSDP2's MixedPrecisionPolicy with
+    reduce_dtype=float32 and Megatron-LM's main_grads keep them; default: the weights' type."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", normalize_precision(self.precision))
@@ -66,6 +80,14 @@ class Training:
             raise PlanError(
                 f"weights mode '{self.weights}' is not known; use one of {', '.join(WEIGHT_MODES)}."
             )
+        if self.grad_dtype is not None:
+            g = normalize_precision(self.grad_dtype)
+            if g not in GRAD_DTYPES:
+                raise PlanError(
+                    f"--grad-dtype '{self.grad_dtype}' is not a gradient type; use one of "
+                    f"{', '.join(GRAD_DTYPES)}."
+                )
+            object.__setattr__(self, "grad_dtype", g)
 
     @property
     def weight_mode(self) -> str:
@@ -81,7 +103,11 @@ class Training:
     def param_bytes(self) -> int:
         return 4 if self.weight_mode == "amp" else self.compute_bytes
 
-    grad_bytes = param_bytes
+    @property
+    def grad_bytes(self) -> int:
+        if self.grad_dtype is not None:
+            return DTYPE_BYTES[self.grad_dtype]
+        return self.param_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -112,6 +138,18 @@ class Layout:
     """Micro-batches per optimizer step on each data-parallel replica (the pipeline's m)."""
     recompute: str = "none"
     offload: str = "none"
+    """optimizer: optimizer states and this device's gradient shard live on the host and the
+    step runs there (ZeRO-Offload, Ren et al. 2021); params: parameter shards too (ZeRO-3)."""
+    sp_saves_gathered: bool = False
+    """Under sequence parallelism, torch's DTensor plan keeps the all-gathered inputs of the
+    attention, MLP and output matmuls for backward; Megatron-LM keeps its shard and gathers
+    again in backward (Korthikanti et al. 2022, Sec. 4.2.2), the default here."""
+    vocab_parallel_loss: bool = True
+    """Megatron computes the cross-entropy on vocabulary shards; hpcml's gpt TP plan gathers
+    whole logits on every rank (False)."""
+    attention: str | None = None
+    """eager, sdpa or flash; None takes the model's own (sdpa for the zoo's gpt, flash for
+    other transformers)."""
 
     def dp(self, devices: int) -> int:
         mp = self.tp * self.pp
@@ -133,12 +171,14 @@ class Layout:
             raise PlanError(
                 f"recompute '{self.recompute}' is not known; use {', '.join(RECOMPUTE)}."
             )
+        if self.attention is not None and self.attention not in ATTENTION:
+            raise PlanError(
+                f"attention '{self.attention}' is not known; use {', '.join(ATTENTION)}."
+            )
         if self.offload not in OFFLOAD:
             raise PlanError(f"offload '{self.offload}' is not known; use {', '.join(OFFLOAD)}.")
         if self.schedule not in SCHEDULES:
-            raise PlanError(
-                f"schedule '{self.schedule}' is not known; use {', '.join(SCHEDULES)}."
-            )
+            raise PlanError(f"schedule '{self.schedule}' is not known; use {', '.join(SCHEDULES)}.")
         if self.micro_batch < 1 or self.grad_accum < 1:
             raise PlanError("--micro-batch and --grad-accum must be at least 1.")
         if self.offload == "params" and self.zero != 3:
@@ -159,10 +199,11 @@ class Layout:
                 "none, so use --tp 1 --pp 1 or describe it with --layers/--hidden/--heads."
             )
         if model.is_transformer:
-            if model.heads % self.tp:
+            if model.heads % self.tp or (model.kv_heads or model.heads) % self.tp:
                 raise PlanError(
-                    f"tp={self.tp} does not divide the {model.heads} attention heads of "
-                    f"{model.name}; choose a tensor-parallel degree that divides them."
+                    f"tp={self.tp} does not divide the {model.heads} attention heads "
+                    f"({model.kv_heads or model.heads} key/value heads) of {model.name}; choose "
+                    "a tensor-parallel degree that divides both."
                 )
             chunks = self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
             if chunks > model.layers:
@@ -206,10 +247,13 @@ class MemoryBreakdown:
             + max(self.activations_bytes, self.optimizer_temp_bytes)
         )
 
-    def fits(self, usable_fraction: float = 0.9) -> bool:
+    def fits(
+        self, usable_fraction: float = USABLE_FRACTION, reserve_bytes: float = CUDA_RESERVE_BYTES
+    ) -> bool:
+        """Peak plus the CUDA context and allocator reserve within a share of device memory."""
         if self.device_memory_bytes is None:
             return True
-        return self.total_bytes <= usable_fraction * self.device_memory_bytes
+        return self.total_bytes + reserve_bytes <= usable_fraction * self.device_memory_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -223,7 +267,11 @@ class MemoryBreakdown:
 
 
 def zero_model_state_bytes(
-    params: float, dp: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
+    params: float,
+    dp: int,
+    stage: int,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
     optimizer_bytes: float = 12,
 ) -> tuple[float, float, float]:
     """Per-device (params, grads, optimizer) bytes under ZeRO stage 0-3.
@@ -251,83 +299,46 @@ def params_per_device(model: ModelShape, layout: Layout) -> float:
     layers_per_stage = math.ceil(model.layers / layout.pp)
     # With pp > 1 the first stage holds the input embedding and the last one the output layer
     # (a second copy when tied, as Megatron-LM does); both are about V*h.
-    edge = model.vocab * model.hidden + (model.non_layer_params - model.vocab * model.hidden * (
-        1 if model.tied_embeddings else 2))
+    edge = model.vocab * model.hidden + (
+        model.non_layer_params - model.vocab * model.hidden * (1 if model.tied_embeddings else 2)
+    )
     return (layers_per_stage * model.layer_params + edge) / layout.tp
 
 
 def largest_layer_params(model: ModelShape, layout: Layout) -> float:
+    """Parameters of the biggest unit ZeRO-3 gathers at once (a block or the embedding)."""
+    if model.largest_layer_params:
+        return model.largest_layer_params / layout.tp
     if model.is_transformer:
         return max(model.layer_params, model.vocab * model.hidden) / layout.tp
-    return float(model.params)
+    raise PlanError(
+        f"ZeRO-3 gathers one layer at a time, and '{model.name}' is given by its parameter "
+        "count alone; pass --largest-layer N (parameters of its biggest layer) or describe it "
+        "with --layers/--hidden/--heads."
+    )
 
 
 # --- activations -----------------------------------------------------------------------------
 
 
-def activation_bytes_per_layer(
-    seq: int,
-    micro_batch: int,
-    hidden: int,
-    heads: int,
-    tp: int = 1,
-    sp: bool = False,
-    recompute: str = "none",
-    act_bytes: int = 2,
-    dropout: bool = True,
-    ffn_hidden: int | None = None,
-    gated_mlp: bool = False,
-) -> float:
-    """Bytes one transformer block keeps for its backward pass.
-
-    Korthikanti et al. 2022, Sec. 4.1 and Table 2, for 16-bit activations and 1-byte dropout
-    masks:  none: sbh(34 + 5as/h);  TP: sbh(10 + 24/t + 5as/(ht));  TP+SP: sbh/t (34 + 5as/h);
-    selective recomputation drops the 5as/h attention-score term; full recomputation keeps
-    only the block input, 2sbh (sharded by t under SP, as Megatron-LM stores it).
-    Of the 34: 24 are sharded by TP (Q, K, V, the projection input, and the MLP's 8 + 8 for a
-    4h GELU MLP), 10 are not (two LayerNorm inputs 4, attention and MLP inputs 2 + 2, two
-    dropout masks 1 + 1). Other element sizes scale the 16-bit terms; a gated MLP (SwiGLU)
-    keeps four ffn-wide tensors instead of two.
-    """
-    s, b, h, a, t = float(seq), float(micro_batch), float(hidden), float(heads), float(tp)
-    sbh = s * b * h
-    half = act_bytes / 2.0
-    mask = 1.0 if dropout else 0.0
-    if recompute == "full":
-        kept = 2.0 * half * sbh
-        return kept / t if sp else kept
-    ffn = float(ffn_hidden or 4 * hidden)
-    mlp_inner = (4.0 if gated_mlp else 2.0) * 2.0 * ffn / h  # 16 for a 4h GELU MLP
-    sharded = (8.0 + mlp_inner) * half
-    replicated = 8.0 * half + 2.0 * mask
-    per = sbh * (sharded / t + (replicated / t if sp else replicated))
-    if recompute == "none":
-        # Softmax output and its dropout output (2 + 2 bytes) plus the dropout mask (1 byte),
-        # for each of a heads' s x s score matrices.
-        score = (4.0 * half + mask) * a * s / h
-        per += sbh * score / t
-    return per
-
-
-def inflight_microbatches(pp: int, micro_batches: int, schedule: str, virtual: int) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak.
-
-    1F1B: min(p, m) (Narayanan et al. 2021, Sec. 2.2.1). Interleaved: times
-    (1 + (p - 1)/(p v)) (Korthikanti et al. 2022, Sec. 4.2.3).
-    """
-    if pp == 1:
-        return 1.0
-    n = float(min(pp, micro_batches))
-    if schedule == "interleaved" and virtual > 1:
-        n *= 1.0 + (pp - 1) / (pp * virtual)
-    return n
-
-
 def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: int) -> float:
     """Activation bytes of the busiest pipeline stage of a transformer."""
+    attention = layout.attention or model.attention
     per_layer = activation_bytes_per_layer(
-        model.seq, layout.micro_batch, model.hidden, model.heads, layout.tp, layout.sp,
-        layout.recompute, act_bytes, model.dropout, model.ffn_hidden, model.gated_mlp,
+        model.seq,
+        layout.micro_batch,
+        model.hidden,
+        model.heads,
+        layout.tp,
+        layout.sp,
+        layout.recompute,
+        act_bytes,
+        model.dropout,
+        model.ffn_hidden,
+        model.gated_mlp,
+        model.kv_heads,
+        attention,
+        layout.sp_saves_gathered,
     )
     layers_per_stage = math.ceil(model.layers / layout.pp)
     t = layout.tp
@@ -336,7 +347,14 @@ def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: i
     # Korthikanti et al. 2022, Sec. 4.3: the output layer keeps the final LayerNorm and
     # projection inputs and fp32 logits for the cross-entropy, 4sbh/t (1 + v/h) for 16-bit
     # activations; the input embedding keeps a dropout mask of sbh.
-    output = (2.0 * act_bytes * sbh + 4.0 * sbv) / t
+    # Without sequence parallelism the final norm and head inputs are whole on every rank;
+    # without a vocabulary-parallel loss (Megatron's) the fp32 log-probabilities are too.
+    head_input = act_bytes * sbh / (t if layout.sp and not layout.sp_saves_gathered else 1)
+    output = (
+        act_bytes * sbh / (t if layout.sp else 1)
+        + head_input
+        + 4.0 * sbv / (t if layout.vocab_parallel_loss else 1)
+    )
     embed_mask = (sbh if model.dropout else 0.0) / (t if layout.sp else 1)
     inflight = inflight_microbatches(
         layout.pp, layout.grad_accum, layout.schedule, layout.virtual_stages
@@ -347,8 +365,20 @@ def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: i
     if layout.recompute == "full":
         # The block being recomputed during backward holds its full activations meanwhile.
         acts += activation_bytes_per_layer(
-            model.seq, layout.micro_batch, model.hidden, model.heads, layout.tp, layout.sp,
-            "none", act_bytes, model.dropout, model.ffn_hidden, model.gated_mlp,
+            model.seq,
+            layout.micro_batch,
+            model.hidden,
+            model.heads,
+            layout.tp,
+            layout.sp,
+            "none",
+            act_bytes,
+            model.dropout,
+            model.ffn_hidden,
+            model.gated_mlp,
+            model.kv_heads,
+            attention,
+            layout.sp_saves_gathered,
         )
     return acts
 
@@ -374,7 +404,11 @@ def per_device_bytes(
     notes: list[str] = []
     n_params = params_per_device(model, layout)
     p_bytes, g_bytes, o_bytes = zero_model_state_bytes(
-        n_params, dp, layout.zero, training.param_bytes, training.grad_bytes,
+        n_params,
+        dp,
+        layout.zero,
+        training.param_bytes,
+        training.grad_bytes,
         training.optimizer_bytes_per_param,
     )
     if training.optimizer in ("adamw", "adam") and model.param_tensors:
@@ -383,9 +417,14 @@ def per_device_bytes(
 
     host = 0.0
     if layout.offload in ("optimizer", "params"):
-        # ZeRO-Offload (Ren et al. 2021): optimizer states (and the step) live on the host.
+        # ZeRO-Offload (Ren et al. 2021): optimizer states (and the step) live on the host,
+        # and so does the gradient shard they update once it has been reduced (ZeRO-2/3);
+        # without gradient sharding the full gradients are all-reduced on the device first.
         host += o_bytes
         o_bytes = 0.0
+        if layout.zero >= 2:
+            host += g_bytes
+            g_bytes = 0.0
     if layout.offload == "params":
         # ZeRO-Infinity (Rajbhandari et al. 2021): sharded parameters wait on the host too.
         host += p_bytes

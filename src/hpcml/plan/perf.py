@@ -126,8 +126,9 @@ class StepEstimate:
         }
 
 
-def optimizer_step_s(model: ModelShape, layout: Layout, training: Training, cluster: Cluster,
-                     dp: int) -> float:
+def optimizer_step_s(
+    model: ModelShape, layout: Layout, training: Training, cluster: Cluster, dp: int
+) -> float:
     """The optimizer step is memory-bound: bytes it reads and writes over memory bandwidth."""
     n = params_per_device(model, layout) / (dp if layout.zero >= 1 else 1)
     traffic = OPTIMIZER_TRAFFIC_BYTES[training.optimizer]
@@ -289,8 +290,9 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, iters: int = 
     return (a + b) / 2
 
 
-def calibrate(points: Sequence[CalibrationPoint], fit_overhead: bool | None = None,
-              overlap: float = 1.0) -> Calibration:
+def calibrate(
+    points: Sequence[CalibrationPoint], fit_overhead: bool | None = None, overlap: float = 1.0
+) -> Calibration:
     """Fit the compute efficiency (and, from two or more points, a fixed per-step overhead)
     that make predicted step times match measured ones, minimising squared log-ratios."""
     if not points:
@@ -303,14 +305,16 @@ def calibrate(points: Sequence[CalibrationPoint], fit_overhead: bool | None = No
     def loss(eff: float, overhead: float) -> float:
         total = 0.0
         for p in points:
-            est = step_time(p.model, p.layout, p.training, p.cluster,
-                            Calibration(eff, overhead), overlap)
+            est = step_time(
+                p.model, p.layout, p.training, p.cluster, Calibration(eff, overhead), overlap
+            )
             total += math.log(p.measured_step_s / est.step_s) ** 2
         return total
 
     def best_eff(overhead: float) -> float:
-        return math.exp(_golden_min(lambda le: loss(math.exp(le), overhead),
-                                    math.log(1e-5), math.log(4.0)))
+        return math.exp(
+            _golden_min(lambda le: loss(math.exp(le), overhead), math.log(1e-5), math.log(4.0))
+        )
 
     overhead = 0.0
     if fit_overhead:
@@ -321,8 +325,9 @@ def calibrate(points: Sequence[CalibrationPoint], fit_overhead: bool | None = No
     eff = best_eff(overhead)
     residuals = tuple(
         p.measured_step_s
-        / step_time(p.model, p.layout, p.training, p.cluster, Calibration(eff, overhead),
-                    overlap).step_s
+        / step_time(
+            p.model, p.layout, p.training, p.cluster, Calibration(eff, overhead), overlap
+        ).step_s
         for p in points
     )
     labels = ", ".join(p.label for p in points if p.label) or f"{len(points)} run(s)"

@@ -5,11 +5,17 @@ against the zoo by a test), transformers are computed from their dimensions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from hpcml.plan.common import PlanError
+from hpcml.plan.flops import (  # noqa: F401  (re-exported)
+    megatron_flops_per_iteration,
+    megatron_params,
+    palm_flops_per_token,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,10 @@ class ModelShape:
     param_tensors: int = 0
     """Number of parameter tensors (torch's AdamW keeps a 4-byte step per tensor); 0 unknown."""
     source: str = ""
+    attention: str = "flash"
+    """Transformers: the attention kernel it trains with (eager, sdpa, flash)."""
+    largest_layer_params: float = 0.0
+    """Parameters of the biggest unit ZeRO-3 gathers at once; 0: derived or unknown."""
 
     @property
     def is_transformer(self) -> bool:
@@ -97,40 +107,6 @@ class ModelShape:
         return self.seq if self.is_transformer else 1
 
 
-def palm_flops_per_token(n_params: float, layers: int, hidden: int, seq: int) -> float:
-    """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, Appendix B).
-
-    H*Q (heads x head size) is the attention width, the hidden size for standard blocks;
-    the 12*L*H*Q*T term is the attention scores and the weighted sum over T tokens.
-    """
-    return 6.0 * n_params + 12.0 * layers * hidden * seq
-
-
-def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
-                                 recompute: str = "none") -> float:
-    """Megatron-LM's FLOPs per iteration of B sequences.
-
-    none (model FLOPs), Korthikanti et al. 2022 Eq. 7: 72BLsh^2 (1 + s/(6h) + V/(12hL));
-    selective, their Eq. 8: 72BLsh^2 (1 + s/(3h) + V/(12hL));
-    full, Narayanan et al. 2021 Eq. 3: 96BLsh^2 (1 + s/(6h) + V/(16hL)).
-    """
-    b, s, lyr, h, v = float(batch), float(seq), float(layers), float(hidden), float(vocab)
-    base = 72.0 * b * lyr * s * h * h
-    if recompute == "none":
-        return base * (1 + s / (6 * h) + v / (12 * h * lyr))
-    if recompute == "selective":
-        return base * (1 + s / (3 * h) + v / (12 * h * lyr))
-    if recompute == "full":
-        return 96.0 * b * lyr * s * h * h * (1 + s / (6 * h) + v / (16 * h * lyr))
-    raise PlanError(f"recompute '{recompute}' is not known; use none, selective or full.")
-
-
-def megatron_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
-    """GPT parameter count, Narayanan et al. 2021 Eq. 2: 12lh^2 (1 + 13/(12h) + (V+s)/(12lh))."""
-    h, lyr = float(hidden), float(layers)
-    return 12 * lyr * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * lyr * h))
-
-
 def transformer(
     name: str,
     layers: int,
@@ -168,7 +144,9 @@ def transformer(
     attn = hidden * (hidden + 2 * kv_width) + hidden * hidden
     mlp = (3 if gated_mlp else 2) * hidden * ffn
     norms = (4 if biases else 2) * hidden
-    bias = (hidden + 2 * kv_width + hidden + ffn * (2 if gated_mlp else 1) + hidden) if biases else 0
+    bias = (
+        (hidden + 2 * kv_width + hidden + ffn * (2 if gated_mlp else 1) + hidden) if biases else 0
+    )
     per_layer = attn + mlp + norms + bias
     embed = vocab * hidden
     positions = seq * hidden if learned_positions else 0
@@ -197,47 +175,206 @@ def transformer(
     )
 
 
-_GPT = {"vocab": 50257}
 _LLAMA = {
-    "gated_mlp": True, "tied_embeddings": False, "learned_positions": False, "biases": False,
+    "gated_mlp": True,
+    "tied_embeddings": False,
+    "learned_positions": False,
+    "biases": False,
     "dropout": False,
 }
 
 # name -> (layers, hidden, heads, seq, extra keyword arguments of `transformer`)
 _TRANSFORMER_SPECS: dict[str, tuple[int, int, int, int, dict[str, Any]]] = {
-    "gpt-tiny": (4, 256, 4, 256, {"vocab": 256, "source": "small char-level GPT for CPU tests"}),
-    "gpt2-small": (12, 768, 12, 1024, {**_GPT, "source": "GPT-2 124M (Radford et al. 2019)"}),
-    "gpt-350m": (24, 1024, 16, 1024, {**_GPT, "source": "GPT-2 medium 355M"}),
-    "gpt-1.3b": (24, 2048, 16, 2048, {**_GPT, "source": "GPT-3 XL (Brown et al. 2020, Table 2.1)"}),
-    "gpt3-175b": (96, 12288, 96, 2048, {**_GPT, "source": "GPT-3 (Brown et al. 2020, Table 2.1)"}),
-    "llama-7b": (32, 4096, 32, 4096, {**_LLAMA, "ffn_hidden": 11008, "vocab": 32000,
-                                      "source": "Llama 2 7B (Touvron et al. 2023)"}),
-    "llama-13b": (40, 5120, 40, 4096, {**_LLAMA, "ffn_hidden": 13824, "vocab": 32000,
-                                       "source": "Llama 2 13B (Touvron et al. 2023)"}),
-    "llama-70b": (80, 8192, 64, 4096, {**_LLAMA, "ffn_hidden": 28672, "vocab": 32000,
-                                       "kv_heads": 8, "source": "Llama 2 70B (Touvron et al. 2023)"}),
-    "llama3-8b": (32, 4096, 32, 8192, {**_LLAMA, "ffn_hidden": 14336, "vocab": 128256,
-                                       "kv_heads": 8, "source": "Llama 3 8B (Dubey et al. 2024)"}),
-    "llama3-70b": (80, 8192, 64, 8192, {**_LLAMA, "ffn_hidden": 28672, "vocab": 128256,
-                                        "kv_heads": 8, "source": "Llama 3 70B (Dubey et al. 2024)"}),
+    "gpt3-175b": (
+        96,
+        12288,
+        96,
+        2048,
+        {"vocab": 50257, "source": "GPT-3 (Brown et al. 2020, Table 2.1)"},
+    ),
+    "llama-7b": (
+        32,
+        4096,
+        32,
+        4096,
+        {
+            **_LLAMA,
+            "ffn_hidden": 11008,
+            "vocab": 32000,
+            "source": "Llama 2 7B (Touvron et al. 2023)",
+        },
+    ),
+    "llama-13b": (
+        40,
+        5120,
+        40,
+        4096,
+        {
+            **_LLAMA,
+            "ffn_hidden": 13824,
+            "vocab": 32000,
+            "source": "Llama 2 13B (Touvron et al. 2023)",
+        },
+    ),
+    "llama-70b": (
+        80,
+        8192,
+        64,
+        4096,
+        {
+            **_LLAMA,
+            "ffn_hidden": 28672,
+            "vocab": 32000,
+            "kv_heads": 8,
+            "source": "Llama 2 70B (Touvron et al. 2023)",
+        },
+    ),
+    "llama3-8b": (
+        32,
+        4096,
+        32,
+        8192,
+        {
+            **_LLAMA,
+            "ffn_hidden": 14336,
+            "vocab": 128256,
+            "kv_heads": 8,
+            "source": "Llama 3 8B (Dubey et al. 2024)",
+        },
+    ),
+    "llama3-70b": (
+        80,
+        8192,
+        64,
+        8192,
+        {
+            **_LLAMA,
+            "ffn_hidden": 28672,
+            "vocab": 128256,
+            "kv_heads": 8,
+            "source": "Llama 3 70B (Dubey et al. 2024)",
+        },
+    ),
 }
+
+# The zoo's gpt models (hpcml.models.gpt: GPTConfig defaults and SIZES), mirrored because plan
+# imports no torch. tests/unit/test_plan_zoo_shapes.py builds every zoo model and checks these
+# numbers, the parameter counts and the saved activations against it.
+ZOO_GPT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256,
+    "max_seq_len": 256,
+    "n_layer": 2,
+    "n_head": 4,
+    "d_model": 64,
+    "mlp": "gelu",
+    "mlp_ratio": 4.0,
+    "dropout": 0.0,
+    "bias": True,
+    "tie_embeddings": True,
+}
+ZOO_GPT_SIZES: dict[str, dict[str, Any]] = {
+    "gpt-tiny": {"vocab_size": 256, "max_seq_len": 64, "n_layer": 2, "n_head": 4, "d_model": 64},
+    "gpt2-small": {
+        "vocab_size": 50257,
+        "max_seq_len": 1024,
+        "n_layer": 12,
+        "n_head": 12,
+        "d_model": 768,
+    },
+    "gpt-350m": {
+        "vocab_size": 50257,
+        "max_seq_len": 1024,
+        "n_layer": 24,
+        "n_head": 16,
+        "d_model": 1024,
+    },
+    "gpt-1.3b": {
+        "vocab_size": 50257,
+        "max_seq_len": 2048,
+        "n_layer": 24,
+        "n_head": 16,
+        "d_model": 2048,
+    },
+}
+
+
+def zoo_gpt_shape(
+    name: str, args: Mapping[str, Any] | None = None, seq: int | None = None
+) -> ModelShape:
+    """A zoo gpt size with its builder arguments, counted as hpcml.models.gpt builds it."""
+    unknown = sorted(set(args or {}) - set(ZOO_GPT_DEFAULTS))
+    if unknown:
+        raise PlanError(
+            f"gpt does not take argument(s) {', '.join(unknown)}; known arguments are: "
+            f"{', '.join(sorted(ZOO_GPT_DEFAULTS))}."
+        )
+    c = {**ZOO_GPT_DEFAULTS, **ZOO_GPT_SIZES[name], **(args or {})}
+    d = int(c["d_model"])
+    ffn = int(float(c["mlp_ratio"]) * d)
+    swiglu = c["mlp"] == "swiglu"
+    if swiglu:
+        ffn = 64 * math.ceil(2 * ffn / 3 / 64)  # GPTConfig.mlp_hidden's rounding
+    bias = bool(c["bias"])
+    per_block = (
+        (2 if bias else 1) * 2 + 4 * (2 if bias else 1) + (3 if swiglu else 2) * (2 if bias else 1)
+    )
+    tensors = (
+        int(c["n_layer"]) * per_block + 2 + (2 if bias else 1) + (0 if c["tie_embeddings"] else 1)
+    )
+    shape = transformer(
+        name,
+        int(c["n_layer"]),
+        d,
+        int(c["n_head"]),
+        int(seq or c["max_seq_len"]),
+        int(c["vocab_size"]),
+        ffn_hidden=ffn,
+        gated_mlp=swiglu,
+        tied_embeddings=bool(c["tie_embeddings"]),
+        learned_positions=True,
+        biases=bias,
+        dropout=float(c["dropout"]) > 0,
+        source=f"hpcml zoo {name}",
+    )
+    if seq and seq != int(c["max_seq_len"]):
+        # The position table is max_seq_len long whatever length a batch uses.
+        extra = (int(c["max_seq_len"]) - seq) * d
+        shape = replace(
+            shape,
+            params=shape.params + extra,
+            non_layer_params=shape.non_layer_params + extra,
+            lookup_only_params=shape.lookup_only_params + extra,
+        )
+    return replace(shape, param_tensors=tensors, attention="sdpa")
 
 
 # Zoo CNNs: parameters and forward FLOPs as `hpcml model info` counts them (torch's
 # FlopCounterMode, multiply-add = 2); saved activations counted with
 # torch.autograd.graph.saved_tensors_hooks over unique storages, parameters excluded, for
-# 3x32x32 inputs in fp32. tests/unit/test_plan_shapes.py re-counts all three with torch.
+# 3x32x32 inputs in fp32; the largest layer is the largest unit hpcml's FSDP2 wrapping
+# gathers (hpcml.distributed.wrapping.units). tests/unit/test_plan_zoo_shapes.py re-counts
+# them with torch.
 _CNN_TABLE: dict[str, ModelShape] = {
     "simple_cnn": ModelShape(
-        "simple_cnn", 2_474_506, forward_flops_per_sample=83_240_960,
-        activation_bytes_per_sample=1_275_952, param_tensors=16, source="hpcml zoo, 3x32x32",
+        "simple_cnn",
+        2_474_506,
+        forward_flops_per_sample=83_240_960,
+        activation_bytes_per_sample=1_275_952,
+        param_tensors=16,
+        source="hpcml zoo, 3x32x32",
+        largest_layer_params=2_102_794,
     ),
     "resnet18": ModelShape(
-        "resnet18", 11_173_962, forward_flops_per_sample=1_110_845_440,
-        activation_bytes_per_sample=4_700_208, param_tensors=62,
+        "resnet18",
+        11_173_962,
+        forward_flops_per_sample=1_110_845_440,
+        activation_bytes_per_sample=4_700_208,
+        param_tensors=62,
         source="hpcml zoo, CIFAR stem, 3x32x32",
+        largest_layer_params=4_720_640,
     ),
 }
+
 
 def mlp_shape(args: Mapping[str, Any]) -> ModelShape:
     """The zoo MLP: Flatten -> [Linear -> ReLU] * depth -> Linear, counted from its arguments."""
@@ -255,17 +392,23 @@ def mlp_shape(args: Mapping[str, Any]) -> ModelShape:
     # next Linear's input), the log-softmax output, and the int64 target.
     saved = 4 * (width + depth * hidden + classes) + 8
     return ModelShape(
-        "mlp", params, forward_flops_per_sample=2 * macs, activation_bytes_per_sample=saved,
-        param_tensors=2 * (depth + 1), source="hpcml zoo MLP",
+        "mlp",
+        params,
+        forward_flops_per_sample=2 * macs,
+        activation_bytes_per_sample=saved,
+        param_tensors=2 * (depth + 1),
+        source="hpcml zoo MLP",
+        largest_layer_params=params,  # one Sequential: FSDP2 gathers it whole
     )
 
 
 def known_models() -> list[str]:
-    return sorted([*_CNN_TABLE, "mlp", *_TRANSFORMER_SPECS])
+    return sorted([*_CNN_TABLE, "mlp", *ZOO_GPT_SIZES, *_TRANSFORMER_SPECS])
 
 
-def model_shape(name: str, args: Mapping[str, Any] | None = None,
-                seq: int | None = None) -> ModelShape:
+def model_shape(
+    name: str, args: Mapping[str, Any] | None = None, seq: int | None = None
+) -> ModelShape:
     """The shape of a zoo model or a known transformer; `seq` overrides a transformer's length."""
     args = dict(args or {})
     key = name.lower()
@@ -278,6 +421,8 @@ def model_shape(name: str, args: Mapping[str, Any] | None = None,
                 "--params and --flops-per-sample instead."
             )
         return _CNN_TABLE[key]
+    if key in ZOO_GPT_SIZES:
+        return zoo_gpt_shape(key, args, seq)
     if key in _TRANSFORMER_SPECS:
         layers, hidden, heads, default_seq, kw = _TRANSFORMER_SPECS[key]
         kw = dict(kw)
@@ -300,28 +445,57 @@ def shape_from_raw(
     kv_heads: int | None = None,
     flops_per_sample: float | None = None,
     name: str = "custom",
+    swiglu: bool = False,
+    largest_layer: float | None = None,
 ) -> ModelShape:
-    """A shape from raw numbers: a transformer when layers and hidden are given, else generic."""
+    """A shape from raw numbers: a transformer when layers and hidden are given, else generic.
+    `swiglu` describes a Llama-style block (gated MLP, no biases, untied embeddings)."""
     if layers and hidden:
-        return transformer(
-            name, layers, hidden, heads or max(1, hidden // 128), seq or 2048, vocab or 50257,
-            ffn_hidden=ffn_hidden, kv_heads=kv_heads, params=params,
-            source="raw shape",
+        style: dict[str, Any] = (
+            {
+                "gated_mlp": True,
+                "tied_embeddings": False,
+                "learned_positions": False,
+                "biases": False,
+                "dropout": False,
+            }
+            if swiglu
+            else {}
         )
+        shape = transformer(
+            name,
+            layers,
+            hidden,
+            heads or max(1, hidden // 128),
+            seq or 2048,
+            vocab or 50257,
+            ffn_hidden=ffn_hidden,
+            kv_heads=kv_heads,
+            params=params,
+            source="raw shape",
+            **style,
+        )
+        return replace(shape, largest_layer_params=float(largest_layer or 0.0))
     if not params:
         raise PlanError(
             "describe the model with --model NAME, or --params N (plus --layers and --hidden "
             "for activation memory)."
         )
     return ModelShape(
-        name, int(params),
+        name,
+        int(params),
         forward_flops_per_sample=flops_per_sample if flops_per_sample else 2.0 * params,
-        activation_bytes_per_sample=None, source="raw parameter count",
+        activation_bytes_per_sample=None,
+        source="raw parameter count",
+        largest_layer_params=float(largest_layer or 0.0),
     )
 
 
 def with_params(shape: ModelShape, params: int) -> ModelShape:
     """The same shape with a measured parameter count (e.g. from a run's summary)."""
     delta = params - shape.params
-    return replace(shape, params=params, non_layer_params=max(0, shape.non_layer_params + (
-        delta if not shape.layers else 0)))
+    return replace(
+        shape,
+        params=params,
+        non_layer_params=max(0, shape.non_layer_params + (delta if not shape.layers else 0)),
+    )

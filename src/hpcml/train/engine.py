@@ -58,7 +58,7 @@ from hpcml.records import (
 )
 from hpcml.track.provenance import collect as collect_provenance
 from hpcml.train import checkpoint as ckpt
-from hpcml.train import mfu, rundir
+from hpcml.train import memprobe, mfu, rundir  # memprobe
 from hpcml.train.fault import FaultGuard
 from hpcml.train.hooks import Hooks
 from hpcml.train.losses import cross_entropy
@@ -174,6 +174,7 @@ def run(
             model, splits.input_shape, splits.input_dtype, device=rt.device
         )
         model = parallelize(model, rt, cfg.parallel, cfg.train, cfg.precision)
+        probe = memprobe.SavedActivationProbe(model)  # memprobe
         optimizer = build_optimizer(model.parameters(), cfg.optim, rt.dp_size)
         optimizer = shard_optimizer(optimizer, model, rt, cfg.parallel)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -273,7 +274,11 @@ def run(
                 y = y.to(rt.device, non_blocking=True)
                 if cfg.train.channels_last and x.dim() == 4:
                     x = x.contiguous(memory_format=torch.channels_last)
-                with no_sync(model, skip=micro < accum - 1), precision.autocast():
+                with (
+                    no_sync(model, skip=micro < accum - 1),
+                    precision.autocast(),
+                    probe.sample(micro == 0),  # memprobe: one sampled forward per run
+                ):
                     loss = cross_entropy(model(x), y) / accum
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
@@ -327,6 +332,7 @@ def run(
             int(torch.cuda.max_memory_allocated(rt.device)) if rt.device.type == "cuda" else None
         )
         memory["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        memory.update(probe.result(rt.device))  # memprobe
         per_rank = all_gather_object(rt, memory)
         weights = full_state_dict(model)  # a collective: every rank gathers its shards
         status = "finished"
@@ -385,6 +391,7 @@ def run(
                     "step": step,
                 },
             )
+            summary["prediction"] = memprobe.prediction_block(summary)  # memprobe
             hooks.end(summary)
             write_json_atomic(out_dir / "summary.json", summary)
         return summary

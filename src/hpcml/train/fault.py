@@ -563,25 +563,21 @@ def checkpoint_advice(
     restart_s: float = 0.0,
     step_time_s: float | None = None,
 ) -> dict[str, Any]:
-    """Optimal interval and what failures cost at it (first-order model, failures as a Poisson
-    process): each interval of length T pays C for the checkpoint; each failure loses on
-    average T/2 of work plus the restart time R."""
-    from hpcml.plan.cost import daly_interval, young_interval  # only the advice verb needs it
+    """Optimal interval and what failures cost at it: hpcml.plan.cost.checkpoint_plan (Daly
+    2006, failures as a Poisson process), the same function `plan cost spot` uses."""
+    from hpcml.plan.cost import checkpoint_plan  # only the advice verb needs it
 
-    young = young_interval(checkpoint_s, mtbf_s)
-    daly = daly_interval(checkpoint_s, mtbf_s)
-    interval = daly
-    lost_per_failure = interval / 2.0 + restart_s
-    overhead = checkpoint_s / interval + lost_per_failure / mtbf_s
+    plan = checkpoint_plan(checkpoint_s, mtbf_s, restart_s)
+    interval = plan.daly_interval_s
     out: dict[str, Any] = {
         "checkpoint_s": checkpoint_s,
         "mtbf_s": mtbf_s,
         "restart_s": restart_s,
-        "young_interval_s": young,
-        "daly_interval_s": daly,
-        "expected_lost_work_per_failure_s": lost_per_failure,
-        "expected_overhead_fraction": overhead,
-        "expected_goodput": max(0.0, 1.0 - overhead),
+        "young_interval_s": plan.young_interval_s,
+        "daly_interval_s": interval,
+        "expected_lost_work_per_failure_s": plan.lost_work_per_failure_s,
+        "expected_overhead_fraction": plan.overhead_fraction,
+        "expected_goodput": plan.goodput,
         "step_time_s": step_time_s,
         "checkpoint_every_steps": None,
     }

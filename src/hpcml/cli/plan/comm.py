@@ -1,0 +1,162 @@
+"""`hpcml plan comm`: time of collectives on a cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from hpcml.cli.common import console, print_json
+from hpcml.cli.plan.options import (
+    ACCUM_OPT,
+    ARGS_OPT,
+    CATALOG_OPT,
+    GPU_OPT,
+    HEADS_OPT,
+    HIDDEN_OPT,
+    INTER_OPT,
+    INTRA_OPT,
+    JSON_OPT,
+    LAYERS_OPT,
+    MB_OPT,
+    MODEL_OPT,
+    NICS_OPT,
+    NODE_OPT,
+    PARAMS_OPT,
+    PER_NODE_OPT,
+    PRECISION_OPT,
+    SEQ_OPT,
+    VOCAB_OPT,
+    WEIGHTS_OPT,
+    _catalog,
+    _cluster,
+    _model,
+    _training,
+    app,
+    parse_size,
+)
+from hpcml.plan.common import PlanError, human_bytes, human_seconds
+
+# --- comm ------------------------------------------------------------------------------------
+
+
+@app.command("comm")
+def comm_cmd(
+    size: str = typer.Option("256MB", "--size", help="Message size S (nccl-tests' size)."),
+    op: str | None = typer.Option(None, "--op", help="One collective (default: all)."),
+    algorithm: str = typer.Option("auto", "--algorithm", help="auto, ring or tree."),
+    devices: int = typer.Option(8, "--devices", "-n", help="Ranks."),
+    gpu: str | None = GPU_OPT,
+    node: str | None = NODE_OPT,
+    per_node: int | None = PER_NODE_OPT,
+    intra: str | None = INTRA_OPT,
+    inter: str | None = INTER_OPT,
+    nics: int | None = NICS_OPT,
+    model: str | None = MODEL_OPT,
+    args: str = ARGS_OPT,
+    params: float | None = PARAMS_OPT,
+    layers: int | None = LAYERS_OPT,
+    hidden: int | None = HIDDEN_OPT,
+    heads: int | None = HEADS_OPT,
+    seq: int | None = SEQ_OPT,
+    vocab: int | None = VOCAB_OPT,
+    mb: int = MB_OPT,
+    accum: int = ACCUM_OPT,
+    precision: str = PRECISION_OPT,
+    weights: str | None = WEIGHTS_OPT,
+    catalog: list[Path] = CATALOG_OPT,
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Collective times with algorithm and bus bandwidth; with a model, the per-step
+    communication of DDP, ZeRO-1/2/3, TP and PP."""
+    from hpcml.plan.comm import OPS, collective_time, step_communication
+    from hpcml.plan.memory import Layout
+
+    cat = _catalog(catalog)
+    cluster = _cluster(cat, devices, gpu, node, per_node, intra, inter, nics)
+    s = parse_size(size)
+    ops = [op] if op else list(OPS)
+    rows = [collective_time(o, s, cluster, algorithm=algorithm) for o in ops]
+    strategies: list[dict[str, Any]] = []
+    if model or params or layers:
+        shape = _model(model, args, params, layers, hidden, heads, seq, vocab, None, None)
+        tr = _training(precision, "adamw", weights)
+        options: list[tuple[str, Layout]] = [
+            ("DDP", Layout(micro_batch=mb, grad_accum=accum)),
+            ("ZeRO-1", Layout(zero=1, micro_batch=mb, grad_accum=accum)),
+            ("ZeRO-2", Layout(zero=2, micro_batch=mb, grad_accum=accum)),
+            ("ZeRO-3 / FSDP", Layout(zero=3, micro_batch=mb, grad_accum=accum)),
+        ]
+        if shape.is_transformer:
+            tp = max(
+                t
+                for t in range(1, min(cluster.devices_per_node, devices) + 1)
+                if devices % t == 0 and shape.heads % t == 0
+            )
+            if tp > 1:
+                options.append((f"TP={tp} (+DP)", Layout(tp=tp, micro_batch=mb, grad_accum=accum)))
+                options.append(
+                    (f"TP={tp}+SP (+DP)", Layout(tp=tp, sp=True, micro_batch=mb, grad_accum=accum))
+                )
+            pp = max(p for p in (1, 2, 4, 8) if devices % p == 0 and p <= shape.layers)
+            if pp > 1:
+                options.append(
+                    (f"PP={pp} (+DP)", Layout(pp=pp, micro_batch=mb, grad_accum=max(accum, pp)))
+                )
+        for name, lay in options:
+            try:
+                items = step_communication(shape, lay, tr, cluster)
+            except PlanError as exc:
+                strategies.append({"strategy": name, "error": exc.message})
+                continue
+            strategies.append(
+                {
+                    "strategy": name,
+                    "collectives": [i.to_dict() for i in items],
+                    "volume_bytes": sum(i.volume_bytes for i in items),
+                    "time_s": sum(i.time_s for i in items),
+                }
+            )
+    if json_out:
+        print_json(
+            {
+                "cluster": cluster.describe(),
+                "collectives": [r.to_dict() for r in rows],
+                "strategies": strategies,
+            }
+        )
+        return
+    t = Table(title=f"collectives of {human_bytes(s)} over {devices} ranks: {cluster.describe()}")
+    for col in ("op", "algorithm", "time", "algbw GB/s", "busbw GB/s", "link GB/s"):
+        t.add_column(col, justify="left" if col in ("op", "algorithm") else "right")
+    for r in rows:
+        t.add_row(
+            r.op,
+            r.algorithm,
+            human_seconds(r.time_s),
+            f"{r.algbw_bytes_per_s / 1e9:,.1f}",
+            f"{r.busbw_bytes_per_s / 1e9:,.1f}",
+            f"{r.link_bandwidth_bytes_per_s / 1e9:,.1f}",
+        )
+    console.print(t)
+    if strategies:
+        t = Table(title="communication per optimizer step (busiest device)")
+        for col in ("strategy", "collectives", "volume / rank", "time (not overlapped)"):
+            t.add_column(col)
+        for st in strategies:
+            if "error" in st:
+                t.add_row(st["strategy"], st["error"], "-", "-")
+                continue
+            names = ", ".join(f"{c['name']} x{c['calls_per_step']:g}" for c in st["collectives"])
+            t.add_row(
+                st["strategy"],
+                names or "none",
+                human_bytes(st["volume_bytes"]),
+                human_seconds(st["time_s"]),
+            )
+        console.print(t)
+
+
+# --- step ------------------------------------------------------------------------------------

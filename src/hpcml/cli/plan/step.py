@@ -1,0 +1,243 @@
+"""`hpcml plan step`: step time, throughput, MFU and a scaling curve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from hpcml.cli.common import console, print_json
+from hpcml.cli.plan.options import (
+    ACCUM_OPT,
+    ARGS_OPT,
+    ATTENTION_OPT,
+    CATALOG_OPT,
+    DEVICES_OPT,
+    EFF_OPT,
+    FFN_OPT,
+    FLOPS_OPT,
+    GPU_OPT,
+    GRAD_DTYPE_OPT,
+    HEADS_OPT,
+    HIDDEN_OPT,
+    INTER_OPT,
+    INTRA_OPT,
+    JSON_OPT,
+    KV_HEADS_OPT,
+    LARGEST_LAYER_OPT,
+    LAYERS_OPT,
+    MB_OPT,
+    MODEL_OPT,
+    NICS_OPT,
+    NODE_OPT,
+    OFFLOAD_OPT,
+    OPTIM_OPT,
+    OVERHEAD_OPT,
+    OVERLAP_OPT,
+    PARAMS_OPT,
+    PER_NODE_OPT,
+    PP_OPT,
+    PRECISION_OPT,
+    RECOMPUTE_OPT,
+    SCHEDULE_OPT,
+    SEQ_OPT,
+    SP_OPT,
+    SWIGLU_OPT,
+    TP_OPT,
+    VIRTUAL_OPT,
+    VOCAB_OPT,
+    WEIGHTS_OPT,
+    ZERO_OPT,
+    _calibration,
+    _catalog,
+    _cluster,
+    _finish_plot,
+    _layout,
+    _model,
+    _training,
+    app,
+)
+from hpcml.plan.common import PlanError
+
+
+def _default_counts(devices: int, per_node: int) -> list[int]:
+    counts, n = [], 1
+    while n < devices:
+        counts.append(n)
+        n *= 2
+    counts.append(devices)
+    return sorted(set(counts))
+
+
+@app.command("step")
+def step_cmd(
+    model: str | None = MODEL_OPT,
+    args: str = ARGS_OPT,
+    params: float | None = PARAMS_OPT,
+    layers: int | None = LAYERS_OPT,
+    hidden: int | None = HIDDEN_OPT,
+    heads: int | None = HEADS_OPT,
+    seq: int | None = SEQ_OPT,
+    vocab: int | None = VOCAB_OPT,
+    ffn: int | None = FFN_OPT,
+    flops: float | None = FLOPS_OPT,
+    kv_heads: int | None = KV_HEADS_OPT,
+    swiglu: bool = SWIGLU_OPT,
+    largest_layer: float | None = LARGEST_LAYER_OPT,
+    devices: int = DEVICES_OPT,
+    gpu: str | None = GPU_OPT,
+    node: str | None = NODE_OPT,
+    per_node: int | None = PER_NODE_OPT,
+    intra: str | None = INTRA_OPT,
+    inter: str | None = INTER_OPT,
+    nics: int | None = NICS_OPT,
+    tp: int = TP_OPT,
+    pp: int = PP_OPT,
+    zero: int = ZERO_OPT,
+    sp: bool | None = SP_OPT,
+    schedule: str = SCHEDULE_OPT,
+    virtual: int = VIRTUAL_OPT,
+    mb: int = MB_OPT,
+    accum: int = ACCUM_OPT,
+    recompute: str = RECOMPUTE_OPT,
+    offload: str = OFFLOAD_OPT,
+    attention: str | None = ATTENTION_OPT,
+    grad_dtype: str | None = GRAD_DTYPE_OPT,
+    optimizer: str = OPTIM_OPT,
+    precision: str = PRECISION_OPT,
+    weights: str | None = WEIGHTS_OPT,
+    efficiency: float | None = EFF_OPT,
+    overhead: float = OVERHEAD_OPT,
+    overlap: float = OVERLAP_OPT,
+    scaling: str | None = typer.Option(
+        None, "--scaling", help="Device counts for the scaling curve, e.g. 8,16,32,64."
+    ),
+    global_batch: int | None = typer.Option(
+        None, "--global-batch", help="Fix samples per step (strong scaling) in the curve."
+    ),
+    plot: Path | None = typer.Option(None, "--plot", help="Write the scaling curve as PNG."),
+    catalog: list[Path] = CATALOG_OPT,
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Predicted step time, throughput and MFU, and a scaling curve over device counts."""
+    from hpcml.plan.perf import scaling_curve, step_time
+
+    cat = _catalog(catalog)
+    shape = _model(
+        model,
+        args,
+        params,
+        layers,
+        hidden,
+        heads,
+        seq,
+        vocab,
+        ffn,
+        flops,
+        kv_heads,
+        swiglu,
+        largest_layer,
+    )
+    cluster = _cluster(cat, devices, gpu, node, per_node, intra, inter, nics)
+    lay = _layout(tp, pp, zero, sp, schedule, virtual, mb, accum, recompute, offload, attention)
+    tr = _training(precision, optimizer, weights, grad_dtype)
+    cal = _calibration(cluster, efficiency, overhead)
+    est = step_time(shape, lay, tr, cluster, cal, overlap)
+    try:
+        counts = (
+            [int(x) for x in scaling.split(",") if x.strip()]
+            if scaling
+            else _default_counts(devices, cluster.devices_per_node)
+        )
+    except ValueError:
+        raise PlanError(f"--scaling '{scaling}' must be comma-separated integers.") from None
+    curve = scaling_curve(shape, lay, tr, cluster, counts, global_batch, cal, overlap)
+    base = curve[0]
+    rows = [
+        {
+            "devices": e.devices,
+            "step_s": e.step_s,
+            "samples_per_s": e.samples_per_s,
+            "tokens_per_s": e.tokens_per_s,
+            "mfu": e.mfu,
+            "speedup": e.samples_per_s / base.samples_per_s,
+            "scaling_efficiency": (e.samples_per_s / base.samples_per_s)
+            / (e.devices / base.devices),
+        }
+        for e in curve
+    ]
+    if plot:
+        _plot_scaling(rows, plot, f"{shape.name} on {cluster.accelerator.key}")
+    if json_out:
+        print_json(
+            {
+                "model": shape.name,
+                "cluster": cluster.describe(),
+                "calibration": cal.to_dict(),
+                "step": est.to_dict(),
+                "scaling": rows,
+                "plot": str(plot) if plot else None,
+            }
+        )
+        return
+    t = Table(
+        title=f"{shape.name} step on {cluster.describe()}: dp={est.dp} tp={tp} pp={pp} "
+        f"ZeRO-{zero}, micro-batch {mb} x {accum}, recompute {recompute}"
+    )
+    t.add_column("term")
+    t.add_column("seconds", justify="right")
+    for label, value in (
+        ("compute (at efficiency %.0f%%)" % (cal.efficiency * 100), est.compute_s),
+        ("communication on the critical path", est.critical_comm_s),
+        ("pipeline bubble", est.bubble_s),
+        ("data-parallel comm (total)", est.dp_comm_s),
+        ("data-parallel comm (exposed)", est.exposed_dp_comm_s),
+        ("optimizer step", est.optimizer_s),
+        ("fixed overhead", est.overhead_s),
+        ("= step", est.step_s),
+    ):
+        t.add_row(label, f"{value:.4f}")
+    console.print(t)
+    rate = (
+        f"{est.tokens_per_s:,.0f} tokens/s"
+        if shape.is_transformer
+        else f"{est.samples_per_s:,.1f} samples/s"
+    )
+    console.print(f"{rate}, MFU {est.mfu:.1%} (HFU {est.hfu:.1%})")
+    t = Table(
+        title="scaling" + (" (fixed global batch)" if global_batch else " (fixed per-device batch)")
+    )
+    for col in ("devices", "step s", "samples/s", "tokens/s", "MFU", "speedup", "efficiency"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            str(r["devices"]),
+            f"{r['step_s']:.4f}",
+            f"{r['samples_per_s']:,.1f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['mfu']:.1%}",
+            f"{r['speedup']:.2f}",
+            f"{r['scaling_efficiency']:.0%}",
+        )
+    console.print(t)
+    if plot:
+        console.print(f"plot written to {plot}")
+
+
+def _plot_scaling(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = [r["devices"] for r in rows]
+    ax.plot(n, [r["speedup"] for r in rows], "o-", label="predicted")
+    ax.plot(n, [x / n[0] for x in n], "--", color="grey", label="linear")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("devices")
+    ax.set_ylabel("throughput speedup")
+    _finish_plot(fig, ax, title, path)

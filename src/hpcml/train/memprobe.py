@@ -1,0 +1,99 @@
+"""Measure, in every run, what the planner predicts: the bytes autograd keeps for backward
+(saved activations) on one sampled micro-batch, and on CUDA the allocator's peaks; then put
+the planner's prediction for the run's own config and hardware next to them.
+
+Saved activations are counted with `torch.autograd.graph.saved_tensors_hooks`, which sees
+every tensor an autograd node keeps, whatever the device. Each storage is counted once (views
+and tensors saved by several nodes share one; the whole storage stays alive, so its full
+size counts). Parameters saved for backward (a Linear keeps its weight) are model states, not
+activations: a storage that belongs to a module's parameters when that module runs (after
+FSDP2 has gathered them, so gathered ZeRO-3 layers count as parameters too) is reported
+apart as `saved_param_bytes`. Tensors saved inside an activation-checkpointed unit are
+recomputed, not kept; torch's checkpoint installs its own hooks there, so they are not seen.
+Hand-written because torch offers no per-step "saved bytes" counter; the hook is its API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    st = _local(t).untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+class SavedActivationProbe:
+    """Counts what one forward pass saves for backward; `sample()` wraps that forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.done = False
+        self._activations: dict[int, int] = {}
+        self._params: dict[int, int] = {}
+        self._param_ptrs: set[int] = set()
+
+    def _note_params(self, module: nn.Module, _args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            ptr, _ = _storage_key(p)
+            if ptr:
+                self._param_ptrs.add(ptr)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage_key(t)
+        if ptr and nbytes:
+            if isinstance(t, nn.Parameter) or ptr in self._param_ptrs:
+                self._params[ptr] = nbytes
+            else:
+                self._activations[ptr] = nbytes
+        return t
+
+    @contextmanager
+    def sample(self, active: bool = True) -> Iterator[None]:
+        """Count the saved tensors of the forward run inside (once per probe)."""
+        if not active or self.done:
+            yield
+            return
+        handles = [m.register_forward_pre_hook(self._note_params) for m in self.model.modules()]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+            # A storage first seen as an activation may turn out to be a parameter's view.
+            for ptr in list(self._activations):
+                if ptr in self._param_ptrs:
+                    self._params[ptr] = self._activations.pop(ptr)
+            self.done = True
+
+    def result(self, device: torch.device) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "saved_activation_bytes": sum(self._activations.values()) if self.done else None,
+            "saved_param_bytes": sum(self._params.values()) if self.done else None,
+            "peak_reserved_bytes": None,
+        }
+        if device.type == "cuda":
+            out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+        return out
+
+
+def prediction_block(summary: dict[str, Any]) -> dict[str, Any]:
+    """The planner's prediction for this run next to what it measured (plan imports no torch,
+    so the run's summary is all it gets)."""
+    from hpcml.plan.hardware import load_catalog
+    from hpcml.plan.predict import predict_summary
+
+    try:
+        return predict_summary(summary, load_catalog())
+    except Exception as exc:  # a prediction must never fail a finished run
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}

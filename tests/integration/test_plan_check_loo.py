@@ -1,0 +1,130 @@
+"""`plan check` that cannot agree with itself: real `hpcml train` runs of three zoo models
+(gpt-tiny, mlp, simple_cnn; one CPU process, a few steps, in this process to spare start-ups)
+predicted with step time calibrated on the *other* models only, and memory compared as saved
+activations and states + activations, measured by the run's own probe.
+
+The memory check can fail: a planner whose activation formula is 30% off fails it (the test
+scales plan.memory's transformer formula by 1.3 and watches the rows turn).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import hpcml.plan.memory as plan_memory
+from hpcml.cli.app import app
+from hpcml.config import build_config
+from hpcml.data.tokens import prepare_pystdlib
+from hpcml.plan.check import leave_one_model_out, setup_from_summary
+from hpcml.plan.common import PlanError
+from hpcml.plan.hardware import load_catalog
+from hpcml.train.engine import run
+
+SYNTH = {"source": "synthetic", "synthetic_samples": 256, "synthetic_shape": [3, 32, 32]}
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64, "batch_size": 4}},
+    "mlp": {"model": {"name": "mlp"}, "data": {**SYNTH, "batch_size": 32}},
+    "cnn": {"model": {"name": "simple_cnn"}, "data": {**SYNTH, "batch_size": 4}},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loo")
+    corpus = root / "corpus"
+    prepare_pystdlib(corpus, val_fraction=0.2, max_bytes=200_000)
+    torch.set_num_threads(1)
+    out = {}
+    for key, spec in MODELS.items():
+        data = dict(spec["data"])
+        if key == "gpt":
+            data.update({"source": "tokens", "path": str(corpus), "eval_windows": 4})
+        cfg = {
+            "model": spec["model"],
+            "data": data,
+            "optim": {"name": "adamw", "lr": 0.001},
+            "train": {"max_steps": 5, "eval_every": 0, "checkpoint_every": 0, "log_every": 5},
+            "precision": "fp32",
+        }
+        out[key] = root / key
+        run(build_config(cfg), run_dir=out[key], quiet=True)
+    return out
+
+
+def _reports(runs: dict[str, Path]) -> dict[str, Any]:
+    cat = load_catalog()
+    setups = [
+        setup_from_summary(json.loads((p / "summary.json").read_text()), cat, key)
+        for key, p in runs.items()
+    ]
+    return {r.setup.label: r for r in leave_one_model_out(setups)}
+
+
+def _row(report: Any, quantity: str) -> Any:
+    return next(r for r in report.rows if r.quantity == quantity)
+
+
+def test_every_run_carries_its_prediction(runs: dict[str, Path]) -> None:
+    s = json.loads((runs["gpt"] / "summary.json").read_text())
+    rows = {r["quantity"]: r for r in s["prediction"]["rows"]}
+    measured = s["memory"]["saved_activation_bytes"]
+    assert rows["activations_bytes"]["measured"] == measured > 0
+    assert rows["activations_bytes"]["ratio"] == pytest.approx(
+        rows["activations_bytes"]["predicted"] / measured
+    )
+    assert s["prediction"]["layout"]["attention"] == "sdpa"
+
+
+def test_memory_rows_compare_activations_and_peak(runs: dict[str, Path]) -> None:
+    for label, rep in _reports(runs).items():
+        for q in ("model_states_bytes", "activations_bytes", "states_plus_activations_bytes"):
+            row = _row(rep, q)
+            assert row.ok, (label, q, row.ratio)
+
+
+def test_step_time_is_calibrated_on_other_models_only(runs: dict[str, Path]) -> None:
+    for label, rep in _reports(runs).items():
+        assert rep.calibrated
+        fitted_on = rep.calibration.source
+        assert label not in fitted_on.replace("fitted to ", "").split(", "), fitted_on
+        assert len(rep.calibration.residuals) == 2  # the two other models' runs
+
+
+def test_a_planner_30_percent_off_in_activations_fails(
+    runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    honest = plan_memory.transformer_activation_bytes
+    monkeypatch.setattr(
+        plan_memory, "transformer_activation_bytes", lambda *a, **k: 1.3 * honest(*a, **k)
+    )
+    rep = _reports(runs)["gpt"]
+    assert not _row(rep, "activations_bytes").ok
+    assert not _row(rep, "states_plus_activations_bytes").ok
+    assert _row(rep, "model_states_bytes").ok  # the bug is in the activations only
+
+
+def test_a_run_calibrated_on_itself_is_refused(runs: dict[str, Path]) -> None:
+    res = CliRunner().invoke(
+        app, ["plan", "check", str(runs["gpt"]), "--calibrate-with", str(runs["gpt"])]
+    )
+    # A PlanError is a user error: `hpcml` prints its one sentence and exits 2 (test_plan_cli).
+    assert isinstance(res.exception, PlanError)
+    assert "calibrated on itself" in str(res.exception)
+
+
+def test_the_check_verb_prints_every_run(runs: dict[str, Path]) -> None:
+    res = CliRunner().invoke(
+        app, ["plan", "check", *map(str, runs.values()), "--leave-one-model-out", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    reports = json.loads(res.stdout)["reports"]
+    assert sorted(Path(r["run"]).name for r in reports) == sorted(runs)
+    one = CliRunner().invoke(app, ["plan", "check", str(runs["mlp"])])
+    assert one.exit_code == 0, one.output
+    assert "uncalibrated" in one.output and "activations_bytes" in one.output
