@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -25,6 +26,7 @@ from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
 from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.protocol import encode_request
 from hpcml.serve.testing import running_server
 
 ARGS = {"hidden": 8, "depth": 1, "input_shape": [2, 2]}
@@ -230,5 +232,11 @@ def test_no_request_makes_the_server_fail(client: httpx.Client) -> None:
         statuses.add(response.status_code)
 
     case_is_answered_below_500()
-    # The strategy is not vacuous: its cases reach answers and each kind of refusal.
-    assert {200, 400, 404, 413} <= statuses, statuses
+    # The strategy is not vacuous: its cases reach each kind of refusal. Whether a generated
+    # case is also valid varies with Hypothesis's generation (one CI run saw no 200 among the
+    # 1200), so a known-valid request checks the answer path with the same _check.
+    assert {400, 404, 413} <= statuses, statuses
+    valid = encode_request(np.zeros((3, 2, 2), dtype=np.float32))
+    response = client.post("/v2/models/digits/infer", json=valid)
+    _check(response)
+    assert response.status_code == 200, response.text
