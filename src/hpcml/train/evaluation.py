@@ -23,7 +23,8 @@ def evaluate_model(
 ) -> dict[str, float]:
     was_training = model.training
     model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=rt.device)  # loss, correct, count, batches
+    # loss, correct, positions (a token model scores each position), samples, batches
+    totals = torch.zeros(5, dtype=torch.float64, device=rt.device)
     for x, y, valid in loader:
         x = x.to(rt.device, non_blocking=True)
         y = y.to(rt.device, non_blocking=True)
@@ -39,7 +40,8 @@ def evaluate_model(
         totals[0] += (per_pos.double() * mask).sum()
         totals[1] += ((logits.argmax(dim=-1) == y).double() * mask).sum()
         totals[2] += mask.sum()
-        totals[3] += 1
+        totals[3] += valid.double().sum()
+        totals[4] += 1
     all_reduce_sum(rt, totals)
     totals /= rt.tp  # the ranks of one tensor-parallel group evaluate the same samples
     model.train(was_training)
@@ -48,6 +50,6 @@ def evaluate_model(
     return {
         "val_loss": values[0] / n,
         "val_accuracy": values[1] / n,
-        "val_samples": int(values[2]),
-        "val_batches_per_rank": int(round(values[3] / rt.dp_size)),
+        "val_samples": int(values[3]),
+        "val_batches_per_rank": int(round(values[4] / rt.dp_size)),
     }

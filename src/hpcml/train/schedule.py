@@ -36,11 +36,24 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total))
 
 
+def can_fuse(params: list) -> bool:  # type: ignore[type-arg]
+    """The fused kernels take a list of one tensor kind: all plain tensors or all DTensors.
+    Tensor parallelism over part of a model (sharded blocks, replicated embeddings) mixes the
+    two, and `aten._fused_adamw_` refuses the mix, so such a model steps with `foreach`."""
+    from torch.distributed.tensor import DTensor
+
+    flat = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    kinds = {isinstance(t, DTensor) for t in flat}
+    return len(kinds) <= 1
+
+
 def build_optimizer(
-    params: object, cfg: OptimConfig, world_size: int, fused: bool = True
+    params: object, cfg: OptimConfig, world_size: int, fused: bool | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD with the fused kernel (one kernel per step, and a step the Trainer can
-    skip on the device through `found_inf`, as GradScaler does)."""
+    """AdamW or SGD with the fused kernel where the parameters allow it (one kernel per step,
+    and a step the Trainer can skip on the device through `found_inf`, as GradScaler does)."""
+    params = list(params)  # type: ignore[call-overload]
+    fused = can_fuse(params) if fused is None else fused
     lr = cfg.lr * (world_size if cfg.scale_lr_with_world else 1)
     if cfg.name == "sgd":
         return torch.optim.SGD(
