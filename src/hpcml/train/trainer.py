@@ -276,7 +276,8 @@ class Trainer:
         self.guard.attach(
             self.model, self.out_dir, self.log, self.view.message if self.view is not None else None
         )
-        self.hooks.add(FaultHook(self.guard))
+        self.fault_hook = FaultHook(self.guard)
+        self.hooks.add(self.fault_hook)
         self.model.train()
 
     # --- one optimizer step ------------------------------------------------------------------
