@@ -41,7 +41,11 @@ def test_kill_9_at_random_points_of_checkpoint_writes_never_breaks_resume(tmp_pa
     root = run / "checkpoints"
     # A checkpoint every step, so most of the time is spent writing one; sync and background
     # (async) writes alternate between trials.
-    cfg = config_dict(train={"max_steps": 100_000, "checkpoint_every": 1, "keep_last": 2})
+    # One LR horizon for every trial and the final resume (a changed horizon is refused).
+    horizon = {"decay_steps": 100_000}
+    cfg = config_dict(
+        optim=horizon, train={"max_steps": 100_000, "checkpoint_every": 1, "keep_last": 2}
+    )
     partial_left = 0
     resumed_at: list[int] = []
     for trial in range(TRIALS):
@@ -77,7 +81,9 @@ def test_kill_9_at_random_points_of_checkpoint_writes_never_breaks_resume(tmp_pa
     # The real command resumes from what the last kill left and finishes.
     last = resumed_at[-1]
     config = write_config(
-        tmp_path / "c.yaml", train={"max_steps": last + 3, "checkpoint_every": 1, "keep_last": 2}
+        tmp_path / "c.yaml",
+        optim=horizon,
+        train={"max_steps": last + 3, "checkpoint_every": 1, "keep_last": 2},
     )
     done = run_train(config, run, "--resume", "auto")
     assert done.returncode == 0, done.stderr
@@ -88,7 +94,10 @@ def test_kill_9_at_random_points_of_checkpoint_writes_never_breaks_resume(tmp_pa
 
 def test_a_corrupted_checkpoint_is_reported_and_the_previous_one_used(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    first = run_engine(config_dict(train={"max_steps": 12, "checkpoint_every": 4}), run)
+    horizon = {"decay_steps": 14}  # both runs: a changed LR horizon is refused on resume
+    first = run_engine(
+        config_dict(optim=horizon, train={"max_steps": 12, "checkpoint_every": 4}), run
+    )
     assert first == ("ok", "finished")
     newest = run / "checkpoints" / "step-12"
     shard = next(newest.glob("*.distcp"))
@@ -96,7 +105,9 @@ def test_a_corrupted_checkpoint_is_reported_and_the_previous_one_used(tmp_path: 
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the sha256 can tell
     shard.write_bytes(bytes(data))
 
-    config = write_config(tmp_path / "c.yaml", train={"max_steps": 14, "checkpoint_every": 4})
+    config = write_config(
+        tmp_path / "c.yaml", optim=horizon, train={"max_steps": 14, "checkpoint_every": 4}
+    )
     again = run_train(config, run, "--resume", "auto")
     assert again.returncode == 0, again.stderr
     warning = [line for line in again.stderr.splitlines() if "sha256" in line]
