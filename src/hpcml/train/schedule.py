@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -36,7 +38,7 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total))
 
 
-def can_fuse(params: list) -> bool:  # type: ignore[type-arg]
+def can_fuse(params: list[Any]) -> bool:
     """The fused kernels take a list of one tensor kind: all plain tensors or all DTensors.
     Tensor parallelism over part of a model (sharded blocks, replicated embeddings) mixes the
     two, and `aten._fused_adamw_` refuses the mix, so such a model steps with `foreach`."""
@@ -48,23 +50,23 @@ def can_fuse(params: list) -> bool:  # type: ignore[type-arg]
 
 
 def build_optimizer(
-    params: object, cfg: OptimConfig, world_size: int, fused: bool | None = None
+    params: Iterable[Any], cfg: OptimConfig, world_size: int, fused: bool | None = None
 ) -> torch.optim.Optimizer:
     """AdamW or SGD with the fused kernel where the parameters allow it (one kernel per step,
     and a step the Trainer can skip on the device through `found_inf`, as GradScaler does)."""
-    params = list(params)  # type: ignore[call-overload]
+    params = list(params)
     fused = can_fuse(params) if fused is None else fused
     lr = cfg.lr * (world_size if cfg.scale_lr_with_world else 1)
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params,  # type: ignore[arg-type]
+            params,
             lr=lr,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
             fused=fused,
         )
     return torch.optim.AdamW(
-        params,  # type: ignore[arg-type]
+        params,
         lr=lr,
         betas=cfg.betas,
         eps=cfg.eps,
