@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from hpcml.cli import data as data_cli
 from hpcml.cli import launch as launch_cli
@@ -17,8 +20,58 @@ from hpcml.cli import train as train_cli
 from hpcml.cli.common import fail
 from hpcml.errors import HpcmlError
 
+# Numeric options that may be negative (none today): every other int or float option is
+# refused when negative, NaN or infinite, before the verb runs.
+SIGNED_OPTIONS: frozenset[tuple[str, str]] = frozenset()
+
+
+def _finite_non_negative(ctx: typer.Context, param: Any, value: Any) -> Any:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if number and (not math.isfinite(v) or v < 0):
+            raise typer.BadParameter(f"{v!r} is not allowed: give a finite number >= 0.")
+    return value
+
+
+def _guard_numbers(cmd: Any) -> None:
+    """Install the non-negative, finite check on every numeric parameter of the tree."""
+    for sub in getattr(cmd, "commands", {}).values():
+        _guard_numbers(sub)
+    for p in getattr(cmd, "params", []):
+        numeric = p.bare_type() in ("int", "float")
+        if numeric and p.callback is None and (cmd.name, p.name) not in SIGNED_OPTIONS:
+            p.callback = _finite_non_negative
+
+
+class HpcmlGroup(TyperGroup):
+    """Turns the errors a user can cause into one sentence and an exit code, for every verb,
+    whether run as `hpcml` or in-process (typer's CliRunner, the fuzz harness)."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        _guard_numbers(self)
+        return super().main(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except HpcmlError as exc:
+            if os.environ.get("RANK", "0") != "0":  # every rank sees the same error
+                raise SystemExit(exc.exit_code) from None
+            fail(exc.message, exc.exit_code)
+        except OSError as exc:
+            if exc.filename is None:
+                raise
+            # A path the user named that cannot be read or written (missing, a file where a
+            # folder is expected, no permission): the input is what is wrong.
+            where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+            fail(f"{where}: {exc.strerror or exc}; check the path and its permissions.", 2)
+        return None
+
+
 app = typer.Typer(
     name="hpcml",
+    cls=HpcmlGroup,
     help="Plan, feed, train, track, serve, watch and launch ML workloads on HPC hardware.",
     no_args_is_help=True,
     add_completion=False,
@@ -41,10 +94,6 @@ serve_cli.register(app)
 def main() -> None:
     try:
         app()
-    except HpcmlError as exc:
-        if os.environ.get("RANK", "0") != "0":  # every rank sees the same error; rank 0 tells it
-            raise SystemExit(exc.exit_code) from None
-        fail(exc.message, exc.exit_code)
     except KeyboardInterrupt:
         fail("interrupted.", 130)
 

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from hpcml.cli.common import console, err_console, print_json
+from hpcml.errors import ConfigError
 
 export_app = typer.Typer(help="Convert an exported model to other formats.", no_args_is_help=True)
 
@@ -102,7 +103,6 @@ def serve(
 
 def _check_port_free(host: str, port: int, option: str) -> None:
     """One clear sentence now, rather than a failed server startup after the models load."""
-    from hpcml.errors import ConfigError
     from hpcml.serve.app import bind_socket
 
     try:
@@ -201,6 +201,7 @@ def loadtest(
     from hpcml.serve.loadtest import loadtest as run
     from hpcml.serve.loadtest import plot_results
 
+    check_url(url)
     with Progress(
         TextColumn("[bold]loadtest"),
         BarColumn(),
@@ -237,6 +238,22 @@ def loadtest(
         _print_loadtest(result)
     if result.ok == 0:
         raise WorkFailed(f"no request to {result.url} succeeded (errors: {result.errors}).")
+
+
+def check_url(url: str) -> None:
+    """A server base URL: http(s)://host[:port][/path]; anything else is the input's fault."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises on a port that is not a number in 0..65535
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"'{url}' is not a server URL; pass http://HOST:PORT, e.g. http://127.0.0.1:8000."
+        )
+    del port
 
 
 def _print_loadtest(r: Any) -> None:

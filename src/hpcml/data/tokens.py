@@ -221,6 +221,12 @@ def prepare_pystdlib(
     """
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be between 0 and 1 (exclusive).")
+    try:  # before reading the corpus: an unusable --out fails in a moment, not after it
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(
+            f"--out {out} cannot be created ({exc.strerror or exc}); pass a folder you can write."
+        ) from None
     root = Path(sysconfig.get_paths()["stdlib"])
     files = pystdlib_files(root)
     if not files:
@@ -242,7 +248,6 @@ def prepare_pystdlib(
             break
     if not parts["val"] or not parts["train"]:
         raise DataError("the corpus is too small to split; raise --max-bytes or --val-fraction.")
-    out.mkdir(parents=True, exist_ok=True)
     sha: dict[str, str] = {}
     tokens: dict[str, int] = {}
     for split, name in (("train", TRAIN_FILE), ("val", VAL_FILE)):

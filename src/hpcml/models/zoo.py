@@ -180,10 +180,14 @@ def build_model(
     kwargs = {**spec.defaults, **(args or {})}
     try:
         model = spec.builder(**kwargs)
-    except TypeError as exc:
+    except (TypeError, ValueError, RuntimeError, ZeroDivisionError, AssertionError) as exc:
+        # A wrong name, a negative size, a head count that does not divide the width: the
+        # builder (ours or torch's layers) says what, the user needs to know where.
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(
-            f"model '{name}' cannot be built with arguments {kwargs} ({exc}); "
-            "check model.args against the builder's parameters."
+            f"model '{name}' cannot be built with arguments {kwargs} ({reason}); "
+            "check model.args against the builder's parameters (`hpcml model info "
+            f"{name}`)."
         ) from None
     if not isinstance(model, nn.Module):
         raise ModelError(

@@ -53,6 +53,11 @@ class Backend(Protocol):
 def export_dir_of(path: Path) -> Path:
     """An export folder, given it or the run folder holding it in `export/`."""
     path = Path(path)
+    if not path.is_dir():
+        state = "is a file" if path.exists() else "does not exist"
+        raise ModelError(
+            f"{path} {state}; pass a run folder or its export/ folder (model.json and weights)."
+        )
     if (path / "export" / "model.json").exists():
         return path / "export"
     return path

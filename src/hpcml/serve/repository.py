@@ -56,9 +56,10 @@ def resolve_model_source(path: str | Path, name: str | None = None) -> ModelSour
             "export", resolved.path, {served_name: {str(resolved.version): resolved.path}}
         )
     root = Path(path).expanduser()
-    if not root.exists():
+    if not root.is_dir():
+        state = "is a file, not a folder" if root.exists() else "does not exist"
         raise ModelError(
-            f"model path {root} does not exist; pass an export folder, a run folder or a "
+            f"model path {root} {state}; pass an export folder, a run folder or a "
             "model repository (NAME/VERSION/ folders)."
         )
     export = _export_dir(root)
