@@ -26,7 +26,8 @@ from tests.integration.test_track_registry import make_run
 
 from hpcml.serve.loadtest import wait_ready
 from hpcml.serve.protocol import encode_request_bytes
-from hpcml.track.registry import RegistryError, promote, register_run, resolve_model
+from hpcml.track.registry import RegistryError, promote, register_run
+from hpcml.track.resolve import resolve_model
 
 pytestmark = pytest.mark.timeout(400)
 

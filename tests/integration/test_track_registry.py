@@ -24,12 +24,11 @@ from hpcml.track.registry import (
     EXIT_NOT_PROMOTED,
     RegistryError,
     list_versions,
-    parse_model_uri,
     promote,
     promote_if_better,
     register_run,
-    resolve_model_uri,
 )
+from hpcml.track.resolve import parse_model_uri, resolve_model_uri
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -117,7 +117,8 @@ def test_train_run_is_tracked_and_registrable(store: str, client: Any, tmp_path:
     assert {"summary.json", "config.yaml", "run.jsonl", "export"} <= artifacts
 
     from hpcml.models.export import load_export
-    from hpcml.track.registry import register_run, resolve_model_uri
+    from hpcml.track.registry import register_run
+    from hpcml.track.resolve import resolve_model_uri
 
     info = register_run(run_dir, "digits-e2e", tracking_uri=store, alias="production")
     assert info["run_id"] == run_id

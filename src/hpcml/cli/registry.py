@@ -217,7 +217,7 @@ def resolve_cmd(
     json_out: bool = _json_option(),
 ) -> None:
     """Print the local export folder a registry URI points at (what `hpcml serve` loads)."""
-    from hpcml.track.registry import resolve_model
+    from hpcml.track.resolve import resolve_model
 
     found = resolve_model(uri, tracking_uri=tracking_uri)
     if json_out:

@@ -104,7 +104,7 @@ class AliasFollower:
 
     async def check_once(self) -> bool:
         """Deploy the version the alias points at if it changed; True when it did."""
-        from hpcml.track.registry import resolve_model
+        from hpcml.track.resolve import resolve_model
 
         target = await asyncio.to_thread(self._alias_version)
         if target in (self.version, self.skipped):
@@ -126,7 +126,7 @@ class AliasFollower:
         return True
 
     def _alias_version(self) -> str:
-        from hpcml.track.registry import alias_version
+        from hpcml.track.resolve import alias_version
 
         return alias_version(self.uri, self.tracking_uri)
 
@@ -136,7 +136,7 @@ def follow(
 ) -> AliasFollower:
     """Attach a follower of the registry URI `path` to a router built from it."""
     from hpcml.errors import ConfigError
-    from hpcml.track.registry import parse_model_uri
+    from hpcml.track.resolve import parse_model_uri
 
     if not str(path).startswith("models:/") or parse_model_uri(str(path))[1] is None:
         raise ConfigError(

@@ -48,7 +48,7 @@ def resolve_model_source(path: str | Path, name: str | None = None) -> ModelSour
     """
     if str(path).startswith("models:"):
         # A registered model (MLflow registry): `models:/NAME@ALIAS`, `models:/NAME/VERSION`.
-        from hpcml.track.registry import resolve_model
+        from hpcml.track.resolve import resolve_model
 
         resolved = resolve_model(str(path))
         served_name = name or resolved.name
