@@ -24,6 +24,10 @@ class ModelConfig(_Section):
     """A zoo name (`hpcml model list`) or an import path `mypkg.models:build`."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the model builder."""
+    init_from: str | None = None
+    """Start from the weights of a full export (a run folder, its `export/` folder or the
+    `model.safetensors` in it) instead of a fresh initialisation: fine-tuning. Each rank reads
+    only its shards."""
 
 
 class DataConfig(_Section):
@@ -84,6 +88,10 @@ class TrainConfig(_Section):
     it every 10 steps); null turns time-based checkpoints off."""
     keep_last: int = Field(3, gt=0)
     grad_accum: int = Field(1, gt=0)
+    global_batch: int | None = Field(None, gt=0)
+    """Samples per optimizer step over all processes. When set, grad_accum is derived from it:
+    global_batch / (data.batch_size x data-parallel processes), which must be a whole number;
+    a resume on another number of processes then keeps the same optimization."""
     seed: int = 0
     deterministic: bool = False
     log_every: int = Field(10, gt=0)

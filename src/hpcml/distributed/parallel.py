@@ -114,9 +114,13 @@ def parallelize(
     cfg: ParallelConfig,
     train: TrainConfig | None = None,
     precision: str = "fp32",
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
-    the data-parallel strategy. A single process gets AC and compile only."""
+    the data-parallel strategy. A single process gets AC and compile only.
+
+    A model on the meta device is given storage by `materialize` once it is sharded: after
+    FSDP (each rank allocates its shards only), before DDP (which broadcasts real tensors)."""
     train = train or TrainConfig()
     check_parallel(model, rt.world_size, rt.tp, cfg, precision)
     mesh: DeviceMesh | None = None
@@ -126,13 +130,15 @@ def parallelize(
     apply_ac(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)
-    if rt.dp_size == 1:
-        return model
-    if cfg.strategy in ("ddp", "zero1"):
+    replicated = rt.dp_size == 1 or cfg.strategy in ("ddp", "zero1")
+    if not replicated:
+        mesh = mesh or build_mesh(rt)
+        dp_mesh = mesh["dp"] if rt.tp > 1 else mesh
+        apply_fsdp(model, dp_mesh, cfg.strategy != "zero2", mixed_precision_policy(precision))
+    if materialize is not None:
+        materialize(model)
+    if rt.dp_size > 1 and cfg.strategy in ("ddp", "zero1"):
         return apply_ddp(model, rt, cfg)
-    mesh = mesh or build_mesh(rt)
-    dp_mesh = mesh["dp"] if rt.tp > 1 else mesh
-    apply_fsdp(model, dp_mesh, cfg.strategy != "zero2", mixed_precision_policy(precision))
     return model
 
 

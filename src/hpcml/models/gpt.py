@@ -142,20 +142,26 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.emb.tok.weight
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the projections that write into the residual stream.
         for name, p in self.named_parameters():
-            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            self.init_parameter(name, p.data)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+    def init_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
+    ) -> None:
+        """Fill the parameter called `name` (as `named_parameters` spells it) by GPT-2's rules:
+        norms 1 / 0, biases 0, weights and embeddings N(0, 0.02), and the projections that write
+        into the residual stream N(0, 0.02 / sqrt(2 n_layer)). Meta-device initialisation
+        (`hpcml.distributed.meta_init`) calls it per parameter with a generator of its own."""
+        with torch.no_grad():
+            if "norm." in name and name.endswith("weight"):
+                nn.init.ones_(tensor)
+            elif name.endswith("bias"):
+                nn.init.zeros_(tensor)
+            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+                nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
+            else:
+                nn.init.normal_(tensor, mean=0.0, std=0.02, generator=generator)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
