@@ -63,6 +63,9 @@ class OptimConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    decay_norms_biases_embeddings: bool = False
+    """With weight_decay > 0: also decay norm weights, biases and embedding tables (by default
+    they form a parameter group without decay, as in GPT-3 and LLaMA training)."""
     momentum: float = Field(0.9, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)

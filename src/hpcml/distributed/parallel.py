@@ -151,8 +151,15 @@ def shard_optimizer(
         return optimizer
     accepted = inspect.signature(type(optimizer).__init__).parameters
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **settings)
+    # Groups keep their own settings (e.g. no weight decay on norms, biases, embeddings).
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k in accepted and k != "params"},
+            "params": list(g["params"]),
+        }
+        for g in optimizer.param_groups
+    ]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **settings)
 
 
 def grad_scaler(precision: Precision, cfg: ParallelConfig, rt: Runtime) -> torch.amp.GradScaler:

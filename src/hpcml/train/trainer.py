@@ -47,7 +47,7 @@ from hpcml.train.fault_hook import FaultHook
 from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
-from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon
+from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon, param_groups
 from hpcml.train.summary import build_summary, seed_everything
 from hpcml.train.validate import resolve
 
@@ -181,7 +181,7 @@ class Trainer:
         self.flops_per_sample = built.flops_per_sample
         # Saved activations of one sampled forward, measured beside the planner's prediction.
         self.probe = memprobe.SavedActivationProbe(self.model)
-        optimizer = build_optimizer(self.model.parameters(), cfg.optim, rt.dp_size)
+        optimizer = build_optimizer(param_groups(self.model, cfg.optim), cfg.optim, rt.dp_size)
         self.optimizer = shard_optimizer(optimizer, self.model, rt, cfg.parallel)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.scaler = grad_scaler(self.precision, cfg.parallel, rt)
