@@ -5,6 +5,8 @@
   simple_cnn (per-module `reset_parameters`, BatchNorm buffers), whatever the global RNG holds;
 - `model.init_from` loads a full export into a zero3- and a tp-sharded gpt exactly as one
   process loads it;
+- under tp=2 the logits stay vocabulary-sharded and the cross-entropy is loss-parallel, with one
+  process's loss and gradient;
 - the FLOPs in summary.json are counted on meta: the CNN/MLP numbers are today's, and gpt's
   equal an independent count of its matmuls (see `test_flops_counted_on_meta`).
 
@@ -15,6 +17,7 @@ one launch of 2 processes runs every 2-process scenario and writes rank 0's gath
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +29,11 @@ from safetensors.torch import load_file, save_file
 
 from hpcml.config import load_config
 from hpcml.data.tokens import prepare_pystdlib
-from hpcml.distributed.parallel import full_state_dict
+from hpcml.distributed.parallel import full_state_dict, local_value, loss_context
 from hpcml.distributed.runtime import Runtime, init_runtime, shutdown
 from hpcml.models.zoo import build_model, forward_flops_per_sample, get_spec
 from hpcml.train.build import build_training_model
+from hpcml.train.losses import cross_entropy
 from hpcml.train.validate import resolve
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -56,11 +60,26 @@ SCENARIOS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def built_state(config: Path, overrides: list[str], rt: Runtime) -> dict[str, torch.Tensor]:
-    """The whole model as set-up leaves it (rank 0; other ranks get {})."""
+def built_state(
+    config: Path, overrides: list[str], rt: Runtime, probe: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole model as set-up leaves it (rank 0; other ranks get {}). With `probe`, also one
+    loss and its backward on a fixed batch, and the kind of logits the model returned."""
     cfg = load_config(config, overrides)
     rt = dataclasses.replace(rt, tp=cfg.parallel.tp)
     built = build_training_model(cfg, rt, resolve(cfg, rt.world_size))
+    if probe is not None:
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 256, (2, 33), generator=gen) for _ in range(2))
+        with loss_context(built.model):
+            logits = built.model(x)
+            loss = cross_entropy(logits, y)
+            loss.backward()
+        probe["loss"] = float(local_value(loss))
+        probe["logits"] = [type(logits).__name__, str(getattr(logits, "placements", None))]
+        probe["local_vocab"] = int(getattr(logits, "_local_tensor", logits).shape[-1])
+        head = built.model.lm_head.weight.grad  # type: ignore[union-attr]
+        probe["head_grad_norm"] = float(getattr(head, "full_tensor", lambda: head)().norm())
     return {k: v.detach().clone() for k, v in full_state_dict(built.model).items()}
 
 
@@ -69,9 +88,12 @@ def worker(root: Path) -> None:
     torch.manual_seed(1000 + rt.rank)  # the global RNG differs per rank: init must not use it
     for name, (family, overrides) in SCENARIOS.items():
         given = [o.format(export=root / "export") for o in overrides]
-        state = built_state(root / f"{family}.yaml", given, rt)
+        probe: dict[str, Any] = {}
+        state = built_state(root / f"{family}.yaml", given, rt, probe if name == "gpt_tp" else None)
         if rt.is_main:
             save_file(state, str(root / f"{name}.safetensors"))
+            if probe:
+                (root / "tp_probe.json").write_text(json.dumps(probe))
     shutdown(rt, clean=True)
 
 
@@ -108,6 +130,10 @@ def one_process(root: Path, family: str, *overrides: str) -> dict[str, torch.Ten
     return built_state(root / f"{family}.yaml", list(overrides), rt)
 
 
+def one_process_probe(root: Path, probe: dict[str, Any]) -> None:
+    built_state(root / "gpt.yaml", [], Runtime(0, 0, 1, 1, torch.device("cpu"), None), probe)
+
+
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(want)
     for k in want:
@@ -130,6 +156,21 @@ def test_initial_weights_do_not_depend_on_layout(
     other = one_process(root, family, "train.seed=8")
     weights = [k for k in want if k.endswith("weight") and want[k].std() > 0]
     assert all(not torch.equal(other[k], want[k]) for k in weights)
+
+
+def test_tp_cross_entropy_is_loss_parallel(
+    root: Path, two_process: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """Under tp=2 the logits stay sharded by vocabulary (each rank 128 of 256 columns) and the
+    loss-parallel cross-entropy gives one process's loss and head gradient."""
+    probe = json.loads((root / "tp_probe.json").read_text())
+    assert probe["logits"] == ["DTensor", "(Shard(dim=2),)"] and probe["local_vocab"] == 128
+    single: dict[str, Any] = {}
+    one_process_probe(root, single)
+    # fp32 log-sum-exp over 256 logits in two halves vs one pass: a few ulps (~1e-7 relative).
+    assert probe["loss"] == pytest.approx(single["loss"], rel=1e-6)
+    assert probe["head_grad_norm"] == pytest.approx(single["head_grad_norm"], rel=1e-5)
+    assert single["logits"][0] == "Tensor" and single["local_vocab"] == 256
 
 
 def test_cnn_buffers_initialised(root: Path) -> None:

@@ -46,7 +46,7 @@ from hpcml.distributed.wrapping import apply_ac, apply_compile, apply_fsdp, mixe
 from hpcml.errors import ConfigError
 
 SHARDED = ("zero2", "zero3", "fsdp")
-TP_PLANS: dict[str, Callable[[nn.Module, DeviceMesh, bool], None]] = {
+TP_PLANS: dict[str, Callable[[nn.Module, DeviceMesh, bool, bool], None]] = {
     "gpt": parallelize_gpt.apply_tp,
 }
 """Model family (a model's `family` attribute) -> its tensor-parallel plan."""
@@ -126,7 +126,12 @@ def parallelize(
     mesh: DeviceMesh | None = None
     if rt.tp > 1:
         mesh = build_mesh(rt)
-        TP_PLANS[str(getattr(model, "family", None))](model, mesh["tp"], cfg.sequence_parallel)
+        # Our cross-entropy runs loss-parallel on vocabulary-sharded logits; a user's loss
+        # (train.loss: pkg.mod:fn) gets them whole.
+        loss_parallel = train.loss == "cross_entropy"
+        TP_PLANS[str(getattr(model, "family", None))](
+            model, mesh["tp"], cfg.sequence_parallel, loss_parallel
+        )
     apply_ac(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)
@@ -169,6 +174,21 @@ def grad_scaler(precision: Precision, cfg: ParallelConfig, rt: Runtime) -> torch
 
         return ShardedGradScaler(precision.device_type)
     return precision.make_scaler()
+
+
+def loss_context(model: nn.Module) -> AbstractContextManager[None]:
+    """`loss_parallel()` when the model's logits are vocabulary-sharded (see `apply_tp`): the
+    loss and its backward must both run inside it."""
+    if getattr(unwrap(model), "loss_parallel", False):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss-parallel loss) as the plain tensor every rank holds."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def unwrap(model: nn.Module) -> nn.Module:

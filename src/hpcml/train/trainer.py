@@ -22,6 +22,8 @@ from hpcml.distributed.parallel import (
     clip_grad_norm,
     grad_scaler,
     local_grad_norm,
+    local_value,
+    loss_context,
     no_sync,
     shard_optimizer,
 )
@@ -316,15 +318,16 @@ class Trainer:
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             if self.cfg.train.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
-            with (
-                no_sync(self.model, skip=micro < accum - 1),
-                self.precision.autocast(),
-                self.hooks.forward(self),
-                self.probe.sample(micro == 0),  # one sampled forward per run
-            ):
-                loss = self.loss_fn(self.model(x), y) / accum
-            self.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+            with loss_context(self.model):  # loss-parallel TP: loss and backward inside
+                with (
+                    no_sync(self.model, skip=micro < accum - 1),
+                    self.precision.autocast(),
+                    self.hooks.forward(self),
+                    self.probe.sample(micro == 0),  # one sampled forward per run
+                ):
+                    loss = self.loss_fn(self.model(x), y) / accum
+                self.scaler.scale(loss).backward()
+            loss_sum += local_value(loss.detach())
         return loss_sum, data_wait
 
     def optimizer_step(self, skip_on_device: bool = False) -> float:
