@@ -47,13 +47,16 @@ def test_resume_from_2_to_1_process_keeps_the_optimization(tmp_path: Path) -> No
         assert got[step] == pytest.approx(want[step], abs=1e-5), (step, got, want)
 
 
-def test_global_batch_not_divisible_is_one_sentence(tmp_path: Path) -> None:
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_global_batch_not_divisible_is_one_sentence(tmp_path: Path, nproc: str) -> None:
+    """With --nproc 2 the parent refuses before torchrun starts (no worker, no folder)."""
     config = tmp_path / "mlp.yaml"
     config.write_text(CONFIG)
-    proc = run_hpcml(
-        "train", str(config), "train.global_batch=36", "--run-dir", str(tmp_path / "r"), check=False
-    )
+    run = tmp_path / "r"
+    args = ["train", str(config), "train.global_batch=36", "--run-dir", str(run), "--nproc", nproc]
+    proc = run_hpcml(*args, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert "train.global_batch 36 is not a multiple of data.batch_size 8" in proc.stderr
+    want = f"train.global_batch 36 is not a multiple of data.batch_size 8 x {nproc} data-parallel"
+    assert want in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "r").exists()
+    assert not run.exists()
