@@ -142,6 +142,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert torch.equal(got[k], want[k]), f"{k}: max diff {(got[k] - want[k]).abs().max()}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_ddp", "gpt_zero3_ac", "gpt_tp", "cnn_ddp", "cnn_zero3_ac"])
 def test_initial_weights_do_not_depend_on_layout(
     root: Path, two_process: dict[str, dict[str, torch.Tensor]], name: str
@@ -158,6 +159,7 @@ def test_initial_weights_do_not_depend_on_layout(
     assert all(not torch.equal(other[k], want[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_tp_cross_entropy_is_loss_parallel(
     root: Path, two_process: dict[str, dict[str, torch.Tensor]]
 ) -> None:
@@ -183,6 +185,7 @@ def test_cnn_buffers_initialised(root: Path) -> None:
     assert all(torch.equal(v, torch.ones_like(v)) for v in variances)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_zero3_from", "gpt_tp_from"])
 def test_init_from_export_into_shards(
     root: Path, two_process: dict[str, dict[str, torch.Tensor]], name: str
