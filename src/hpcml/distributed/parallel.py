@@ -115,20 +115,20 @@ def parallelize(
     train: TrainConfig | None = None,
     precision: str = "fp32",
     materialize: Callable[[nn.Module], None] | None = None,
+    loss_parallel: bool = False,
 ) -> nn.Module:
     """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
     the data-parallel strategy. A single process gets AC and compile only.
 
     A model on the meta device is given storage by `materialize` once it is sharded: after
-    FSDP (each rank allocates its shards only), before DDP (which broadcasts real tensors)."""
+    FSDP (each rank allocates its shards only), before DDP (which broadcasts real tensors).
+    `loss_parallel` keeps a TP model's logits vocabulary-sharded; the caller then computes the
+    loss and its backward inside `loss_context(model)`."""
     train = train or TrainConfig()
     check_parallel(model, rt.world_size, rt.tp, cfg, precision)
     mesh: DeviceMesh | None = None
     if rt.tp > 1:
         mesh = build_mesh(rt)
-        # Our cross-entropy runs loss-parallel on vocabulary-sharded logits; a user's loss
-        # (train.loss: pkg.mod:fn) gets them whole.
-        loss_parallel = train.loss == "cross_entropy"
         TP_PLANS[str(getattr(model, "family", None))](
             model, mesh["tp"], cfg.sequence_parallel, loss_parallel
         )

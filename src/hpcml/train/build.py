@@ -60,7 +60,11 @@ def build_training_model(cfg: RunConfig, rt: Runtime, res: Any) -> BuiltModel:
         elif init_from is not None:
             meta_init.load_full_export(m, init_from)
 
-    model = parallelize(model, rt, cfg.parallel, cfg.train, cfg.precision, materialize)
+    # Our cross-entropy runs loss-parallel under TP; a user's train.loss gets whole logits.
+    loss_parallel = cfg.train.loss == "cross_entropy"
+    model = parallelize(
+        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel
+    )
     return BuiltModel(model, n_params, flops, on_meta)
 
 
