@@ -25,6 +25,10 @@ class ModelConfig(_Section):
     """A zoo name (`hpcml model list`) or an import path `mypkg.models:build`."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the model builder."""
+    init_from: str | None = None
+    """Start from the weights of a full export (a run folder, its `export/` folder or the
+    `model.safetensors` in it) instead of a fresh initialisation: fine-tuning. Each rank reads
+    only its shards."""
 
 
 class DataConfig(_Section):
@@ -60,6 +64,9 @@ class OptimConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    decay_norms_biases_embeddings: bool = False
+    """With weight_decay > 0: also decay norm weights, biases and embedding tables (by default
+    they form a parameter group without decay, as in GPT-3 and LLaMA training)."""
     momentum: float = Field(0.9, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
@@ -85,6 +92,10 @@ class TrainConfig(_Section):
     it every 10 steps); null turns time-based checkpoints off."""
     keep_last: int = Field(3, gt=0)
     grad_accum: int = Field(1, gt=0)
+    global_batch: int | None = Field(None, gt=0)
+    """Samples per optimizer step over all processes. When set, grad_accum is derived from it:
+    global_batch / (data.batch_size x data-parallel processes), which must be a whole number;
+    a resume on another number of processes then keeps the same optimization."""
     seed: int = 0
     deterministic: bool = False
     log_every: int = Field(10, gt=0)

@@ -39,9 +39,23 @@ def test_named_sizes_parameter_count_matches_formula(size: str) -> None:
 
 def test_gpt2_small_is_124m_and_tied() -> None:
     with torch.device("meta"):
-        model = build_model("gpt2-small", {})
+        model = build_model("gpt2-small", {"vocab_multiple": 1})
+        padded = build_model("gpt2-small", {})
     assert count_parameters(model) == 124_439_808  # GPT-2 small with tied embeddings
     assert model.lm_head.weight is model.emb.tok.weight
+    # The default pads the 50257-token table to 50304 rows (a multiple of 64), as nanoGPT does.
+    assert count_parameters(padded) == 124_439_808 + (50304 - 50257) * 768
+
+
+def test_padded_vocabulary_ids_never_win() -> None:
+    torch.manual_seed(0)
+    model = gpt.build_gpt(**dict(gpt.SIZES["gpt-tiny"], vocab_size=100))
+    assert model.emb.tok.weight.shape[0] == 128 and model.lm_head.weight.shape[0] == 128
+    with torch.no_grad():
+        model.emb.tok.weight[100:] = 1e4  # tied head: padding rows would dominate every logit
+    logits = model(torch.randint(0, 100, (2, 16)))
+    assert logits.shape == (2, 16, 100)
+    assert torch.isfinite(logits).all() and logits.abs().max() < 1e3
 
 
 def test_untied_and_swiglu_variants() -> None:

@@ -46,7 +46,7 @@ from hpcml.distributed.wrapping import apply_ac, apply_compile, apply_fsdp, mixe
 from hpcml.errors import ConfigError
 
 SHARDED = ("zero2", "zero3", "fsdp")
-TP_PLANS: dict[str, Callable[[nn.Module, DeviceMesh, bool], None]] = {
+TP_PLANS: dict[str, Callable[[nn.Module, DeviceMesh, bool, bool], None]] = {
     "gpt": parallelize_gpt.apply_tp,
 }
 """Model family (a model's `family` attribute) -> its tensor-parallel plan."""
@@ -114,25 +114,36 @@ def parallelize(
     cfg: ParallelConfig,
     train: TrainConfig | None = None,
     precision: str = "fp32",
+    materialize: Callable[[nn.Module], None] | None = None,
+    loss_parallel: bool = False,
 ) -> nn.Module:
     """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
-    the data-parallel strategy. A single process gets AC and compile only."""
+    the data-parallel strategy. A single process gets AC and compile only.
+
+    A model on the meta device is given storage by `materialize` once it is sharded: after
+    FSDP (each rank allocates its shards only), before DDP (which broadcasts real tensors).
+    `loss_parallel` keeps a TP model's logits vocabulary-sharded; the caller then computes the
+    loss and its backward inside `loss_context(model)`."""
     train = train or TrainConfig()
     check_parallel(model, rt.world_size, rt.tp, cfg, precision)
     mesh: DeviceMesh | None = None
     if rt.tp > 1:
         mesh = build_mesh(rt)
-        TP_PLANS[str(getattr(model, "family", None))](model, mesh["tp"], cfg.sequence_parallel)
+        TP_PLANS[str(getattr(model, "family", None))](
+            model, mesh["tp"], cfg.sequence_parallel, loss_parallel
+        )
     apply_ac(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)
-    if rt.dp_size == 1:
-        return model
-    if cfg.strategy in ("ddp", "zero1"):
+    replicated = rt.dp_size == 1 or cfg.strategy in ("ddp", "zero1")
+    if not replicated:
+        mesh = mesh or build_mesh(rt)
+        dp_mesh = mesh["dp"] if rt.tp > 1 else mesh
+        apply_fsdp(model, dp_mesh, cfg.strategy != "zero2", mixed_precision_policy(precision))
+    if materialize is not None:
+        materialize(model)
+    if rt.dp_size > 1 and cfg.strategy in ("ddp", "zero1"):
         return apply_ddp(model, rt, cfg)
-    mesh = mesh or build_mesh(rt)
-    dp_mesh = mesh["dp"] if rt.tp > 1 else mesh
-    apply_fsdp(model, dp_mesh, cfg.strategy != "zero2", mixed_precision_policy(precision))
     return model
 
 
@@ -145,8 +156,15 @@ def shard_optimizer(
         return optimizer
     accepted = inspect.signature(type(optimizer).__init__).parameters
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **settings)
+    # Groups keep their own settings (e.g. no weight decay on norms, biases, embeddings).
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k in accepted and k != "params"},
+            "params": list(g["params"]),
+        }
+        for g in optimizer.param_groups
+    ]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **settings)
 
 
 def grad_scaler(precision: Precision, cfg: ParallelConfig, rt: Runtime) -> torch.amp.GradScaler:
@@ -156,6 +174,21 @@ def grad_scaler(precision: Precision, cfg: ParallelConfig, rt: Runtime) -> torch
 
         return ShardedGradScaler(precision.device_type)
     return precision.make_scaler()
+
+
+def loss_context(model: nn.Module) -> AbstractContextManager[None]:
+    """`loss_parallel()` when the model's logits are vocabulary-sharded (see `apply_tp`): the
+    loss and its backward must both run inside it."""
+    if getattr(unwrap(model), "loss_parallel", False):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss-parallel loss) as the plain tensor every rank holds."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def unwrap(model: nn.Module) -> nn.Module:

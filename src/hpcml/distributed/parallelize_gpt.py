@@ -38,17 +38,34 @@ def check_tp(model: nn.Module, tp: int) -> None:
             )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def can_loss_parallel(model: nn.Module) -> bool:
+    """Loss-parallel cross-entropy needs the head's columns to be exactly the vocabulary: with
+    padded rows (`vocab_multiple`) the model cuts the logits, which a vocabulary-sharded
+    DTensor would first have to gather."""
+    cfg: Any = model.cfg  # type: ignore[assignment]
+    return bool(cfg.padded_vocab == cfg.vocab_size)
+
+
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool = False
+) -> None:
     """Shard every block's attention and MLP, the token embedding (by vocabulary rows) and the
-    output head (by vocabulary columns) over `tp_mesh`; logits come out whole on every rank."""
+    output head (by vocabulary columns) over `tp_mesh`. With `loss_parallel` the logits stay
+    sharded by vocabulary (a DTensor, Shard(-1)) for `torch.distributed.tensor.parallel.
+    loss_parallel`'s cross-entropy, so no rank gathers the (B, T, vocab) logits; otherwise they
+    come out whole on every rank. Sets `model.loss_parallel` to say which."""
     check_tp(model, tp_mesh.size())
     tied = model.lm_head.weight is model.emb.tok.weight  # type: ignore[union-attr]
     seq = Shard(1)
     residual = seq if sequence_parallel else Replicate()
-    top: dict[str, Any] = {
-        "emb.tok": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
-    }
+    loss_parallel = loss_parallel and can_loss_parallel(model)
+    head = (
+        ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+        if loss_parallel
+        else ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+    )
+    model.loss_parallel = loss_parallel  # type: ignore[assignment]
+    top: dict[str, Any] = {"emb.tok": RowwiseParallel(input_layouts=Replicate()), "lm_head": head}
     if sequence_parallel:
         # Positions are added to the whole sequence, then each rank keeps its slice (no comm).
         top["emb"] = PrepareModuleOutput(

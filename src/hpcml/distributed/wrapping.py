@@ -80,5 +80,7 @@ def apply_fsdp(
     for i, (parent, name) in enumerate(found):
         # The last unit's parameters are needed again at once by backward: keep them gathered.
         keep = reshard_after_forward and i < len(found) - 1
-        fully_shard(getattr(parent, name), mesh=mesh, reshard_after_forward=keep, mp_policy=mp_policy)
+        fully_shard(
+            getattr(parent, name), mesh=mesh, reshard_after_forward=keep, mp_policy=mp_policy
+        )
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)

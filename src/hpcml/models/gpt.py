@@ -29,6 +29,13 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = True
+    vocab_multiple: int = 64
+    """Token table and output head get `padded_vocab` rows: a multiple of this (matmul kernels
+    and tensor-parallel splits want round sizes). Logits of the padding ids are cut off."""
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.vocab_multiple * math.ceil(self.vocab_size / self.vocab_multiple)
 
     @property
     def head_dim(self) -> int:
@@ -113,7 +120,7 @@ class Embeddings(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok = nn.Embedding(cfg.padded_vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -128,6 +135,12 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        if cfg.vocab_multiple < 1:
+            from hpcml.errors import ModelError
+
+            raise ModelError(
+                f"gpt vocab_multiple {cfg.vocab_multiple} must be at least 1 (1: no padding)."
+            )
         if cfg.d_model % cfg.n_head:
             from hpcml.errors import ModelError
 
@@ -139,29 +152,39 @@ class GPT(nn.Module):
         self.emb = Embeddings(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.emb.tok.weight
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the projections that write into the residual stream.
         for name, p in self.named_parameters():
-            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            self.init_parameter(name, p.data)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+    def init_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
+    ) -> None:
+        """Fill the parameter called `name` (as `named_parameters` spells it) by GPT-2's rules:
+        norms 1 / 0, biases 0, weights and embeddings N(0, 0.02), and the projections that write
+        into the residual stream N(0, 0.02 / sqrt(2 n_layer)). Meta-device initialisation
+        (`hpcml.distributed.meta_init`) calls it per parameter with a generator of its own."""
+        with torch.no_grad():
+            if "norm." in name and name.endswith("weight"):
+                nn.init.ones_(tensor)
+            elif name.endswith("bias"):
+                nn.init.zeros_(tensor)
+            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+                nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
+            else:
+                nn.init.normal_(tensor, mean=0.0, std=0.02, generator=generator)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.norm(x))  # type: ignore[no-any-return]
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        if self.cfg.padded_vocab != self.cfg.vocab_size:
+            # Padding ids are never a target nor a prediction: drop their columns.
+            logits = logits[..., : self.cfg.vocab_size]
+        return logits
 
 
 def build_gpt(**kwargs: Any) -> GPT:
@@ -185,12 +208,12 @@ def matmul_parameters(cfg: GPTConfig) -> int:
     model_params = parameters(cfg)
     excluded = cfg.max_seq_len * cfg.d_model
     if not cfg.tie_embeddings:
-        excluded += cfg.vocab_size * cfg.d_model
+        excluded += cfg.padded_vocab * cfg.d_model
     return model_params - excluded
 
 
 def parameters(cfg: GPTConfig) -> int:
-    d, v, h, n = cfg.d_model, cfg.vocab_size, cfg.mlp_hidden, cfg.n_layer
+    d, v, h, n = cfg.d_model, cfg.padded_vocab, cfg.mlp_hidden, cfg.n_layer
     b = 1 if cfg.bias else 0
     attn = 4 * (d * d + b * d)
     mlp_in = (2 if cfg.mlp == "swiglu" else 1) * (d * h + b * h)

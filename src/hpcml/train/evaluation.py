@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hpcml.distributed.runtime import Runtime, all_reduce_sum
 
@@ -33,6 +34,8 @@ def evaluate_model(
             x = x.contiguous(memory_format=torch.channels_last)
         with precision.autocast():
             logits = model(x)
+        if isinstance(logits, DTensor):  # loss-parallel TP: vocabulary-sharded logits
+            logits = logits.full_tensor()
         per_pos = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none"
         ).reshape(y.shape)

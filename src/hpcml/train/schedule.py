@@ -7,8 +7,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from hpcml.config import OptimConfig
+
+_NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.modules.batchnorm._NormBase,  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
+)
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -47,6 +56,26 @@ def can_fuse(params: list[Any]) -> bool:
     flat = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     kinds = {isinstance(t, DTensor) for t in flat}
     return len(kinds) <= 1
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[Any]:
+    """The trainable parameters of `model` for the optimizer. With weight decay on and
+    optim.decay_norms_biases_embeddings false: two groups, the second (norm and embedding
+    parameters, biases, any parameter of fewer than 2 dims) with weight_decay 0. Otherwise one
+    plain list (so checkpoints of runs without decay keep their single group). Modules are
+    recognised through FSDP2's and DDP's wrappers (FSDP2 subclasses them; DDP holds them)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.weight_decay == 0 or cfg.decay_norms_biases_embeddings:
+        return params
+    exempt: set[int] = set()
+    for m in model.modules():
+        for name, p in m.named_parameters(recurse=False):
+            if isinstance(m, _NO_DECAY_MODULES) or name == "bias" or p.ndim < 2:
+                exempt.add(id(p))
+    decay = [p for p in params if id(p) not in exempt]
+    no_decay = [p for p in params if id(p) in exempt]
+    groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(

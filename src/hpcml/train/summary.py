@@ -42,8 +42,11 @@ def build_summary(t: Any) -> dict[str, Any]:
     memory["peak_allocated_bytes"] = (
         int(torch.cuda.max_memory_allocated(rt.device)) if rt.device.type == "cuda" else None
     )
-    memory["peak_rss_bytes"] = peak_rss_bytes()
-    memory["setup_peak_rss_bytes"] = getattr(t, "setup_peak_rss_bytes", None)
+    setup_memory = getattr(t, "setup_memory", None)
+    memory["peak_rss_bytes"] = (
+        setup_memory.process_peak_bytes() if setup_memory is not None else peak_rss_bytes()
+    )
+    memory.update(getattr(t, "setup_rss", {}))  # setup_peak_rss_bytes, setup_rss_growth_bytes
     memory.update(t.probe.result(rt.device))  # saved activations of the sampled forward
     per_rank = all_gather_object(rt, memory)
     weights = full_state_dict(t.model)  # a collective: every rank gathers its shards

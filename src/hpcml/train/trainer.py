@@ -22,8 +22,9 @@ from hpcml.distributed.parallel import (
     clip_grad_norm,
     grad_scaler,
     local_grad_norm,
+    local_value,
+    loss_context,
     no_sync,
-    parallelize,
     shard_optimizer,
 )
 from hpcml.distributed.precision import setup_precision
@@ -36,19 +37,20 @@ from hpcml.distributed.runtime import (
     shutdown,
 )
 from hpcml.errors import HpcmlError, Preempted
-from hpcml.models.zoo import build_model, count_parameters, forward_flops_per_sample, get_spec
+from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
 from hpcml.train import checkpoint as ckpt
 from hpcml.train import memprobe, mfu, rundir
+from hpcml.train.build import SetupMemory, build_training_model
 from hpcml.train.evaluation import evaluate_model
 from hpcml.train.fault import FaultGuard
 from hpcml.train.fault_hook import FaultHook
 from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
-from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon
-from hpcml.train.summary import build_summary, peak_rss_bytes, seed_everything
+from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon, param_groups
+from hpcml.train.summary import build_summary, seed_everything
 from hpcml.train.validate import resolve
 
 
@@ -64,7 +66,9 @@ class Trainer:
         hooks: Hooks | None = None,
         allow_fresh_start: bool = False,
     ) -> None:
-        self.cfg = cfg
+        self.user_cfg = cfg
+        """The config as given (written to config.yaml); `cfg` is a copy with derived values."""
+        self.cfg = cfg.model_copy(deep=True)
         self.allow_fresh_start = allow_fresh_start
         self.run_dir_arg, self.resume_arg, self.overwrite = run_dir, resume, overwrite
         self.quiet, self.config_path = quiet, config_path
@@ -118,8 +122,10 @@ class Trainer:
 
     def setup(self) -> None:
         cfg, rt = self.cfg, self.rt
+        self.setup_memory = SetupMemory()
         # Deterministic checks on every rank before the first collective: all ranks agree.
         self.resolved = resolve(cfg, rt.world_size)
+        cfg.train.grad_accum = self.resolved.grad_accum  # derived from train.global_batch
         self.out_dir, self.resume_from = self._prepare_folder()
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         self.precision = setup_precision(cfg.precision, rt.device)
@@ -129,7 +135,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout, augmentation)
         if self.resume_from is not None:
             self.step = self.restore(self.resume_from)
-        self.setup_peak_rss_bytes = peak_rss_bytes()  # this rank's high-water mark so far
+        self.setup_rss = self.setup_memory.result()  # this rank's set-up peak and growth
         self._open_run_folder()
 
     def _prepare_folder(self) -> tuple[Path, Path | None]:
@@ -171,19 +177,13 @@ class Trainer:
             print(f"{prefix}{message}", file=sys.stderr, flush=True)
 
     def _build_model(self) -> None:
-        cfg, rt, res = self.cfg, self.rt, self.resolved
-        model = build_model(cfg.model.name, res.model_args).to(rt.device)
-        if cfg.train.channels_last:
-            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        self.n_params = count_parameters(model)
-        splits = res.splits
-        self.flops_per_sample = forward_flops_per_sample(
-            model, splits.input_shape, splits.input_dtype, device=rt.device
-        )
-        self.model = parallelize(model, rt, cfg.parallel, cfg.train, cfg.precision)
+        cfg, rt = self.cfg, self.rt
+        built = build_training_model(cfg, rt, self.resolved)  # on meta, then local shards
+        self.model, self.n_params = built.model, built.n_params
+        self.flops_per_sample = built.flops_per_sample
         # Saved activations of one sampled forward, measured beside the planner's prediction.
         self.probe = memprobe.SavedActivationProbe(self.model)
-        optimizer = build_optimizer(self.model.parameters(), cfg.optim, rt.dp_size)
+        optimizer = build_optimizer(param_groups(self.model, cfg.optim), cfg.optim, rt.dp_size)
         self.optimizer = shard_optimizer(optimizer, self.model, rt, cfg.parallel)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.scaler = grad_scaler(self.precision, cfg.parallel, rt)
@@ -233,7 +233,7 @@ class Trainer:
         if rt.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.writing = True
-            write_text(self.out_dir / CONFIG, dump_config(cfg))
+            write_text(self.out_dir / CONFIG, dump_config(self.user_cfg))
             # Steps past the resumed one (or every step, starting afresh) are done again.
             truncate_run_log_after(self.out_dir / "run.jsonl", self.step)
             self.log = RunLog(self.out_dir / "run.jsonl")
@@ -318,15 +318,16 @@ class Trainer:
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             if self.cfg.train.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
-            with (
-                no_sync(self.model, skip=micro < accum - 1),
-                self.precision.autocast(),
-                self.hooks.forward(self),
-                self.probe.sample(micro == 0),  # one sampled forward per run
-            ):
-                loss = self.loss_fn(self.model(x), y) / accum
-            self.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+            with loss_context(self.model):  # loss-parallel TP: loss and backward inside
+                with (
+                    no_sync(self.model, skip=micro < accum - 1),
+                    self.precision.autocast(),
+                    self.hooks.forward(self),
+                    self.probe.sample(micro == 0),  # one sampled forward per run
+                ):
+                    loss = self.loss_fn(self.model(x), y) / accum
+                self.scaler.scale(loss).backward()
+            loss_sum += local_value(loss.detach())
         return loss_sum, data_wait
 
     def optimizer_step(self, skip_on_device: bool = False) -> float:

@@ -11,6 +11,7 @@ collective and no rank is left waiting in one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from hpcml.config import RunConfig
 from hpcml.data.sources import Splits, load_source
 from hpcml.distributed.parallel import check_parallel
-from hpcml.errors import DataError
+from hpcml.errors import ConfigError, DataError, ModelError
 from hpcml.models.zoo import build_model, complete_args, get_spec
 
 
@@ -31,6 +32,10 @@ class Resolved:
     """The model built on the meta device: shapes and parameter names, no storage."""
     world_size: int
     dp_size: int
+    grad_accum: int
+    """Micro-batches per optimizer step: train.grad_accum, or derived from train.global_batch."""
+    init_from: Path | None = None
+    """The folder of the export `model.init_from` names, checked against the model."""
 
 
 def resolve(cfg: RunConfig, world_size: int) -> Resolved:
@@ -47,7 +52,77 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     dp_size = world_size // cfg.parallel.tp
     check_batch(cfg, splits, dp_size)
     check_loss(cfg)
-    return Resolved(splits, model_args, model, world_size, dp_size)
+    grad_accum = derive_grad_accum(cfg, dp_size)
+    init_from = check_init_from(cfg.model.init_from, model)
+    return Resolved(splits, model_args, model, world_size, dp_size, grad_accum, init_from)
+
+
+def derive_grad_accum(cfg: RunConfig, dp_size: int) -> int:
+    """train.grad_accum, or global_batch / (batch_size x dp_size) when train.global_batch is set."""
+    t, batch = cfg.train, cfg.data.batch_size
+    if t.global_batch is None:
+        return t.grad_accum
+    per_step = batch * dp_size
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch {t.global_batch} is not a multiple of data.batch_size {batch} x "
+            f"{dp_size} data-parallel processes ({per_step}); choose a global_batch that "
+            "divides evenly, or change data.batch_size or the number of processes."
+        )
+    accum = t.global_batch // per_step
+    if t.grad_accum not in (1, accum):
+        raise ConfigError(
+            f"train.grad_accum {t.grad_accum} contradicts train.global_batch {t.global_batch} "
+            f"(which gives {accum} on {dp_size} data-parallel processes of data.batch_size "
+            f"{batch}); set only one of them."
+        )
+    return accum
+
+
+def check_init_from(path: str | None, model: nn.Module) -> Path | None:
+    """The export folder `model.init_from` names, after checking (from the safetensors header,
+    nothing loaded) that it holds every parameter and buffer of `model` with the same shape."""
+    if path is None:
+        return None
+    from safetensors import safe_open
+
+    from hpcml.models.export import WEIGHTS
+
+    given = Path(path).expanduser()
+    candidates = (
+        [given]
+        if given.suffix == ".safetensors"
+        else [
+            given / WEIGHTS,
+            given / "export" / WEIGHTS,
+        ]
+    )
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ConfigError(
+            f"model.init_from {path}: no {WEIGHTS} there (nor in its export/ folder); point it "
+            "at a finished run folder, its export/ folder or the model.safetensors file."
+        )
+    try:
+        with safe_open(str(found), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is one user-facing problem
+        raise ModelError(
+            f"model.init_from {found} is not a readable safetensors file "
+            f"({type(exc).__name__}); re-export the model."
+        ) from None
+    for name, t in [*model.state_dict().items()]:
+        if name not in shapes:
+            raise ModelError(
+                f"model.init_from {found} has no tensor '{name}', which this model needs; point "
+                "it at an export of the same architecture (model.name and model.args)."
+            )
+        if shapes[name] != tuple(t.shape):
+            raise ModelError(
+                f"model.init_from {found}: '{name}' has shape {list(shapes[name])} there but "
+                f"{list(t.shape)} in this model; use the model.args the export was made with."
+            )
+    return found.parent
 
 
 def train_samples_per_replica(splits: Splits, dp_size: int, seed: int) -> int:
