@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from hpcml.distributed import dcp_safe
 from hpcml.errors import CheckpointError
-from hpcml.train import dcp_safe
 
 
 class Payload:

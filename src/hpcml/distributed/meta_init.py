@@ -151,11 +151,16 @@ def load_full_export(model: nn.Module, folder: Path) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from hpcml.distributed.dcp_safe import SafeLoadPlanner
     from hpcml.errors import ModelError
 
     state: dict[str, Any] = get_model_state_dict(model)
-    try:
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)))
+    try:  # a safetensors export holds tensors only; the planner refuses anything pickled
+        dcp.load(
+            state,
+            storage_reader=HuggingFaceStorageReader(str(folder)),
+            planner=SafeLoadPlanner(),
+        )
     except BaseException as exc:  # CheckpointException is a BaseException
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
