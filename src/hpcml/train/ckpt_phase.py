@@ -1,6 +1,6 @@
 """Which phase of a checkpoint save each thread of this process is in, and since when.
 
-A save goes write -> (wait) -> fsync -> manifest -> rename -> prune; a background save runs its
+A save goes write -> hash -> (wait) -> fsync -> manifest -> rename -> prune; a background save runs its
 later phases in a writer thread. The watchdog (hpcml.train.fault) reads `longest()` to end a
 save stalled in one phase (a hung filesystem) with a sentence naming the rank and the phase,
 instead of pausing while the save never returns. Fault drills stall a phase through `hook`.
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-PHASES = ("write", "wait", "fsync", "manifest", "rename", "prune")
+PHASES = ("write", "hash", "wait", "fsync", "manifest", "rename", "prune")
 """`wait` is a rank waiting at a barrier for the others (usually for rank 0's finalize)."""
 
 

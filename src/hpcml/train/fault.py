@@ -368,7 +368,8 @@ class FaultGuard:
         ckpt.wait_pending()
         target = None
         if self.rt.is_main and self.run_dir is not None:
-            target = ckpt.find_latest(self.run_dir / "checkpoints", warn=self.warn)
+            # sizes here; ckpt.load checks the contents, each file once on one rank
+            target = ckpt.find_latest(self.run_dir / "checkpoints", self.warn, deep=False)
         target = broadcast_object(self.rt, target)
         if target is None:
             self.warn(f"step {n}: the loss was {what} but there is no checkpoint to roll back to.")
