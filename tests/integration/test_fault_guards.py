@@ -96,8 +96,9 @@ def test_a_slow_rank_is_named_as_a_straggler(tmp_path: Path) -> None:
         fault={"straggler_every": 5, "straggler_factor": 1.5},
     )
     run = tmp_path / "run"
-    proc = run_train(config, run, "--nproc", "2", timeout=240,
-                     **inject(slow={"rank": 1, "seconds": 0.03}))
+    proc = run_train(
+        config, run, "--nproc", "2", timeout=240, **inject(slow={"rank": 1, "seconds": 0.03})
+    )
     assert proc.returncode == 0, proc.stderr
     events = [e for e in records(run, "fault") if e["event"] == "straggler"]
     assert [e["step"] for e in events] == [5, 10, 15]
@@ -119,8 +120,14 @@ def test_a_rank_with_a_slow_backward_is_named_with_its_host_and_device(tmp_path:
         fault={"straggler_every": 5, "straggler_factor": 1.5},
     )
     run = tmp_path / "run"
-    proc = run_train(config, run, "--nproc", "2", timeout=240,
-                     **inject(slow_backward={"rank": 1, "seconds": 0.05}))
+    proc = run_train(
+        config,
+        run,
+        "--nproc",
+        "2",
+        timeout=240,
+        **inject(slow_backward={"rank": 1, "seconds": 0.05}),
+    )
     assert proc.returncode == 0, proc.stderr
     events = [e for e in records(run, "fault") if e["event"] == "straggler"]
     assert [(e["step"], e["rank"]) for e in events] == [(5, 1), (10, 1)]
@@ -146,8 +153,14 @@ def test_a_hung_rank_ends_the_job_naming_rank_and_step_before_the_collective_tim
         fault={"watchdog_s": 3},
     )
     run = tmp_path / "run"
-    proc = run_train(config, run, "--nproc", "2", timeout=150,
-                     **inject(stall={"rank": 1, "step": 6, "seconds": 3600}))
+    proc = run_train(
+        config,
+        run,
+        "--nproc",
+        "2",
+        timeout=150,
+        **inject(stall={"rank": 1, "step": 6, "seconds": 3600}),
+    )
     assert proc.returncode == 1
     assert "rank 1 stopped answering at step 6" in proc.stderr
     failed = summary(run)

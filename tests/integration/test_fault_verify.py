@@ -43,8 +43,15 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
     def save(step: int, background: bool) -> None:
         ckpt.save(
-            run / "checkpoints", step, model, opt, {"epoch": 0},
-            {"rng": ckpt.rng_state(), "data": {"epoch": 0}}, rt, 3, background=background,
+            run / "checkpoints",
+            step,
+            model,
+            opt,
+            {"epoch": 0},
+            {"rng": ckpt.rng_state(), "data": {"epoch": 0}},
+            rt,
+            3,
+            background=background,
         )
         ckpt.wait_pending()
 

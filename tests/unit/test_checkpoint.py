@@ -171,7 +171,14 @@ def test_a_manifest_written_without_hashes_is_checked_by_size(tmp_path):
     model, opt = _model_opt()
     before = ckpt_manifest.bytes_hashed
     path = ckpt.save(
-        tmp_path, 1, model, opt, {"epoch": 0}, {"rng": ckpt.rng_state(), "data": {}}, RT, 3,
+        tmp_path,
+        1,
+        model,
+        opt,
+        {"epoch": 0},
+        {"rng": ckpt.rng_state(), "data": {}},
+        RT,
+        3,
         verify="none",
     )
     assert ckpt_manifest.bytes_hashed == before  # nothing hashed at save
