@@ -166,9 +166,10 @@ def _finalize(
         manifest.write_manifest(tmp, step, world_size, mode)
     with phase("rename", step):
         os.replace(tmp, final)
+        ckpt_phase.point("renamed", step)
         manifest.fsync_dir(root)
     with phase("prune", step):
-        prune(root, keep_last)
+        prune(root, keep_last, step)
 
 
 def _barrier(rt: Runtime, step: int) -> None:
@@ -318,10 +319,16 @@ def load_state_file(path: Path) -> dict[str, Any]:
     return state
 
 
-def prune(root: Path, keep_last: int) -> None:
+def prune(root: Path, keep_last: int, step: int = 0) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints. Each is first renamed to
+    `.step-N.pruning` (atomic), so a crash mid-delete never leaves a half-deleted `step-N` to
+    resume from; what a crash left (`.tmp`, `.pruning`) is removed here."""
     for old in list_complete(root)[keep_last:]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".step-*.tmp"):
+        doomed = old.with_name(f".{old.name}.pruning")
+        os.replace(old, doomed)
+        ckpt_phase.point("pruning", step)  # a fault drill strikes here
+        shutil.rmtree(doomed, ignore_errors=True)
+    for stale in [*root.glob(".step-*.tmp"), *root.glob(".step-*.pruning")]:
         shutil.rmtree(stale, ignore_errors=True)
 
 

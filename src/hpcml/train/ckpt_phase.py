@@ -51,6 +51,14 @@ def end(token: int) -> None:
         _active.pop(token, None)
 
 
+def point(name: str, step: int) -> None:
+    """A point inside a phase where a fault drill may strike (`renamed`: the folder renamed
+    into place, its parent not yet fsynced; `pruning`: an old checkpoint's manifest removed,
+    its files not yet)."""
+    if hook is not None:
+        hook(name, step)
+
+
 @contextlib.contextmanager
 def phase(name: str, step: int) -> Iterator[None]:
     token = begin(name, step)

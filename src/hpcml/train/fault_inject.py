@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -31,18 +32,31 @@ class FaultInjector:
                                                           once: that checkpoint phase hangs
                                                           (a hung filesystem); "step" left out
                                                           means the first save
+    {"ckpt_kill": {"rank": 0, "phase": "rename", "step": 10}}
+                                                          kill -9 of this process as that
+                                                          phase of that save begins (or at a
+                                                          point: "renamed", "pruning"; see
+                                                          ckpt_phase); a list: entry i for
+                                                          elastic attempt i
+                                                          (TORCHELASTIC_RESTART_COUNT)
 
     Steps are 1-based optimizer steps; "rank" left out means every rank.
     """
 
     def __init__(self, spec: dict[str, Any], rank: int) -> None:
-        known = {"slow", "slow_backward", "stall", "nan", "spike", "ckpt_stall"}
+        known = {"slow", "slow_backward", "stall", "nan", "spike", "ckpt_stall", "ckpt_kill"}
         unknown = set(spec) - known
         if unknown:
             raise ConfigError(
                 f"{INJECT_ENV} names unknown faults {sorted(unknown)}; known are {sorted(known)}."
             )
         self.rank = rank
+        kill = spec.get("ckpt_kill")
+        if isinstance(kill, list):  # one drill per elastic attempt
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            spec = {k: v for k, v in spec.items() if k != "ckpt_kill"}
+            if attempt < len(kill) and kill[attempt]:
+                spec["ckpt_kill"] = kill[attempt]
         self.spec = {k: v for k, v in spec.items() if v.get("rank", rank) == rank}
         self.fired: set[str] = set()
 
@@ -65,7 +79,10 @@ class FaultInjector:
         return True
 
     def checkpoint_phase(self, name: str, step: int) -> None:
-        """ckpt_phase.hook: sleep in the named phase of a save (once)."""
+        """ckpt_phase.hook: sleep in the named phase of a save (once), or die there."""
+        kill = self.spec.get("ckpt_kill")
+        if kill is not None and kill.get("phase") == name and int(kill["step"]) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
         s = self.spec.get("ckpt_stall")
         if s is None or "ckpt_stall" in self.fired or s.get("phase") != name:
             return
