@@ -8,8 +8,8 @@ list: entry i for attempt i, from TORCHELASTIC_RESTART_COUNT as torchrun numbers
 kills one rank with SIGKILL as a phase of a save begins, or at a point inside one; the test
 then kills the other rank with SIGKILL (what torchrun's agent does to the survivors) and
 starts the next attempt with --resume auto, which is killed at a later save: ten kills per
-mode, twenty in all. The same drill through `hpcml train --nproc 2 --max-restarts` (torchrun's
-agent) is the last test here, with one kill.
+mode, twenty in all. (A restart through torchrun's agent, `hpcml train --nproc 2
+--max-restarts`, is tested in test_fault_elastic.py, with the same loss comparison.)
 
   hash     after the DCP write, before this rank hashed its files (rank 0 or rank 1)
   fsync    every rank's files written and hashed, not yet fsynced
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import time
@@ -39,12 +38,9 @@ from typing import Any
 import pytest
 from fault_util import (
     config_dict,
-    finish,
     start_engine,
-    start_train,
     step_losses,
     summary,
-    write_config,
 )
 
 from hpcml.train import checkpoint as ckpt
@@ -158,33 +154,3 @@ def test_kill_9_at_every_phase_of_a_two_rank_save_resumes_bit_exact(
     kept = ckpt.list_saved(root)
     assert [p.name for p in kept] == [f"step-{MAX_STEPS}", f"step-{MAX_STEPS - EVERY}"]
     assert all(ckpt.verify(p) is None for p in kept)
-
-
-def _resumed_steps(output: str) -> list[int]:
-    # rank 0 prints "resumed from <run>/checkpoints/step-N at step N" (folded at 80 columns).
-    flat = output.replace("\n", "")
-    return [int(m) for m in re.findall(r"resumed from \S*?step-(\d+) at step", flat)]
-
-
-def test_a_kill_9_during_the_rename_under_torchruns_agent_resumes_bit_exact(
-    tmp_path: Path, reference: Path
-) -> None:
-    # The same drill through the real launcher: torchrun's agent sees rank 0 die by SIGKILL
-    # during the rename of step 4, restarts the group, which resumes from step 4.
-    config = write_config(tmp_path / "c.yaml", **SECTIONS)
-    run = tmp_path / "run"
-    proc = start_train(
-        config,
-        run,
-        "--nproc",
-        "2",
-        "--max-restarts",
-        "1",
-        HPCML_FAULT_INJECT=_drills([("renamed", 0)]),
-    )
-    out, _ = finish(proc, 300)
-    assert proc.returncode == 0, out[-3000:]
-    assert _resumed_steps(out) == [FIRST], out[-3000:]
-    assert summary(run)["resumed_from"] == str(run / "checkpoints" / f"step-{FIRST}")
-    assert step_losses(run) == step_losses(reference)
-    assert summary(run)["final"] == summary(reference)["final"]
