@@ -25,12 +25,17 @@ class Phase:
     step: int
     started: float
     """time.monotonic() when it began."""
+    save_started: float | None = None
+    """time.monotonic() when the `write` phase of this step's save began (a background
+    save's later phases begin well after it)."""
 
     def elapsed_s(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.started
 
 
 _active: dict[int, Phase] = {}
+_saves: dict[int, float] = {}
+"""step -> time.monotonic() when its save's `write` phase began."""
 _tokens = itertools.count()
 _lock = threading.Lock()
 hook: Callable[[str, int], None] | None = None
@@ -39,8 +44,13 @@ hook: Callable[[str, int], None] | None = None
 
 def begin(name: str, step: int) -> int:
     token = next(_tokens)
+    now = time.monotonic()
     with _lock:
-        _active[token] = Phase(name, step, time.monotonic())
+        if name == "write" or step not in _saves:
+            _saves[step] = now
+            while len(_saves) > 8:  # only the saves in flight matter
+                del _saves[min(_saves)]
+        _active[token] = Phase(name, step, now, _saves[step])
     if hook is not None:
         hook(name, step)
     return token

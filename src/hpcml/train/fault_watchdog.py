@@ -118,10 +118,12 @@ class Watchdog:
             ran = ph.elapsed_s(now)
             if self.checkpoint_timeout_s and ran > self.checkpoint_timeout_s + self.grace_s:
                 return self.diagnose_checkpoint(ph, ran)
-            # Only a save already under way when the signal came: the save the signal asks
-            # for starts after it and has fault.checkpoint_timeout_s like any other.
+            # Only a save already under way when the signal came (its write began before;
+            # a background save's fsync may begin after): the save the signal asks for
+            # starts after it and has fault.checkpoint_timeout_s like any other.
             asked = self.preemption.received_at if self.preemption is not None else None
-            late = asked is not None and ph.started < asked and now - asked > self.preempt_grace_s
+            began = ph.save_started if ph.save_started is not None else ph.started
+            late = asked is not None and began < asked and now - asked > self.preempt_grace_s
             if self.preempt_grace_s and late:
                 return self.diagnose_checkpoint(ph, ran, preempted_for=now - (asked or now))
         if not self.armed or self._paused or not self.timeout_s:
