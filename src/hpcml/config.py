@@ -167,6 +167,9 @@ class FaultConfig(_Section):
     checkpoint_timeout_s: float = Field(1800.0, ge=0)  # [fault] issue 11
     """A checkpoint phase (write, fsync, manifest, rename) that runs this long ends the job
     naming the rank and the phase (a hung filesystem); 0 turns it off."""
+    checkpoint_verify: Literal["full", "size", "none"] = "full"  # [fault] issue 11
+    """How a resume checks the checkpoint it loads, each file once on one rank: full (sha256,
+    hashed by the writing ranks at save), size (sizes only) or none (the manifest only)."""
     preempt_grace_s: float = Field(20.0, ge=0)  # [fault] issue 11
     """After a preemption signal, a checkpoint still being written this long ends the process
     (exit 1, the newest complete checkpoint kept) before the scheduler's SIGKILL (SLURM's

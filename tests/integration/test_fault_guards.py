@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,9 @@ def test_a_slow_rank_is_named_as_a_straggler(tmp_path: Path) -> None:
         fault={"straggler_every": 5, "straggler_factor": 1.5},
     )
     run = tmp_path / "run"
-    proc = run_train(config, run, "--nproc", "2", timeout=240,
-                     **inject(slow={"rank": 1, "seconds": 0.03}))
+    proc = run_train(
+        config, run, "--nproc", "2", timeout=240, **inject(slow={"rank": 1, "seconds": 0.03})
+    )
     assert proc.returncode == 0, proc.stderr
     events = [e for e in records(run, "fault") if e["event"] == "straggler"]
     assert [e["step"] for e in events] == [5, 10, 15]
@@ -104,7 +106,38 @@ def test_a_slow_rank_is_named_as_a_straggler(tmp_path: Path) -> None:
     # The detector's own threshold (straggler_factor 1.5): every reported event must exceed it.
     assert all(e["ratio"] > 1.5 for e in events)
     assert summary(run)["fault"]["stragglers"] == {"1": 3}
-    assert "rank 1 is a straggler" in proc.stderr
+    assert f"rank 1 ({socket.gethostname()}, cpu) is a straggler" in proc.stderr
+
+
+def test_a_rank_with_a_slow_backward_is_named_with_its_host_and_device(tmp_path: Path) -> None:
+    # The delay sits in rank 1's backward only (a hook on the output's gradient): timing the
+    # forward alone (the detector before issue 11) saw both ranks alike and named nobody.
+    # Rank 0 waits for rank 1 in DDP's gradient all-reduce, so whole-step times are alike
+    # too; only compute time up to the last gradient (plus the optimizer step) tells them apart.
+    config = write_config(
+        tmp_path / "c.yaml",
+        train={"max_steps": 10, "checkpoint_every": 0},
+        fault={"straggler_every": 5, "straggler_factor": 1.5},
+    )
+    run = tmp_path / "run"
+    proc = run_train(
+        config,
+        run,
+        "--nproc",
+        "2",
+        timeout=240,
+        **inject(slow_backward={"rank": 1, "seconds": 0.05}),
+    )
+    assert proc.returncode == 0, proc.stderr
+    events = [e for e in records(run, "fault") if e["event"] == "straggler"]
+    assert [(e["step"], e["rank"]) for e in events] == [(5, 1), (10, 1)]
+    for e in events:
+        assert e["host"] == socket.gethostname() and e["device"] == "cpu"
+        # time.sleep(0.05) sleeps at least that long, once per step, inside rank 1's span.
+        assert e["compute_s"] >= 0.05 and e["ratio"] > 1.5
+        assert "nvml" not in e  # no GPU here: that part is skipped, not filled with nothing
+    assert summary(run)["fault"]["stragglers"] == {"1": 2}
+    assert f"rank 1 ({socket.gethostname()}, cpu) is a straggler" in proc.stderr
 
 
 def test_a_hung_rank_ends_the_job_naming_rank_and_step_before_the_collective_timeout(
@@ -120,8 +153,14 @@ def test_a_hung_rank_ends_the_job_naming_rank_and_step_before_the_collective_tim
         fault={"watchdog_s": 3},
     )
     run = tmp_path / "run"
-    proc = run_train(config, run, "--nproc", "2", timeout=150,
-                     **inject(stall={"rank": 1, "step": 6, "seconds": 3600}))
+    proc = run_train(
+        config,
+        run,
+        "--nproc",
+        "2",
+        timeout=150,
+        **inject(stall={"rank": 1, "step": 6, "seconds": 3600}),
+    )
     assert proc.returncode == 1
     assert "rank 1 stopped answering at step 6" in proc.stderr
     failed = summary(run)

@@ -96,6 +96,19 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step_without_a_resta
     assert max(step_losses(run)) == at
     assert summary(run)["status"] == "preempted"
 
+    # Resumed on two ranks, the run continues bit for bit like an uninterrupted one (run side
+    # by side; the LR horizon stays 400 steps through optim.decay_steps, so both stop early).
+    short = (f"train.max_steps={at + 4}", "optim.decay_steps=400")
+    resumed = start_train(config, run, "--nproc", "2", "--resume", "auto", *short)
+    ref = start_train(config, tmp_path / "ref", "--nproc", "2", *short)
+    for p in (resumed, ref):
+        out, _ = finish(p, 240)
+        assert p.returncode == 0, out
+    assert summary(run)["resumed_from"] == str(saved)
+    assert sorted(step_losses(run)) == list(range(1, at + 5))
+    assert step_losses(run) == step_losses(tmp_path / "ref")
+    assert summary(run)["final"] == summary(tmp_path / "ref")["final"]
+
 
 def test_ctrl_c_of_a_two_process_run_without_checkpoints_exits_130_interrupted(
     tmp_path: Path,

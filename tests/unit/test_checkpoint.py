@@ -134,3 +134,56 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_survives_retention(tmp_p
     _corrupt(tmp_path / "step-5")
     assert ckpt.resume_target(tmp_path, allow_fresh_start=True, dry_run=True) is None
     assert (tmp_path / "step-5").exists()
+
+
+def test_verify_modes_full_size_none_and_the_bytes_each_one_hashes(tmp_path):
+    from hpcml.train import ckpt_manifest, rundir
+
+    model, opt = _model_opt()
+    before = ckpt_manifest.bytes_hashed
+    path = _save(tmp_path / "checkpoints", 5, model, opt)
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    total = sum(f["bytes"] for f in files.values())
+    assert ckpt_manifest.bytes_hashed - before == total  # each file once, at save
+    # A resume (choice + load) with `full` hashes every file once more, not three times.
+    for mode, hashed in (("full", total), ("size", 0), ("none", 0)):
+        ckpt_manifest._verified.clear()
+        before = ckpt_manifest.bytes_hashed
+        found = rundir.resolve_shared(RT, tmp_path, "auto", False, mode=mode)
+        cfg = type("C", (), {"fault": type("F", (), {"checkpoint_verify": mode})()})()
+        ckpt.load(found, model, opt, RT, None if mode == "full" else cfg)
+        assert found == path and ckpt_manifest.bytes_hashed - before == hashed, mode
+
+    # A flipped byte: only `full` sees it. A truncated file: `size` sees it too.
+    victim = path / "rank-0.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert "sha256" in ckpt.verify(path, "full")
+    assert ckpt.verify(path, "size") is None and ckpt.verify(path, "none") is None
+    victim.write_bytes(bytes(data[:-1]))
+    assert "bytes" in ckpt.verify(path, "size") and ckpt.verify(path, "none") is None
+
+
+def test_a_manifest_written_without_hashes_is_checked_by_size(tmp_path):
+    from hpcml.train import ckpt_manifest
+
+    model, opt = _model_opt()
+    before = ckpt_manifest.bytes_hashed
+    path = ckpt.save(
+        tmp_path,
+        1,
+        model,
+        opt,
+        {"epoch": 0},
+        {"rng": ckpt.rng_state(), "data": {}},
+        RT,
+        3,
+        verify="none",
+    )
+    assert ckpt_manifest.bytes_hashed == before  # nothing hashed at save
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert all(f["sha256"] is None and f["bytes"] > 0 for f in files.values())
+    assert ckpt.verify(path, "full") is None
+    (path / "trainer.pt").write_bytes(b"x")
+    assert "bytes" in ckpt.verify(path, "full")

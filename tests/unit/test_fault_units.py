@@ -186,6 +186,11 @@ def test_preemption_grace_counts_only_for_a_save_already_under_way() -> None:
     assert message is not None and "when a preemption signal came 21 s ago" in message
     # The save the signal asked for (started after it) gets the checkpoint timeout instead.
     assert dog.check(500.0, Phase("write", step=8, started=55.0)) is None
+    # A background save whose write began before the signal but whose fsync began after it
+    # (it waited for the other ranks' hashes) was under way: the grace counts for it.
+    late_fsync = Phase("fsync", step=5, started=52.0, save_started=40.0)
+    message = dog.check(71.0, late_fsync)
+    assert message is not None and "the fsync phase of the checkpoint of step 5" in message
 
 
 # --- checkpoint interval -------------------------------------------------------------------

@@ -4,9 +4,10 @@ Layout of `checkpoints/step-N/`:
   DCP files (model + optimizer, rank-independent keys, so 1 and N ranks read each other's)
   trainer.pt      shared trainer state from rank 0: step, LR scheduler, grad scaler, world size
   rank-R.pt       per-rank state: RNG states (python, numpy, torch, CUDA) and data-loader position
-  manifest.json   every file with its size and sha256, written last
+  manifest.json   every file with its size, sha256 and writing rank, written last
 
-All ranks write into `.step-N.tmp/`; rank 0 fsyncs, writes the manifest and renames the folder
+All ranks write into `.step-N.tmp/` and hash the files they wrote (hpcml.train.ckpt_manifest);
+rank 0 fsyncs, merges the hashes into the manifest and renames the folder
 to `step-N` (an atomic rename), so a crash mid-write leaves only a `.tmp` folder that resume
 ignores and the next save removes.
 
@@ -17,12 +18,9 @@ renames the folder when every rank's write is done; one background save is in fl
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
 import random
-import re
 import shutil
 import statistics
 import threading
@@ -39,14 +37,39 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state
-from hpcml.distributed.runtime import Runtime, barrier, broadcast_object
+from hpcml.distributed.runtime import Runtime, barrier
 from hpcml.distributed.sidechannel import checkpoint_group
 from hpcml.errors import CheckpointError, WorkFailed
+from hpcml.train import ckpt_manifest as manifest
 from hpcml.train import ckpt_phase
+from hpcml.train.ckpt_manifest import (  # re-exported: the checkpoint API in one place
+    CORRUPT_DIR,
+    MANIFEST,
+    find_latest,
+    list_complete,
+    list_saved,
+    move_aside,
+    resume_target,
+    step_of,
+    verify,
+)
 from hpcml.train.ckpt_phase import phase
 
-MANIFEST = "manifest.json"
-_STEP_RE = re.compile(r"^step-(\d+)$")
+__all__ = [
+    "CORRUPT_DIR",
+    "MANIFEST",
+    "Loaded",
+    "find_latest",
+    "list_complete",
+    "list_saved",
+    "load",
+    "move_aside",
+    "resume_target",
+    "save",
+    "step_of",
+    "verify",
+    "wait_pending",
+]
 
 
 @dataclass
@@ -75,146 +98,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_manifest(root: Path, step: int) -> None:
-    files = {
-        str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-    tmp = root / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(root / MANIFEST)
-
-
-def step_of(path: Path) -> int | None:
-    m = _STEP_RE.match(path.name)
-    return int(m.group(1)) if m else None
-
-
-def verify(path: Path, deep: bool = True) -> str | None:
-    """None when the checkpoint is complete and intact, else one sentence saying what is wrong."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.exists():
-        return f"checkpoint {path} has no {MANIFEST}, so it is incomplete"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return f"checkpoint {path} has an unreadable {MANIFEST}"
-    for rel, info in files.items():
-        f = path / rel
-        if not f.exists():
-            return f"checkpoint {path} is missing {rel}"
-        if f.stat().st_size != info["bytes"]:
-            return f"checkpoint {path}: {rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
-        if deep and _sha256(f) != info["sha256"]:
-            return f"checkpoint {path}: {rel} does not match its sha256 in the manifest (corrupt)"
-    return None
-
-
-def list_complete(root: Path) -> list[Path]:
-    """Complete-looking checkpoints (renamed into place, manifest present), newest first."""
-    if not root.exists():
-        return []
-    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
-    found = [(s, p) for s, p in found if (p / MANIFEST).exists()]
-    return [p for _, p in sorted(found, key=lambda sp: sp[0] or 0, reverse=True)]
-
-
-def find_latest(root: Path, warn: Any = None) -> Path | None:
-    """Newest checkpoint that verifies; corrupt ones are reported through `warn` and skipped."""
-    for p in list_complete(root):
-        problem = verify(p)
-        if problem is None:
-            return p
-        if warn is not None:
-            warn(f"{problem}; using the previous complete checkpoint.")
-    return None
-
-
-def list_saved(root: Path) -> list[Path]:
-    """Every `step-N` folder (renamed into place, so complete when written), newest first."""
-    if not root.exists():
-        return []
-    found = [(step_of(p) or 0, p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
-    return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
-
-
-CORRUPT_DIR = "corrupt"
-
-
-def move_aside(path: Path) -> Path:
-    """Move a checkpoint that failed verification to `checkpoints/corrupt/` (never deleted: a
-    person may still recover it; out of the way of resume, retention and a new save of that
-    step)."""
-    target_dir = path.parent / CORRUPT_DIR
-    target_dir.mkdir(exist_ok=True)
-    target = target_dir / path.name
-    n = 1
-    while target.exists():
-        target = target_dir / f"{path.name}.{n}"
-        n += 1
-    os.replace(path, target)
-    return target
-
-
-def resume_target(
-    root: Path, warn: Any = None, allow_fresh_start: bool = False, dry_run: bool = False
-) -> Path | None:
-    """The checkpoint `--resume auto` continues from: the newest that verifies. Newer ones that
-    do not are moved aside (see `move_aside`), each reported through `warn`. When checkpoints
-    exist but none verifies, starting again from step 0 needs `allow_fresh_start`; otherwise
-    this raises and changes nothing. None when there is no checkpoint at all."""
-    saved = list_saved(root)
-    bad: list[tuple[Path, str]] = []
-    chosen = None
-    for p in saved:
-        problem = verify(p)
-        if problem is None:
-            chosen = p
-            break
-        bad.append((p, problem))
-    if chosen is None and bad and not allow_fresh_start:
-        raise CheckpointError(
-            f"none of the {len(bad)} checkpoint(s) in {root} is complete ({bad[0][1]}); nothing "
-            "was changed. Pass --allow-fresh-start to move them to "
-            f"{root / CORRUPT_DIR} and start from step 0, or --resume a checkpoint path."
-        )
-    then = "using the previous complete checkpoint" if chosen else "starting from step 0"
-    for p, problem in bad:
-        where = "" if dry_run else f"; moved it to {move_aside(p)}"
-        if warn is not None:
-            warn(f"{problem}{where}; {then}.")
-    return chosen
 
 
 @dataclass
@@ -274,16 +157,19 @@ def timing_summary(items: list[SaveTiming] | None = None) -> dict[str, Any]:
     }
 
 
-def _finalize(root: Path, tmp: Path, final: Path, step: int, keep_last: int) -> None:
+def _finalize(
+    root: Path, tmp: Path, final: Path, step: int, keep_last: int, world_size: int, mode: str
+) -> None:
     with phase("fsync", step):
-        _fsync_tree(tmp)
+        manifest.fsync_tree(tmp)
     with phase("manifest", step):
-        _write_manifest(tmp, step)
+        manifest.write_manifest(tmp, step, world_size, mode)
     with phase("rename", step):
         os.replace(tmp, final)
-        _fsync_dir(root)
+        ckpt_phase.point("renamed", step)
+        manifest.fsync_dir(root)
     with phase("prune", step):
-        prune(root, keep_last)
+        prune(root, keep_last, step)
 
 
 def _barrier(rt: Runtime, step: int) -> None:
@@ -302,6 +188,7 @@ def _save_in_background(
     t0: float,
     writing: int,
     state: dict[str, Any],
+    mode: str,
 ) -> None:
     """Rank-R files are on disk before this rank joins DCP's collectives, and rank 0's DCP
     future completes only after every rank's write: then rank 0 can finalize alone (in the
@@ -315,9 +202,18 @@ def _save_in_background(
     def finish(f: Future[Any]) -> None:
         try:
             ckpt_phase.end(writing)
-            f.result()
+            try:
+                f.result()
+            except BaseException as exc:
+                # Tell rank 0, which waits for every rank's hashes, that none will come.
+                manifest.write_own_hashes(tmp, rt.rank, error=f"{type(exc).__name__}: {exc}")
+                raise
+            with phase("hash", step):
+                manifest.write_own_hashes(tmp, rt.rank, mode)
             if rt.is_main:
-                _finalize(root, tmp, final, step, keep_last)
+                with phase("wait", step):
+                    manifest.wait_hashes(tmp, rt.world_size)
+                _finalize(root, tmp, final, step, keep_last, rt.world_size, mode)
                 timing.total_s = time.perf_counter() - t0
             done.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to wait_pending()
@@ -339,9 +235,11 @@ def save(
     rt: Runtime,
     keep_last: int,
     background: bool = False,
+    verify: str = "full",
 ) -> Path:
     """Save step `step`; the returned path exists once the save is complete (at return, unless
-    `background`: then after `wait_pending()` or the next save)."""
+    `background`: then after `wait_pending()` or the next save). Each rank hashes the files it
+    wrote (`verify`: fault.checkpoint_verify; `none` records sizes only)."""
     wait_pending()
     t0 = time.perf_counter()
     final = root / f"step-{step}"
@@ -377,6 +275,7 @@ def save(
                 t0,
                 writing,
                 {"model": model_sd, "optim": optim_sd},
+                verify,
             )
             return final
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -384,9 +283,11 @@ def save(
         ckpt_phase.end(writing)
         raise
     ckpt_phase.end(writing)
+    with phase("hash", step):
+        manifest.write_own_hashes(tmp, rt.rank, verify)
     _barrier(rt, step)
     if rt.is_main:
-        _finalize(root, tmp, final, step, keep_last)
+        _finalize(root, tmp, final, step, keep_last, rt.world_size, verify)
     _barrier(rt, step)
     timing.stall_s = time.perf_counter() - t0
     timing.total_s = timing.stall_s if rt.is_main else None
@@ -418,10 +319,16 @@ def load_state_file(path: Path) -> dict[str, Any]:
     return state
 
 
-def prune(root: Path, keep_last: int) -> None:
+def prune(root: Path, keep_last: int, step: int = 0) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints. Each is first renamed to
+    `.step-N.pruning` (atomic), so a crash mid-delete never leaves a half-deleted `step-N` to
+    resume from; what a crash left (`.tmp`, `.pruning`) is removed here."""
     for old in list_complete(root)[keep_last:]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".step-*.tmp"):
+        doomed = old.with_name(f".{old.name}.pruning")
+        os.replace(old, doomed)
+        ckpt_phase.point("pruning", step)  # a fault drill strikes here
+        shutil.rmtree(doomed, ignore_errors=True)
+    for stale in [*root.glob(".step-*.tmp"), *root.glob(".step-*.pruning")]:
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -439,8 +346,9 @@ def load(
     RunConfig), a changed LR horizon is refused unless optim.decay_steps sets it explicitly.
     """
     wait_pending()
-    problem = verify(path) if rt.is_main else None
-    problem = broadcast_object(rt, problem)
+    mode = cfg.fault.checkpoint_verify if cfg is not None else "full"
+    # Each file once, on one rank; skipped when the resume choice just verified it.
+    problem = None if manifest.already_verified(path) else manifest.verify_shared(path, rt, mode)
     if problem is not None:
         raise CheckpointError(f"{problem}; choose another checkpoint or use --resume auto.")
     trainer = load_state_file(path / "trainer.pt")

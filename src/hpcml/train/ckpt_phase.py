@@ -1,6 +1,6 @@
 """Which phase of a checkpoint save each thread of this process is in, and since when.
 
-A save goes write -> (wait) -> fsync -> manifest -> rename -> prune; a background save runs its
+A save goes write -> hash -> (wait) -> fsync -> manifest -> rename -> prune; a background save runs its
 later phases in a writer thread. The watchdog (hpcml.train.fault) reads `longest()` to end a
 save stalled in one phase (a hung filesystem) with a sentence naming the rank and the phase,
 instead of pausing while the save never returns. Fault drills stall a phase through `hook`.
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-PHASES = ("write", "wait", "fsync", "manifest", "rename", "prune")
+PHASES = ("write", "hash", "wait", "fsync", "manifest", "rename", "prune")
 """`wait` is a rank waiting at a barrier for the others (usually for rank 0's finalize)."""
 
 
@@ -25,12 +25,17 @@ class Phase:
     step: int
     started: float
     """time.monotonic() when it began."""
+    save_started: float | None = None
+    """time.monotonic() when the `write` phase of this step's save began (a background
+    save's later phases begin well after it)."""
 
     def elapsed_s(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.started
 
 
 _active: dict[int, Phase] = {}
+_saves: dict[int, float] = {}
+"""step -> time.monotonic() when its save's `write` phase began."""
 _tokens = itertools.count()
 _lock = threading.Lock()
 hook: Callable[[str, int], None] | None = None
@@ -39,8 +44,13 @@ hook: Callable[[str, int], None] | None = None
 
 def begin(name: str, step: int) -> int:
     token = next(_tokens)
+    now = time.monotonic()
     with _lock:
-        _active[token] = Phase(name, step, time.monotonic())
+        if name == "write" or step not in _saves:
+            _saves[step] = now
+            while len(_saves) > 8:  # only the saves in flight matter
+                del _saves[min(_saves)]
+        _active[token] = Phase(name, step, now, _saves[step])
     if hook is not None:
         hook(name, step)
     return token
@@ -49,6 +59,14 @@ def begin(name: str, step: int) -> int:
 def end(token: int) -> None:
     with _lock:
         _active.pop(token, None)
+
+
+def point(name: str, step: int) -> None:
+    """A point inside a phase where a fault drill may strike (`renamed`: the folder renamed
+    into place, its parent not yet fsynced; `pruning`: an old checkpoint's manifest removed,
+    its files not yet)."""
+    if hook is not None:
+        hook(name, step)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import math
 import os
 import signal
@@ -36,30 +35,38 @@ from hpcml.config import RunConfig
 from hpcml.distributed.parallel import unwrap
 from hpcml.distributed.runtime import (
     Runtime,
-    all_gather_object,
     all_reduce_max,
     all_reduce_sum,
     broadcast_object,
 )
 from hpcml.distributed.sidechannel import HeartBoard
-from hpcml.errors import REQUEUE_EXIT_CODE, ConfigError, Preempted, WorkFailed
+from hpcml.errors import REQUEUE_EXIT_CODE, Preempted, WorkFailed
 from hpcml.records import RunLog, write_json_atomic
 from hpcml.train import checkpoint as ckpt
-from hpcml.train import ckpt_phase
+from hpcml.train import ckpt_phase, straggler
+from hpcml.train.fault_inject import INJECT_ENV, FaultInjector
+from hpcml.train.fault_policy import (
+    checkpoint_advice,
+    require_checkpoints_for_restarts,
+    worker_outcome,
+)
+from hpcml.train.fault_watchdog import Watchdog
 from hpcml.train.preempt_notice import NoticeWatcher
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
     "FaultGuard",
+    "INJECT_ENV",
     "FaultInjector",
     "PreemptionFlag",
     "SpikeDetector",
     "Verdict",
     "Watchdog",
     "checkpoint_advice",
+    "require_checkpoints_for_restarts",
+    "worker_outcome",
 ]
 
-INJECT_ENV = "HPCML_FAULT_INJECT"
 DUE_PROBE_STEPS = 10
 """With several ranks, time-based checkpoints are decided every this many steps."""
 
@@ -152,244 +159,6 @@ class Verdict:
     preempt: bool = False
 
 
-# --- hangs ---------------------------------------------------------------------------------
-
-
-class Watchdog:
-    """A thread per rank: posts this rank's progress to the HeartBoard and ends the process
-    with a sentence when
-    - the rank has made no progress for `timeout_s` outside checkpoint I/O (names the rank(s)
-      furthest behind),
-    - a checkpoint phase (write, fsync, manifest, rename, ...; see ckpt_phase) has run for
-      `checkpoint_timeout_s` (names the rank and the phase: a hung filesystem),
-    - a preemption signal came while a checkpoint phase ran and `preempt_grace_s` passed
-      without that phase ending (the scheduler's SIGKILL is near: exit before it, saying why).
-
-    Rank 0 speaks first; the others wait a grace period so that one clear message (and
-    summary.json) comes from rank 0 unless rank 0 itself is frozen.
-    """
-
-    def __init__(
-        self,
-        timeout_s: float,
-        rt: Runtime,
-        board: HeartBoard,
-        on_fire: Callable[[str], None],
-        poll_s: float | None = None,
-        checkpoint_timeout_s: float = 0.0,
-        preemption: PreemptionFlag | None = None,
-        preempt_grace_s: float = 0.0,
-    ) -> None:
-        self.timeout_s = timeout_s
-        self.checkpoint_timeout_s = checkpoint_timeout_s
-        self.preemption = preemption
-        self.preempt_grace_s = preempt_grace_s
-        self.rt = rt
-        self.board = board
-        self.on_fire = on_fire
-        shortest = min(t for t in (timeout_s, checkpoint_timeout_s, preempt_grace_s, 10.0) if t > 0)
-        self.poll_s = poll_s if poll_s is not None else max(0.05, min(1.0, shortest / 10))
-        self.grace_s = 0.0 if rt.is_main else max(1.0, 0.2 * shortest)
-        self.progress = 0
-        self.step = 0
-        self.last_progress = time.monotonic()
-        self.armed = False
-        self._paused = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hpcml-watchdog", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def tick(self, step: int) -> None:
-        """Called from the loop (cheap: no I/O); the thread publishes it."""
-        self.progress += 1
-        self.step = step
-        self.last_progress = time.monotonic()
-        self.armed = True
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-            self.last_progress = time.monotonic()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def _post(self, now: float, ph: ckpt_phase.Phase | None) -> None:
-        self.board.post(
-            {
-                "step": self.step,
-                "progress": self.progress,
-                "idle_s": now - self.last_progress,
-                "pid": os.getpid(),
-                "phase": ph.name if ph else None,
-                "phase_s": ph.elapsed_s(now) if ph else 0.0,
-            }
-        )
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            now = time.monotonic()
-            ph = ckpt_phase.longest()
-            self._post(now, ph)
-            message = self.check(now, ph)
-            if message is not None:
-                self.on_fire(message)
-                return
-
-    def check(self, now: float, ph: ckpt_phase.Phase | None) -> str | None:
-        """The sentence to end the job with, or None while all is well."""
-        if ph is not None:
-            ran = ph.elapsed_s(now)
-            if self.checkpoint_timeout_s and ran > self.checkpoint_timeout_s + self.grace_s:
-                return self.diagnose_checkpoint(ph, ran)
-            # Only a save already under way when the signal came: the save the signal asks
-            # for starts after it and has fault.checkpoint_timeout_s like any other.
-            asked = self.preemption.received_at if self.preemption is not None else None
-            late = asked is not None and ph.started < asked and now - asked > self.preempt_grace_s
-            if self.preempt_grace_s and late:
-                return self.diagnose_checkpoint(ph, ran, preempted_for=now - (asked or now))
-        if not self.armed or self._paused or not self.timeout_s:
-            return None
-        idle = now - self.last_progress
-        if idle > self.timeout_s + self.grace_s:
-            return self.diagnose(idle)
-        return None
-
-    def diagnose_checkpoint(
-        self, ph: ckpt_phase.Phase, ran_s: float, preempted_for: float | None = None
-    ) -> str:
-        """Name the rank and phase that stalled. A rank only waiting for the others (phase
-        `wait`) names the rank(s) whose own phase has run longest, from the HeartBoard."""
-        who, name = [self.rt.rank], ph.name
-        if ph.name == "wait":
-            beats = {r: b for r, b in self.board.read_all().items() if b and b.get("phase")}
-            busy = {r: b for r, b in beats.items() if b["phase"] != "wait"}
-            if busy:
-                longest = max(b["phase_s"] for b in busy.values())
-                who = sorted(r for r, b in busy.items() if b["phase_s"] == longest)
-                name = busy[who[0]]["phase"]
-        names = ("rank " if len(who) == 1 else "ranks ") + ", ".join(str(r) for r in who)
-        what = f"the {name} phase of the checkpoint of step {ph.step}"
-        if preempted_for is not None:
-            return (
-                f"{names} stalled in {what} ({ran_s:.0f} s) when a preemption signal came "
-                f"{preempted_for:.0f} s ago (fault.preempt_grace_s={self.preempt_grace_s:g}); "
-                "ending without a new checkpoint: the newest complete one is kept, resume "
-                "with --resume auto."
-            )
-        return (
-            f"{names} stalled in {what} for {ran_s:.0f} s "
-            f"(fault.checkpoint_timeout_s={self.checkpoint_timeout_s:g}); ending the job instead "
-            "of hanging: check the run folder's filesystem, then resume with --resume auto."
-        )
-
-    def diagnose(self, idle_s: float) -> str:
-        beats = self.board.read_all()
-        silent = [r for r, b in beats.items() if b is None]
-        known = {r: b for r, b in beats.items() if b is not None}
-        if silent:
-            who, step = silent, self.step
-        else:
-            least = min(b["progress"] for b in known.values())
-            behind = sorted(r for r, b in known.items() if b["progress"] == least)
-            who = behind if len(behind) < len(known) else sorted(known)
-            step = min(int(known[r]["step"]) for r in who)
-        names = (
-            "rank " + ", ".join(str(r) for r in who)
-            if len(who) == 1
-            else ("ranks " + ", ".join(str(r) for r in who))
-        )
-        if len(who) == self.rt.world_size and self.rt.world_size > 1:
-            cause = f"{names} all stopped making progress"
-        else:
-            cause = f"{names} stopped answering"
-        return (
-            f"{cause} at step {step} (rank {self.rt.rank} waited {idle_s:.0f} s, "
-            f"fault.watchdog_s={self.timeout_s:g}); ending the job instead of hanging: see the "
-            f"stack dump of that rank above, and resume with --resume auto."
-        )
-
-
-# --- fault injection (tests, chaos drills) --------------------------------------------------
-
-
-class FaultInjector:
-    """Faults injected through the model's forward hooks, read from HPCML_FAULT_INJECT (JSON):
-
-    {"slow":  {"rank": 1, "seconds": 0.05}}               every training forward on rank 1
-    {"stall": {"rank": 1, "step": 5, "seconds": 3600}}    once, at step 5 (a hang)
-    {"nan":   {"step": 7, "rank": 0}}                     once: that forward's output becomes NaN
-    {"spike": {"step": 30, "scale": 100.0}}               once: output x -scale (confidently
-                                                          wrong logits, a large loss)
-    {"ckpt_stall": {"rank": 0, "phase": "fsync", "step": 10, "seconds": 3600}}
-                                                          once: that checkpoint phase hangs
-                                                          (a hung filesystem); "step" left out
-                                                          means the first save
-
-    Steps are 1-based optimizer steps; "rank" left out means every rank.
-    """
-
-    def __init__(self, spec: dict[str, Any], rank: int) -> None:
-        known = {"slow", "stall", "nan", "spike", "ckpt_stall"}
-        unknown = set(spec) - known
-        if unknown:
-            raise ConfigError(
-                f"{INJECT_ENV} names unknown faults {sorted(unknown)}; known are {sorted(known)}."
-            )
-        self.rank = rank
-        self.spec = {k: v for k, v in spec.items() if v.get("rank", rank) == rank}
-        self.fired: set[str] = set()
-
-    @classmethod
-    def from_env(cls, rank: int) -> FaultInjector | None:
-        raw = os.environ.get(INJECT_ENV)
-        if not raw:
-            return None
-        try:
-            spec = json.loads(raw)
-        except json.JSONDecodeError:
-            raise ConfigError(f"{INJECT_ENV} is not valid JSON: {raw[:100]!r}.") from None
-        return cls(spec, rank)
-
-    def _once(self, name: str, step: int) -> bool:
-        s = self.spec.get(name)
-        if s is None or name in self.fired or int(s["step"]) != step:
-            return False
-        self.fired.add(name)
-        return True
-
-    def checkpoint_phase(self, name: str, step: int) -> None:
-        """ckpt_phase.hook: sleep in the named phase of a save (once)."""
-        s = self.spec.get("ckpt_stall")
-        if s is None or "ckpt_stall" in self.fired or s.get("phase") != name:
-            return
-        if "step" in s and int(s["step"]) != step:
-            return
-        self.fired.add("ckpt_stall")
-        time.sleep(float(s.get("seconds", 3600)))
-
-    def before_forward(self, step: int) -> None:
-        if "slow" in self.spec:
-            time.sleep(float(self.spec["slow"]["seconds"]))
-        if self._once("stall", step):
-            time.sleep(float(self.spec["stall"].get("seconds", 3600)))
-
-    def after_forward(self, output: Any, step: int) -> Any:
-        if self._once("nan", step):
-            return output * float("nan")
-        if self._once("spike", step):
-            return output * -float(self.spec["spike"].get("scale", 100.0))
-        return output
-
-
 # --- the guard -----------------------------------------------------------------------------
 
 
@@ -418,9 +187,7 @@ class FaultGuard:
         self.preempted_at: int | None = None
         self._bad_in_a_row = 0
         self._drop_at: dict[int, int] = {}
-        self._fwd_s = 0.0
-        self._fwd_t0: float | None = None
-        self._local_s: list[float] = []
+        self.timer = straggler.StepTimer(rt.device)
         self._handles: list[Any] = []
         self._timings_from = len(ckpt.timings)
         self.watchdog: Watchdog | None = None
@@ -453,6 +220,8 @@ class FaultGuard:
             inner.register_forward_pre_hook(self._pre_forward),
             inner.register_forward_hook(self._post_forward),
         ]
+        if self.fc.straggler_every:
+            self.timer.attach(inner)
         if self.injector is not None:
             ckpt_phase.hook = self.injector.checkpoint_phase
         if self.fc.preempt_notice != "none" and self.rt.local_rank == 0:
@@ -495,6 +264,7 @@ class FaultGuard:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.timer.close()
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
@@ -503,7 +273,8 @@ class FaultGuard:
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if module.training:
-            self._fwd_t0 = time.perf_counter()
+            if self.fc.straggler_every:
+                self.timer.forward_started()
             if self.injector is not None:
                 self.injector.before_forward(self.current_step)
 
@@ -512,9 +283,6 @@ class FaultGuard:
             self.watchdog.tick(self.current_step)
         if not module.training:
             return None
-        if self._fwd_t0 is not None:
-            self._fwd_s += time.perf_counter() - self._fwd_t0
-            self._fwd_t0 = None
         if self.injector is not None:
             return self.injector.after_forward(output, self.current_step)
         return None
@@ -534,8 +302,7 @@ class FaultGuard:
         """After backward, before the optimizer step. One collective of two numbers: the loss
         (so every rank judges the same global loss) and the preemption flags."""
         n = step + 1
-        self._local_s.append(data_wait_s + self._fwd_s)
-        self._fwd_s = 0.0
+        self.timer.end_step(data_wait_s)
         flag = 1.0 if self.preemption.requested else 0.0
         t = torch.stack([loss_sum.detach().float().reshape(()), loss_sum.new_tensor(flag).float()])
         all_reduce_sum(self.rt, t)
@@ -601,7 +368,8 @@ class FaultGuard:
         ckpt.wait_pending()
         target = None
         if self.rt.is_main and self.run_dir is not None:
-            target = ckpt.find_latest(self.run_dir / "checkpoints", warn=self.warn)
+            # sizes here; ckpt.load checks the contents, each file once on one rank
+            target = ckpt.find_latest(self.run_dir / "checkpoints", self.warn, deep=False)
         target = broadcast_object(self.rt, target)
         if target is None:
             self.warn(f"step {n}: the loss was {what} but there is no checkpoint to roll back to.")
@@ -617,34 +385,24 @@ class FaultGuard:
         return Path(target)
 
     def _check_stragglers(self, n: int) -> None:
-        window = self._local_s[-self.fc.straggler_every :]
-        self._local_s = []
-        mine = statistics.fmean(window) if window else 0.0
-        times = all_gather_object(self.rt, mine)
-        if self.rt.world_size < 2:
-            return
-        # median_low: with two ranks the reference is the faster one, not their mean.
-        ref = statistics.median_low(times)
-        if ref <= 0:
-            return
-        for rank, t in enumerate(times):
-            if t > self.fc.straggler_factor * ref:
-                self.stragglers[rank] = self.stragglers.get(rank, 0) + 1
-                self._event(
-                    {
-                        "event": "straggler",
-                        "step": n,
-                        "rank": rank,
-                        "local_step_s": t,
-                        "median_s": ref,
-                        "ratio": t / ref,
-                    }
-                )
-                self.warn(
-                    f"step {n}: rank {rank} is a straggler: {t * 1000:.1f} ms of local work per "
-                    f"step, {t / ref:.1f}x the median {ref * 1000:.1f} ms "
-                    f"(fault.straggler_factor={self.fc.straggler_factor:g})."
-                )
+        """Every rank at the same step: compare compute times (see hpcml.train.straggler)."""
+        for event in straggler.compare(self.rt, self.timer, self.fc.straggler_factor, n):
+            rank, t, ref = event["rank"], event["local_step_s"], event["median_s"]
+            self.stragglers[rank] = self.stragglers.get(rank, 0) + 1
+            self._event(event)
+            nvml = event.get("nvml") or {}
+            clocks = (
+                f"; SM clock {nvml['sm_clock_mhz']}/{nvml['sm_clock_max_mhz']} MHz, clock "
+                f"events {', '.join(nvml['clock_event_reasons']) or 'none'}"
+                if "sm_clock_mhz" in nvml
+                else ""
+            )
+            self.warn(
+                f"step {n}: rank {rank} ({event['host']}, {event['device']}) is a straggler: "
+                f"{t * 1000:.1f} ms of local work per step, {t / ref:.1f}x the median "
+                f"{ref * 1000:.1f} ms (fault.straggler_factor={self.fc.straggler_factor:g})"
+                f"{clocks}."
+            )
 
     # -- checkpoints, preemption, hangs ----------------------------------------------------
 
@@ -716,71 +474,5 @@ class FaultGuard:
         }
 
 
-def require_checkpoints_for_restarts(cfg: RunConfig, max_restarts: int) -> None:
-    """A restart resumes from the newest checkpoint: with none until the end, it would train
-    from step 0 again. Refuse that with a sentence (`hpcml launch slurm --mtbf` picks one)."""
-    if max_restarts <= 0 or cfg.train.checkpoint_every or cfg.train.checkpoint_every_s:
-        return
-    raise ConfigError(
-        f"--max-restarts {max_restarts} restarts training from its newest checkpoint, but "
-        "train.checkpoint_every is 0 and train.checkpoint_every_s is null (a checkpoint only at "
-        "the end): a restart would start again from step 0. Set train.checkpoint_every=N or "
-        "train.checkpoint_every_s=S (`hpcml launch checkpoint-interval --mtbf ...` suggests one)."
-    )
-
-
-def worker_outcome(run_dir: Path, since: float) -> tuple[str | None, Path | None]:
-    """How workers started at `since` ended, from the summary.json they wrote (torchrun's own
-    exit code does not say): its status, and for a preemption the checkpoint saved for it, only
-    when that checkpoint is complete (renamed into place, every file of its manifest there)."""
-    path = run_dir / "summary.json"
-    try:
-        if path.stat().st_mtime < since:
-            return None, None
-        summary = json.loads(path.read_text())
-        status = str(summary["status"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, None
-    saved = summary.get("checkpoint")
-    if status != "preempted" or not saved:
-        return status, None
-    saved_path = Path(saved)
-    return status, saved_path if ckpt.verify(saved_path, deep=False) is None else None
-
-
 def kind_key(kind: str) -> str:
     return "nan_policy" if kind == "nonfinite" else "spike_policy"
-
-
-# --- checkpoint interval -------------------------------------------------------------------
-# The formulas live in the planner (hpcml.plan.cost, pure functions); here they are applied to a
-# measured checkpoint cost and step time.
-
-
-def checkpoint_advice(
-    checkpoint_s: float,
-    mtbf_s: float,
-    restart_s: float = 0.0,
-    step_time_s: float | None = None,
-) -> dict[str, Any]:
-    """Optimal interval and what failures cost at it: hpcml.plan.cost.checkpoint_plan (Daly
-    2006, failures as a Poisson process), the same function `plan cost spot` uses."""
-    from hpcml.plan.cost import checkpoint_plan  # only the advice verb needs it
-
-    plan = checkpoint_plan(checkpoint_s, mtbf_s, restart_s)
-    interval = plan.daly_interval_s
-    out: dict[str, Any] = {
-        "checkpoint_s": checkpoint_s,
-        "mtbf_s": mtbf_s,
-        "restart_s": restart_s,
-        "young_interval_s": plan.young_interval_s,
-        "daly_interval_s": interval,
-        "expected_lost_work_per_failure_s": plan.lost_work_per_failure_s,
-        "expected_overhead_fraction": plan.overhead_fraction,
-        "expected_goodput": plan.goodput,
-        "step_time_s": step_time_s,
-        "checkpoint_every_steps": None,
-    }
-    if step_time_s:
-        out["checkpoint_every_steps"] = max(1, round(interval / step_time_s))
-    return out

@@ -36,8 +36,12 @@ class FaultHook(Hook):
         self.guard = guard
         self.on_host = needs_host_check(guard)
         self.bad_in_a_row = 0
+        self._timing_optimizer = False
 
     def before_step(self, trainer: Any) -> None:
+        if not self._timing_optimizer and self.guard.fc.straggler_every:
+            self.guard.timer.attach(None, trainer.optimizer)  # optimizer hooks only
+            self._timing_optimizer = True
         self.guard.begin_step(trainer.step, drop_batch=trainer.train_data.next)
 
     def after_backward(self, trainer: Any, loss_sum: Any, data_wait_s: float) -> StepDecision:
@@ -45,8 +49,7 @@ class FaultHook(Hook):
             verdict = self.guard.check(trainer.step, loss_sum, data_wait_s)
             return StepDecision(verdict.skip, verdict.rollback_to, verdict.preempt)
         g, n = self.guard, trainer.step + 1
-        g._local_s.append(data_wait_s + g._fwd_s)
-        g._fwd_s = 0.0
+        g.timer.end_step(data_wait_s)
         if g.watchdog is not None:
             g.watchdog.tick(n)
         if g.fc.straggler_every and n % g.fc.straggler_every == 0:

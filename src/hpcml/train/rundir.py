@@ -10,10 +10,13 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-from hpcml.errors import CheckpointError, RunDirError
+from hpcml.distributed.runtime import Runtime, broadcast_object
+from hpcml.errors import CheckpointError, HpcmlError, RunDirError
 from hpcml.records import RUN_LOG, SUMMARY
 from hpcml.train import checkpoint as ckpt
+from hpcml.train import ckpt_manifest
 
 
 def default_run_dir(config_path: Path | None) -> Path:
@@ -42,12 +45,15 @@ def resolve(
     dry_run: bool = False,
     warn: object = None,
     allow_fresh_start: bool = False,
+    known_bad: dict[Path, str] | None = None,
 ) -> Path | None:
     """Check the folder against the request; return the checkpoint to resume from (or None).
 
     With `dry_run` nothing is changed (the launcher checks before starting workers). With
     `--resume auto`, checkpoints that fail verification are moved aside, and when none is left
     the run starts from step 0 only with `allow_fresh_start` (see checkpoint.resume_target).
+    Checkpoints are checked by size here (no hashing on one rank): `resolve_shared` checks
+    the contents, split over the ranks; `known_bad` are those it found corrupt.
     """
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"--run-dir {run_dir} is a file, not a folder; choose another path.")
@@ -72,13 +78,63 @@ def resolve(
             )
         return None
     if resume == "auto":
-        return ckpt.resume_target(run_dir / "checkpoints", warn, allow_fresh_start, dry_run)
+        return ckpt.resume_target(
+            run_dir / "checkpoints", warn, allow_fresh_start, dry_run, False, known_bad
+        )
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(
             f"--resume {path} does not exist; pass a checkpoints/step-N folder or 'auto'."
         )
-    problem = ckpt.verify(path)
+    problem = (known_bad or {}).get(path) or ckpt.verify(path, deep=False)
     if problem is not None:
         raise CheckpointError(f"{problem}; pass another checkpoint or --resume auto.")
     return path
+
+
+def _on_main(rt: Runtime, fn: Any) -> Any:
+    """Run `fn` on rank 0; every rank returns its result or raises its error."""
+    answer: tuple[Any, ...] = ("ok", None)
+    if rt.is_main:
+        try:
+            answer = ("ok", fn())
+        except HpcmlError as exc:
+            answer = ("error", type(exc).__name__, exc.message)
+    answer = broadcast_object(rt, answer)
+    if answer[0] == "error":
+        import hpcml.errors as errors
+
+        raise getattr(errors, answer[1], HpcmlError)(answer[2])
+    return answer[1]
+
+
+def resolve_shared(
+    rt: Runtime,
+    run_dir: Path,
+    resume: str | None,
+    overwrite: bool,
+    warn: object = None,
+    allow_fresh_start: bool = False,
+    mode: str = "full",
+) -> Path | None:
+    """`resolve` on every rank at once (a collective): rank 0 picks a candidate by sizes,
+    all ranks check its contents (each file once, on one rank; fault.checkpoint_verify), and a
+    corrupt one is passed over. Nothing is moved or deleted until the choice is final, so a
+    refusal (no complete checkpoint, no --allow-fresh-start) leaves the folder as it was."""
+    known_bad: dict[Path, str] = {}
+    while True:
+        found = _on_main(
+            rt,
+            lambda: resolve(
+                run_dir, resume, overwrite, True, None, allow_fresh_start, dict(known_bad)
+            ),
+        )
+        if found is None:
+            break
+        problem = ckpt_manifest.verify_shared(Path(found), rt, mode)
+        if problem is None:
+            break
+        known_bad[Path(found)] = problem
+    return _on_main(
+        rt, lambda: resolve(run_dir, resume, overwrite, False, warn, allow_fresh_start, known_bad)
+    )

@@ -139,38 +139,30 @@ class Trainer:
         self._open_run_folder()
 
     def _prepare_folder(self) -> tuple[Path, Path | None]:
-        """Rank 0 checks the run folder; every rank gets the same answer or the same error."""
+        """Rank 0 checks the run folder; every rank gets the same answer or the same error.
+        The checkpoint to resume from is verified by all ranks together (rundir.resolve_shared)."""
         rt = self.rt
         resume, overwrite = self.resume_arg, self.overwrite
-        answer: tuple[str, Any, Any] = ("ok", None, None)
-        if rt.is_main:
-            try:
-                chosen = self.run_dir_arg or rundir.default_run_dir(self.config_path)
-                # A restarted elastic group resumes from the newest checkpoint, whatever was asked.
-                if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-                    resume, overwrite = "auto", False
-                found = rundir.resolve(
-                    chosen,
-                    resume,
-                    overwrite,
-                    warn=self._warn,
-                    allow_fresh_start=self.allow_fresh_start,
-                )
-                if resume == "auto" and found is None:
-                    self._warn(
-                        f"no complete checkpoint in {chosen / 'checkpoints'}; starting "
-                        "from step 0.",
-                        prefix="",
-                    )
-                answer = ("ok", chosen, found)
-            except HpcmlError as exc:
-                answer = ("error", type(exc).__name__, exc.message)
-        answer = broadcast_object(rt, answer)
-        if answer[0] == "error":
-            import hpcml.errors as errors
-
-            raise getattr(errors, answer[1], HpcmlError)(answer[2])
-        return Path(answer[1]), answer[2]
+        chosen = self.run_dir_arg or rundir.default_run_dir(self.config_path)
+        # A restarted elastic group resumes from the newest checkpoint, whatever was asked.
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            resume, overwrite = "auto", False
+        chosen = Path(broadcast_object(rt, str(chosen)))  # rank 0's timestamped default
+        found = rundir.resolve_shared(
+            rt,
+            chosen,
+            resume,
+            overwrite,
+            warn=self._warn,
+            allow_fresh_start=self.allow_fresh_start,
+            mode=self.cfg.fault.checkpoint_verify,
+        )
+        if resume == "auto" and found is None:
+            self._warn(
+                f"no complete checkpoint in {chosen / 'checkpoints'}; starting from step 0.",
+                prefix="",
+            )
+        return chosen, found
 
     def _warn(self, message: str, prefix: str = "warning: ") -> None:
         if self.rt.is_main:
@@ -418,6 +410,7 @@ class Trainer:
                 self.rt,
                 cfg.train.keep_last,
                 background=cfg.train.checkpoint_async,
+                verify=cfg.fault.checkpoint_verify,
             )
         if self.rt.is_main:
             self.hooks.checkpoint(path, self.step)

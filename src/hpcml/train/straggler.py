@@ -1,0 +1,228 @@
+"""Straggler detection: each rank's own compute time per step, compared across ranks every
+`fault.straggler_every` steps.
+
+What is timed, per micro-batch: from the model's forward pre-hook to the moment the last
+parameter gradient of the backward is accumulated (a `post_accumulate_grad` hook), plus the
+optimizer step (the optimizer's step pre/post hooks). Time spent waiting for other ranks is left
+out: data-parallel gradient all-reduces run beside the backward and are waited for only after
+the last gradient is ready (DDP's finalize), so a fast rank waiting for a slow one does not look
+slow itself, as it would with whole-step times. A slow forward, a slow backward and a slow
+optimizer step all count.
+
+On a GPU the marks are CUDA events recorded on the current stream (no host sync); they are read
+(`Event.elapsed_time`, which waits for them) only at the comparison step. On the CPU the ops are
+synchronous, so `time.perf_counter()` at the same marks is the compute time.
+
+The slow rank is named with its host and device; on a GPU with `pynvml` importable, its SM clock,
+the clock's maximum and the NVML clock-event (throttle) reasons are recorded too.
+
+Hand-written: torch has no per-rank compute timer that leaves out collective waits (the
+profiler records everything and costs far more than a few events per step).
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpcml.distributed.runtime import Runtime, all_gather_object
+
+Mark = Any
+"""A torch.cuda.Event (GPU) or a perf_counter() float (CPU)."""
+
+
+class StepTimer:
+    """Collects this rank's compute spans; `window_s()` reads and clears them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._spans: list[tuple[Mark, Mark]] = []
+        self._fb_start: Mark | None = None
+        self._fb_end: Mark | None = None
+        self._opt_start: Mark | None = None
+        self._steps = 0
+        self._extra_s = 0.0
+        self._grad_handles: list[Any] = []
+        self._last_param: int | None = None
+        self._pruned = False
+        self._handles: list[Any] = []
+
+    # -- marks -----------------------------------------------------------------------------
+
+    def _mark(self, event: Any = None) -> Mark:
+        if not self.cuda:
+            return time.perf_counter()
+        if event is None:
+            event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def attach(self, model: nn.Module | None, optimizer: Any = None) -> None:
+        """Hooks on every trainable parameter (pruned to the one whose gradient comes last
+        after the first backward) and on the optimizer's step."""
+        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        for i, p in enumerate(params):
+            self._grad_handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(i)))
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            self._handles += [
+                optimizer.register_step_pre_hook(lambda *_: self.before_optimizer()),
+                optimizer.register_step_post_hook(lambda *_: self.after_optimizer()),
+            ]
+
+    def close(self) -> None:
+        for h in self._grad_handles + self._handles:
+            h.remove()
+        self._grad_handles, self._handles = [], []
+
+    def _grad_ready(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            if self._fb_start is None:
+                return  # a backward outside a timed training forward
+            self._last_param = index
+            # On a GPU the one event is re-recorded: its last recording is the last gradient.
+            self._fb_end = self._mark(self._fb_end)
+
+        return hook
+
+    def forward_started(self) -> None:
+        self._close_fb()
+        self._fb_start = self._mark()
+
+    def _close_fb(self) -> None:
+        if self._fb_start is not None and self._fb_end is not None:
+            self._spans.append((self._fb_start, self._fb_end))
+        self._fb_start = self._fb_end = None
+        if not self._pruned and self._last_param is not None:
+            # The gradient order of a static graph repeats: keep only the last one's hook.
+            keep = self._last_param
+            for i, h in enumerate(self._grad_handles):
+                if i != keep:
+                    h.remove()
+            self._grad_handles = [self._grad_handles[keep]]
+            self._last_param = 0
+            self._pruned = True
+
+    def before_optimizer(self) -> None:
+        self._close_fb()
+        self._opt_start = self._mark()
+
+    def after_optimizer(self) -> None:
+        if self._opt_start is not None:
+            self._spans.append((self._opt_start, self._mark()))
+            self._opt_start = None
+
+    def end_step(self, data_wait_s: float) -> None:
+        self._steps += 1
+        self._extra_s += data_wait_s
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def window_s(self) -> tuple[float, float]:
+        """(mean compute seconds per step, mean data-wait seconds per step) since the last
+        call; on a GPU this waits for the recorded events (the only sync)."""
+        self._close_fb()
+        spans, steps, extra = self._spans, max(self._steps, 1), self._extra_s
+        self._spans, self._steps, self._extra_s = [], 0, 0.0
+        if self.cuda:
+            total = 0.0
+            for start, end in spans:
+                end.synchronize()
+                total += start.elapsed_time(end) / 1000.0
+        else:
+            total = sum(end - start for start, end in spans)
+        return total / steps, extra / steps
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return str(device)
+
+
+def nvml_state(device: torch.device) -> dict[str, Any] | None:
+    """SM clock, its maximum, temperature, power and the clock-event (throttle) reasons of this
+    rank's GPU; None without a GPU or without pynvml."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        reasons_of = (
+            getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
+        mask = int(reasons_of(handle))
+        names = sorted(
+            name.split("Reason", 1)[1]
+            for name in dir(pynvml)
+            if name.startswith(("nvmlClocksEventReason", "nvmlClocksThrottleReason"))
+            and not name.endswith(("All", "None", "Unknown"))
+            and isinstance(getattr(pynvml, name), int)
+            and getattr(pynvml, name) & mask
+        )
+        return {
+            "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+            "power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+            "clock_event_reasons": sorted(set(names)),
+            "clock_event_mask": mask,
+        }
+    except Exception as exc:  # noqa: BLE001 - NVMLError and friends: report, never fail training
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def compare(rt: Runtime, timer: StepTimer, factor: float, step: int) -> list[dict[str, Any]]:
+    """Every rank calls this at the same step (one all_gather of a small dict); returns one
+    straggler record per rank slower than `factor` x the (lower) median of all ranks."""
+    compute_s, data_s = timer.window_s()
+    mine = {
+        "s": compute_s + data_s,
+        "compute_s": compute_s,
+        "data_wait_s": data_s,
+        "host": socket.gethostname(),
+        "device": device_name(rt.device),
+        "nvml": nvml_state(rt.device),
+    }
+    everyone = all_gather_object(rt, mine)
+    if rt.world_size < 2:
+        return []
+    times = [float(r["s"]) for r in everyone]
+    # median_low: with two ranks the reference is the faster one, not their mean.
+    ref = statistics.median_low(times)
+    if ref <= 0:
+        return []
+    out = []
+    for rank, rec in enumerate(everyone):
+        t = float(rec["s"])
+        if t > factor * ref:
+            event = {
+                "event": "straggler",
+                "step": step,
+                "rank": rank,
+                "host": rec["host"],
+                "device": rec["device"],
+                "local_step_s": t,
+                "compute_s": rec["compute_s"],
+                "data_wait_s": rec["data_wait_s"],
+                "median_s": ref,
+                "ratio": t / ref,
+            }
+            if rec["nvml"] is not None:
+                event["nvml"] = rec["nvml"]
+            out.append(event)
+    return out
