@@ -143,7 +143,17 @@ def test_models_uri_with_an_import_path_is_refused_too(
     assert_refused(proc, marker, "os:system", "--trust-code")
 
 
-def test_resume_refuses_a_checkpoint_state_file_that_names_code(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "target,words",
+    [
+        ("trainer.pt", ("trainer.pt", "does not unpickle")),
+        # DCP's own reader would pickle.load this file (hpcml.distributed.dcp_safe).
+        (".metadata", (".metadata", "system", "not unpickled")),
+    ],
+)
+def test_resume_refuses_a_checkpoint_file_that_names_code(
+    tmp_path: Path, target: str, words: tuple[str, ...]
+) -> None:
     run = tmp_path / "run"
     args = [
         "train",
@@ -157,23 +167,29 @@ def test_resume_refuses_a_checkpoint_state_file_that_names_code(tmp_path: Path) 
         "train.checkpoint_every=2",
         "train.eval_every=0",
         "data.batch_size=16",
+        "optim.decay_steps=4",
     ]
     first = hpcml(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     ckpt = run / "checkpoints" / "step-2"
     marker = tmp_path / "pwned"
-    hostile = ckpt / "trainer.pt"
-    torch.save({"step": 2, "world_size": 1, "evil": _RunsCommand(marker)}, hostile)
+    hostile = ckpt / target
+    if target == "trainer.pt":
+        torch.save({"step": 2, "world_size": 1, "evil": _RunsCommand(marker)}, hostile)
+    else:
+        hostile.write_bytes(pickle.dumps(_RunsCommand(marker)))
     # Keep the manifest consistent, so the refusal comes from the loader, not the sha256 check.
     import hashlib
 
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    entry = manifest["files"]["trainer.pt"]
+    entry = manifest["files"][target]
     entry["sha256"] = hashlib.sha256(hostile.read_bytes()).hexdigest()
     entry["bytes"] = hostile.stat().st_size
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     resumed = hpcml(*args, "--resume", str(ckpt), "train.max_steps=4", cwd=tmp_path)
-    assert_refused(resumed, marker, "trainer.pt", "does not unpickle")
+    assert_refused(resumed, marker, *words)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_cifar_batches_unpickle_arrays_only(tmp_path: Path) -> None:

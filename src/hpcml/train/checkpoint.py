@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hpcml.distributed import dcp_safe
 from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state
 from hpcml.distributed.runtime import Runtime, barrier
 from hpcml.distributed.sidechannel import checkpoint_group
@@ -364,7 +365,9 @@ def load(
     if cfg is not None:
         check_lr_horizon(path, trainer, cfg)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp_safe.load(state, path)  # no code runs from the folder (crafted metadata or entries)
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(
             f"checkpoint {path} does not fit this model or optimizer ({type(exc).__name__}: "
@@ -394,7 +397,9 @@ def first_mismatch(path: Path, state: dict[str, Any]) -> str | None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = dcp_safe.read_metadata(path).state_dict_metadata
+    except CheckpointError:
+        raise  # crafted or damaged metadata: its own sentence
     except Exception:  # noqa: BLE001 - let dcp.load report an unreadable checkpoint
         return None
     expected = _flat_expected(state)
