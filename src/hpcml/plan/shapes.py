@@ -271,6 +271,7 @@ ZOO_GPT_DEFAULTS: dict[str, Any] = {
     "dropout": 0.0,
     "bias": True,
     "tie_embeddings": True,
+    "vocab_multiple": 64,
 }
 ZOO_GPT_SIZES: dict[str, dict[str, Any]] = {
     "gpt-tiny": {"vocab_size": 256, "max_seq_len": 64, "n_layer": 2, "n_head": 4, "d_model": 64},
@@ -327,7 +328,8 @@ def zoo_gpt_shape(
         d,
         int(c["n_head"]),
         int(seq or c["max_seq_len"]),
-        int(c["vocab_size"]),
+        # GPTConfig.padded_vocab: the token table and head are padded to a kernel-friendly size.
+        int(c["vocab_multiple"]) * math.ceil(int(c["vocab_size"]) / int(c["vocab_multiple"])),
         ffn_hidden=ffn,
         gated_mlp=swiglu,
         tied_embeddings=bool(c["tie_embeddings"]),
