@@ -116,10 +116,12 @@ def load_and_validate(data: dict[str, Any], world_size: int, tmp: Path) -> None:
         one_line(exc)
 
 
-@settings(max_examples=examples(80))
+@settings(max_examples=examples(50))
 @given(data=from_schema(SCHEMA), world_size=st.sampled_from([1, 2, 3, 4]))
 @example(data={"data": {"source": "synthetic", "synthetic_shape": []}}, world_size=1)
 @example(data={"model": {"name": "mlp", "args": {"hidden": -3}}}, world_size=1)
+@example(data={"data": {"source": "\n"}}, world_size=1)  # found: a two-line sentence
+@example(data={"model": {"name": "\n"}}, world_size=1)
 def test_schema_valid_configs_are_accepted_or_refused_in_one_line(
     data: dict[str, Any], world_size: int, tmp_path_factory: Any
 ) -> None:

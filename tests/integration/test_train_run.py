@@ -42,9 +42,12 @@ def test_run_folder_holds_everything(tmp_path, tiny_args):
 
 
 def test_resume_in_a_new_process_is_bit_exact(tmp_path, tiny_args):
-    """(a) 2N steps straight == N steps, then a new process resuming to 2N, bit for bit."""
+    """(a) 2N steps straight == N steps, then a new process resuming to 2N, bit for bit, with
+    dropout (the torch RNG), two DataLoader workers (the loader's position) and an epoch
+    boundary. (Augmentation inside workers is not yet reproduced on resume: README, limits.)"""
     n = 5
-    common = [*tiny_args, "optim.decay_steps=10", "optim.warmup_steps=2", "data.limit_train=120"]
+    common = [*tiny_args, "optim.decay_steps=10", "optim.warmup_steps=2", "data.limit_train=120",
+              "model.name=mlp", "model.args={hidden: 32, dropout: 0.2}", "data.num_workers=2"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_hpcml("train", CONFIG, *common, f"train.max_steps={2 * n}", "--run-dir", str(straight), "--quiet")
     run_hpcml("train", CONFIG, *common, f"train.max_steps={n}", "--run-dir", str(split), "--quiet")
@@ -72,43 +75,44 @@ def test_two_process_ddp_matches_one_process_with_twice_the_batch(tmp_path):
         # over 8 steps; 1e-5 (~170 u) is an estimate, not a derived bound.
         assert a[s] == pytest.approx(b[s], rel=1e-5), (s, a[s], b[s])
     assert summary(two)["world_size"] == 2
+
+    # `torchrun --nproc-per-node 2 -m hpcml train ...` (an external launcher) trains the same:
+    # same ranks, same data shards, same gloo reductions, so the same losses bit for bit.
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, hpcml_env
+
+    ext = tmp_path / "ext"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "hpcml", "train", CONFIG, *common, "data.batch_size=16", "--run-dir", str(ext),
+         "--quiet"],
+        cwd=ROOT, env=hpcml_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_losses(ext) == b
+    s = summary(ext)
+    assert s["world_size"] == 2 and s["global_batch"] == 32 and len(s["memory"]["per_rank"]) == 2
     # Accuracy is k/N: abs 1e-6 < 1/N means the same predictions (float formatting only).
     assert summary(one)["final"]["val_accuracy"] == pytest.approx(summary(two)["final"]["val_accuracy"], abs=1e-6)
 
 
 def test_grad_accumulation_matches_a_larger_batch(tmp_path):
-    """(c) k micro-batches of B == one batch of kB, step by step."""
+    """(c) 2 DDP ranks x 4 micro-batches of 4 == one batch of 32 on one process, step by step:
+    the first three micro-batches run under no_sync, so a sync skipped wrongly (or done on
+    every micro-batch and scaled wrongly) changes the losses."""
     common = ["model.name=mlp", "model.args={hidden: 64}", "train.eval_every=0", "train.log_every=3",
               "train.max_steps=6", "train.deterministic=true"]
     acc, big = tmp_path / "acc", tmp_path / "big"
-    run_hpcml("train", CONFIG, *common, "data.batch_size=8", "train.grad_accum=4", "--run-dir", str(acc), "--quiet")
+    run_hpcml("train", CONFIG, *common, "data.batch_size=4", "train.grad_accum=4", "--nproc", "2",
+              "--run-dir", str(acc), "--quiet")
     run_hpcml("train", CONFIG, *common, "data.batch_size=32", "--run-dir", str(big), "--quiet")
     a, b = step_losses(acc), step_losses(big)
     for s in b:
         # Micro-batch gradients summed in another order than one batch: ~u per step over 6
         # steps; 1e-5 (~170 u) is an estimate, not a derived bound.
         assert a[s] == pytest.approx(b[s], rel=1e-5), (s, a[s], b[s])
-
-
-@pytest.mark.slow
-def test_external_torchrun_launch(tmp_path):
-    """`torchrun --nproc-per-node 2 -m hpcml train ...` works like --nproc 2."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT, hpcml_env
-
-    run = tmp_path / "ext"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "hpcml", "train", CONFIG, "model.name=mlp", "train.max_steps=4", "train.eval_every=0",
-         "data.batch_size=16", "--run-dir", str(run), "--quiet"],
-        cwd=ROOT, env=hpcml_env(), capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    s = summary(run)
-    assert s["world_size"] == 2 and s["global_batch"] == 32
-    assert len(s["memory"]["per_rank"]) == 2
 
 
 def test_precisions_run_on_cpu(tmp_path):

@@ -150,18 +150,23 @@ class EpochLoader:
     def resume_at(self, epoch: int, samples: int) -> None:
         """Continue epoch `epoch` after its first `samples` samples of the global order (written
         by any world size): the rest of the epoch split over this world, then epochs as usual."""
-        if not self.elastic:
+        remainder_of = getattr(self.sampler, "remainder", None)  # e.g. token windows
+        rest: Any
+        if remainder_of is not None:
+            rest = remainder_of(epoch, samples)
+        elif not self.elastic:
             self.load_state_dict({"epoch": epoch + 1, "loader": None})
             return
-        rest = RemainderSampler(
-            len(self.dataset),  # type: ignore[arg-type]
-            self.seed,
-            epoch,
-            self.shuffle,
-            samples,  # type: ignore[arg-type]
-            self.rank,
-            self.world_size,
-        )
+        else:
+            rest = RemainderSampler(
+                len(self.dataset),  # type: ignore[arg-type]
+                self.seed,
+                epoch,
+                self.shuffle,
+                samples,  # type: ignore[arg-type]
+                self.rank,
+                self.world_size,
+            )
         remainder = torch.utils.data.DataLoader(
             self.dataset,
             batch_size=self.batch_size,

@@ -73,8 +73,9 @@ def load_digits(cfg: DataConfig) -> Splits:
     x = ((x - 0.5) / 0.5).expand(-1, 3, -1, -1).contiguous()
     y = torch.from_numpy(labels)
     train_idx, val_idx = _split(len(y), cfg.val_fraction)
+    xt, yt = x[train_idx], y[train_idx]
     return Splits(
-        TensorDataset(x[train_idx], y[train_idx]),
+        AugmentedImages(xt, yt) if cfg.augment else TensorDataset(xt, yt),
         TensorDataset(x[val_idx], y[val_idx]),
         (3, 32, 32),
         10,
@@ -86,7 +87,10 @@ class AugmentedImages(Dataset):
     """Random crop (pad 4) + horizontal flip, the standard CIFAR augmentation.
 
     Randomness comes from torch's global generator, which the DataLoader seeds per worker from
-    its own generator, so a run is reproducible for a given seed and worker count.
+    its own generator, so a run is reproducible for a given seed and worker count. A resume is
+    exact without workers (the checkpoint restores the global generator); with workers it is
+    not: a resumed worker does not continue the random stream the workers of the first run
+    had advanced (not yet done, see the README's limits).
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -228,7 +232,7 @@ def check_source(cfg: DataConfig) -> None:
     """Cheap checks a launcher runs before starting workers (folders exist, name known)."""
     if cfg.source not in SOURCES:
         raise DataError(
-            f"data.source '{cfg.source}' is not known; known sources are: {', '.join(sorted(SOURCES))}."
+            f"data.source {cfg.source!r} is not known; known sources are: {', '.join(sorted(SOURCES))}."
         )
     if cfg.source == "cifar10":
         _cifar_dir(cfg)
@@ -242,7 +246,7 @@ def load_source(cfg: DataConfig) -> Splits:
     loader = SOURCES.get(cfg.source)
     if loader is None:
         raise DataError(
-            f"data.source '{cfg.source}' is not known; known sources are: {', '.join(sorted(SOURCES))}."
+            f"data.source {cfg.source!r} is not known; known sources are: {', '.join(sorted(SOURCES))}."
         )
     splits = loader(cfg)
     if cfg.limit_train is not None and cfg.limit_train < len(splits.train):  # type: ignore[arg-type]

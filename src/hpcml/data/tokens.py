@@ -97,11 +97,22 @@ class RandomWindowSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.total // self.world_size
 
+    def _global_order(self, epoch: int) -> torch.Tensor:
+        # One generator per (seed, epoch), the same on every rank and for every world size; the
+        # whole epoch is drawn, so the order does not depend on the world size either.
+        g = torch.Generator().manual_seed(hash_seed(self.seed, epoch))
+        return torch.randint(0, self.n_starts, (self.total,), generator=g)
+
     def __iter__(self) -> Iterator[int]:
-        # One generator per (seed, epoch), the same on every rank and for every world size.
-        g = torch.Generator().manual_seed(hash_seed(self.seed, self.epoch))
-        starts = torch.randint(0, self.n_starts, (len(self) * self.world_size,), generator=g)
+        starts = self._global_order(self.epoch)[: len(self) * self.world_size]
         yield from starts[self.rank :: self.world_size].tolist()
+
+    def remainder(self, epoch: int, start: int) -> list[int]:
+        """This rank's share of epoch `epoch` after its first `start` windows of the global
+        order, whatever world size took those (an elastic resume)."""
+        rest = self._global_order(epoch)[start:]
+        rest = rest[: len(rest) // self.world_size * self.world_size]
+        return rest[self.rank :: self.world_size].tolist()
 
 
 def hash_seed(*parts: int) -> int:

@@ -36,7 +36,9 @@ class SimpleCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Flatten -> [Linear -> ReLU] * depth -> Linear. No BatchNorm, so data parallel is exact."""
+    """Flatten -> [Linear -> ReLU (-> Dropout)] * depth -> Linear. No BatchNorm, so data
+    parallel is exact. `dropout` > 0 adds a Dropout after each ReLU (parameter names shift then;
+    at 0, the default, the layout is the one earlier versions wrote)."""
 
     def __init__(
         self,
@@ -44,12 +46,17 @@ class MLP(nn.Module):
         hidden: int = 256,
         depth: int = 2,
         num_classes: int = 10,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout {dropout} must be in [0, 1)")
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_features
         for _ in range(depth):
             layers += [nn.Linear(width, hidden), nn.ReLU(inplace=True)]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
             width = hidden
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)

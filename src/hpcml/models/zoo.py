@@ -132,13 +132,13 @@ def _import_builder(path: str) -> Callable[..., nn.Module]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ModelError(
-            f"model '{path}': module '{module_name}' cannot be imported ({exc}); "
+            f"model {path!r}: module {module_name!r} cannot be imported ({exc}); "
             "check model.name and that the package is on PYTHONPATH."
         ) from None
     builder = getattr(module, attr, None)
     if builder is None or not callable(builder):
         raise ModelError(
-            f"model '{path}': module '{module_name}' has no callable '{attr}'; "
+            f"model {path!r}: module {module_name!r} has no callable '{attr}'; "
             "point model.name at a function that returns an nn.Module."
         )
     return builder  # type: ignore[no-any-return]
@@ -156,7 +156,7 @@ def get_spec(name: str, *, trust_code: bool = True) -> ModelSpec:
     if is_import_path(name):
         if not trust_code:
             raise UntrustedCode(
-                f"model '{name}' is an import path, and code named by a model file runs only "
+                f"model {name!r} is an import path, and code named by a model file runs only "
                 "with --trust-code; pass it if you trust whoever wrote the file, or export "
                 "with a zoo architecture."
             )
@@ -167,7 +167,7 @@ def get_spec(name: str, *, trust_code: bool = True) -> ModelSpec:
     if spec is None:
         known = ", ".join(sorted(_REGISTRY))
         raise ModelError(
-            f"model '{name}' is not in the zoo; known models are: {known} "
+            f"model {name!r} is not in the zoo; known models are: {known} "
             "(or give an import path like mypkg.models:build)."
         )
     return spec
@@ -185,13 +185,13 @@ def build_model(
         # builder (ours or torch's layers) says what, the user needs to know where.
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(
-            f"model '{name}' cannot be built with arguments {kwargs} ({reason}); "
+            f"model {name!r} cannot be built with arguments {kwargs} ({reason}); "
             "check model.args against the builder's parameters (`hpcml model info "
             f"{name}`)."
         ) from None
     if not isinstance(model, nn.Module):
         raise ModelError(
-            f"model '{name}': the builder returned {type(model).__name__}, not nn.Module."
+            f"model {name!r}: the builder returned {type(model).__name__}, not nn.Module."
         )
     return model
 

@@ -52,6 +52,7 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     dp_size = world_size // cfg.parallel.tp
     check_batch(cfg, splits, dp_size)
     check_loss(cfg)
+    check_augment(cfg)
     grad_accum = derive_grad_accum(cfg, dp_size)
     init_from = check_init_from(cfg.model.init_from, model)
     return Resolved(splits, model_args, model, world_size, dp_size, grad_accum, init_from)
@@ -147,6 +148,19 @@ def check_batch(cfg: RunConfig, splits: Splits, dp_size: int) -> None:
             f"data.source '{cfg.data.source}' has {n_val} validation samples, fewer than the "
             f"{dp_size} data-parallel processes that each evaluate a share; raise "
             "data.val_fraction (or data.eval_windows) or start fewer processes."
+        )
+
+
+AUGMENTED_SOURCES = ("digits", "cifar10")
+
+
+def check_augment(cfg: RunConfig) -> None:
+    """`data.augment` (random crop + flip) exists for the image sources only; elsewhere it would
+    silently do nothing."""
+    if cfg.data.augment and cfg.data.source not in AUGMENTED_SOURCES:
+        raise ConfigError(
+            f"data.augment applies to the image sources ({', '.join(AUGMENTED_SOURCES)}), not to "
+            f"data.source '{cfg.data.source}'; remove data.augment."
         )
 
 
