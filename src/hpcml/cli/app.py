@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import sys
@@ -23,6 +24,18 @@ from hpcml.errors import HpcmlError
 # Numeric options that may be negative (none today): every other int or float option is
 # refused when negative, NaN or infinite, before the verb runs.
 SIGNED_OPTIONS: frozenset[tuple[str, str]] = frozenset()
+# OSErrors that mean the path given is wrong (exit 2); other ones are failures of the work (1).
+_PATH_ERRNOS = {
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EEXIST,
+    errno.EROFS,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+}
 
 
 def _finite_non_negative(ctx: typer.Context, param: Any, value: Any) -> Any:
@@ -62,10 +75,13 @@ class HpcmlGroup(TyperGroup):
         except OSError as exc:
             if exc.filename is None:
                 raise
-            # A path the user named that cannot be read or written (missing, a file where a
-            # folder is expected, no permission): the input is what is wrong.
             where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
-            fail(f"{where}: {exc.strerror or exc}; check the path and its permissions.", 2)
+            if exc.errno in _PATH_ERRNOS:
+                # A path the user named that cannot be read or written (missing, a file where
+                # a folder is expected, no permission): the input is what is wrong.
+                fail(f"{where}: {exc.strerror or exc}; check the path and its permissions.", 2)
+            # Anything else (a full disk, an I/O error) is a failure of the work.
+            fail(f"{where}: {exc.strerror or exc}; the work stopped there.", 1)
         return None
 
 
