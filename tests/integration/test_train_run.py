@@ -43,11 +43,12 @@ def test_run_folder_holds_everything(tmp_path, tiny_args):
 
 def test_resume_in_a_new_process_is_bit_exact(tmp_path, tiny_args):
     """(a) 2N steps straight == N steps, then a new process resuming to 2N, bit for bit, with
-    dropout (the torch RNG), two DataLoader workers (the loader's position) and an epoch
-    boundary. (Augmentation inside workers is not yet reproduced on resume: README, limits.)"""
+    dropout (the torch RNG), augmentation inside two DataLoader workers (per-sample randomness
+    and the loader's position) and an epoch boundary."""
     n = 5
     common = [*tiny_args, "optim.decay_steps=10", "optim.warmup_steps=2", "data.limit_train=120",
-              "model.name=mlp", "model.args={hidden: 32, dropout: 0.2}", "data.num_workers=2"]
+              "model.name=mlp", "model.args={hidden: 32, dropout: 0.2}", "data.num_workers=2",
+              "data.augment=true"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_hpcml("train", CONFIG, *common, f"train.max_steps={2 * n}", "--run-dir", str(straight), "--quiet")
     run_hpcml("train", CONFIG, *common, f"train.max_steps={n}", "--run-dir", str(split), "--quiet")

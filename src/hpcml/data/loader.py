@@ -51,6 +51,7 @@ class EpochLoader:
                 drop_last=True,
             )
         )
+        keyed = getattr(dataset, "epoch_keyed", False)
         workers = cfg.num_workers
         generator = torch.Generator().manual_seed(seed + rank)
         kwargs: dict[str, Any] = {}
@@ -61,7 +62,7 @@ class EpochLoader:
         self.loader = StatefulDataLoader(
             dataset,
             batch_size=cfg.batch_size,
-            sampler=self.sampler,
+            sampler=EpochKeys(self.sampler, seed) if keyed else self.sampler,
             drop_last=True,
             num_workers=workers,
             pin_memory=pin_memory,
@@ -80,6 +81,7 @@ class EpochLoader:
         """Batches this rank has taken in the current epoch."""
         self.batch_size, self.rank, self.world_size = cfg.batch_size, rank, world_size
         self.shuffle, self.seed, self.dataset = cfg.shuffle, seed, dataset
+        self.keyed = keyed
         self._it: Iterator[Any] | None = None
         self._remainder = False
         self._base = 0
@@ -170,7 +172,7 @@ class EpochLoader:
         remainder = torch.utils.data.DataLoader(
             self.dataset,
             batch_size=self.batch_size,
-            sampler=rest,
+            sampler=EpochKeys(rest, self.seed, epoch) if self.keyed else rest,
             drop_last=True,
             num_workers=0,
             generator=torch.Generator().manual_seed(self.seed + self.rank + epoch),
@@ -179,6 +181,22 @@ class EpochLoader:
         self._it = iter(remainder)
         self._remainder = True
         self._base, self.taken = samples, 0
+
+
+class EpochKeys(torch.utils.data.Sampler[tuple[int, int, int]]):
+    """A sampler's indices as (seed, epoch, index) keys, for datasets whose per-sample
+    randomness is keyed by them (`epoch_keyed`, e.g. augmentation). The epoch is the inner
+    sampler's (`set_epoch`), or fixed for a one-epoch remainder."""
+
+    def __init__(self, inner: Any, seed: int, epoch: int | None = None) -> None:
+        self.inner, self.seed, self.fixed_epoch = inner, seed, epoch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        epoch = self.fixed_epoch if self.fixed_epoch is not None else self.inner.epoch
+        return ((self.seed, epoch, int(i)) for i in self.inner)
 
 
 class RemainderSampler(torch.utils.data.Sampler[int]):

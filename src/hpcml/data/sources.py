@@ -75,7 +75,7 @@ def load_digits(cfg: DataConfig) -> Splits:
     train_idx, val_idx = _split(len(y), cfg.val_fraction)
     xt, yt = x[train_idx], y[train_idx]
     return Splits(
-        AugmentedImages(xt, yt) if cfg.augment else TensorDataset(xt, yt),
+        TensorDataset(xt, yt),
         TensorDataset(x[val_idx], y[val_idx]),
         (3, 32, 32),
         10,
@@ -84,29 +84,36 @@ def load_digits(cfg: DataConfig) -> Splits:
 
 
 class AugmentedImages(Dataset):
-    """Random crop (pad 4) + horizontal flip, the standard CIFAR augmentation.
+    """Random crop (pad 4) + horizontal flip, the standard CIFAR augmentation, around any image
+    dataset (a Subset from `data.limit_train` included).
 
-    Randomness comes from torch's global generator, which the DataLoader seeds per worker from
-    its own generator, so a run is reproducible for a given seed and worker count. A resume is
-    exact without workers (the checkpoint restores the global generator); with workers it is
-    not: a resumed worker does not continue the random stream the workers of the first run
-    had advanced (not yet done, see the README's limits).
+    The randomness of a sample is a function of (seed, epoch, index) alone: the loader's sampler
+    yields those keys (`epoch_keyed`), and each sample draws from a numpy generator seeded with
+    them. So which worker loads a sample, how many workers there are and where a resume starts
+    change nothing: a resume with `data.num_workers` > 0 crops and flips exactly as the run it
+    continues. (Drawing from torch's global generator, seeded per worker by the DataLoader, made
+    a resumed worker start a random stream the first run's workers had already advanced.)
+    A plain index (no loader) counts as epoch 0 with seed 0.
     """
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
+    epoch_keyed = True
+
+    def __init__(self, inner: Dataset) -> None:
+        self.inner = inner
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(self.inner)  # type: ignore[arg-type]
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        img = self.x[i]
+    def __getitem__(self, key: int | tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        seed, epoch, i = key if isinstance(key, tuple) else (0, 0, int(key))
+        img, label = self.inner[i]
+        rng = np.random.default_rng([seed, epoch, i])
+        dx, dy = (int(v) for v in rng.integers(0, 9, size=2))
         padded = F.pad(img, (4, 4, 4, 4), mode="reflect")
-        dx, dy = torch.randint(0, 9, (2,)).tolist()
         img = padded[:, dy : dy + 32, dx : dx + 32]
-        if torch.rand(()) < 0.5:
+        if rng.random() < 0.5:
             img = img.flip(-1)
-        return img, self.y[i]
+        return img, label
 
 
 def _cifar_dir(cfg: DataConfig) -> Path:
@@ -188,7 +195,7 @@ def load_cifar10(cfg: DataConfig) -> Splits:
         return (torch.from_numpy(a).float() / 255.0 - mean) / std
 
     xt, yt = norm(xtr), torch.from_numpy(ytr)
-    train: Dataset = AugmentedImages(xt, yt) if cfg.augment else TensorDataset(xt, yt)
+    train: Dataset = TensorDataset(xt, yt)
     return Splits(
         train,
         TensorDataset(norm(xte), torch.from_numpy(yte)),
@@ -251,4 +258,6 @@ def load_source(cfg: DataConfig) -> Splits:
     splits = loader(cfg)
     if cfg.limit_train is not None and cfg.limit_train < len(splits.train):  # type: ignore[arg-type]
         splits.train = torch.utils.data.Subset(splits.train, range(cfg.limit_train))
+    if cfg.augment:  # outermost, so it sees the loader's (seed, epoch, index) keys
+        splits.train = AugmentedImages(splits.train)
     return splits

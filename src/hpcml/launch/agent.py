@@ -48,7 +48,33 @@ def preempted(failures: dict[int, Any]) -> bool:
     return any(getattr(f, "exitcode", None) == REQUEUE_EXIT_CODE for f in failures.values())
 
 
+def _first_signal_only() -> None:
+    """torchrun's handler raises SignalException on every death signal, also on one that comes
+    while the agent is already stopping the workers for the first. Ctrl-C in a terminal reaches
+    the agent twice (from the process group and forwarded by `hpcml train`); the second one broke
+    off the shutdown that passed SIGINT on, and torchrun's clean-up then sent SIGTERM, which
+    workers take for a preemption. Replace each installed handler by one that raises once."""
+    fired: list[int] = []
+
+    def once(signum: int, frame: Any) -> None:
+        if fired:
+            return  # the workers are being stopped for the first signal already
+        fired.append(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", signal.Signals(signum))
+
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for name in names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if sig is not None and callable(signal.getsignal(sig)):  # torchrun installed one
+            signal.signal(sig, once)
+
+
 class PreemptionAwareAgent(LocalElasticAgent):
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        ids = super()._start_workers(worker_group)
+        _first_signal_only()
+        return ids
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and preempted(result.failures):

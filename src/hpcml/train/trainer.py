@@ -132,7 +132,7 @@ class Trainer:
         self.loss_fn = resolve_loss(cfg.train.loss)
         self._build_model()
         self._build_data()
-        torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout, augmentation)
+        torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout)
         if self.resume_from is not None:
             self.step = self.restore(self.resume_from)
         self.setup_rss = self.setup_memory.result()  # this rank's set-up peak and growth
