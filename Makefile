@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,track,onnx]"
+	$(PY) -m pip install -q -e ".[dev,serve,track,onnx,observe]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# promtool (Debian's prometheus package) for the test that checks /metrics with
-# `promtool check metrics`. Idempotent: does nothing when promtool is already installed.
+# Debian's prometheus package: promtool for the tests that check /metrics and the alerting
+# rules, and the prometheus server that test_observe_prometheus.py runs on
+# loopback. Idempotent: does nothing when both are already installed.
 set -euo pipefail
-if command -v promtool >/dev/null 2>&1; then
+if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then
   exit 0
 fi
 SUDO=""

@@ -204,6 +204,17 @@ class TrackingConfig(_Section):
     store write costs ~10 ms of a background thread); the MLflow UI lags by up to this much."""
 
 
+class ObserveConfig(_Section):
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus `/metrics` from every rank on this port + the local rank (0: any free
+    port); each rank writes its target to RUN_DIR/prometheus/rank-N.json (file_sd). null: off."""
+    metrics_address: str = "0.0.0.0"
+    """Address the `/metrics` endpoints bind to (127.0.0.1 keeps them on this machine)."""
+    job: str | None = None
+    """The `job` label of the series; null: $SLURM_JOB_ID, else $HPCML_JOB, else the run
+    folder's name."""
+
+
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
@@ -213,6 +224,7 @@ class RunConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=lambda: ParallelConfig())
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig())
     fault: FaultConfig = Field(default_factory=lambda: FaultConfig())
+    observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

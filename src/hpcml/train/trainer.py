@@ -82,6 +82,8 @@ class Trainer:
         self.log: RunLog | None = None
         self.view: LiveView | None = None
         self.out_dir: Path | None = None
+        self.exporter: Any = None
+        """Prometheus `/metrics` of this rank (`observe.metrics_port`), or None."""
         self.resume_from: Path | None = None
         self.writing = False
         """True once this run has started writing into the run folder."""
@@ -112,6 +114,8 @@ class Trainer:
             raise
         finally:
             self.guard.close()
+            if self.exporter is not None:
+                self.exporter.close(finished=clean)
             if self.view is not None:
                 self.view.close()
             if self.log is not None:
@@ -233,6 +237,18 @@ class Trainer:
             if self.resume_from is not None:
                 self.view.message(f"resumed from {self.resume_from} at step {self.step}")
         self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
+        if cfg.observe.metrics_port is not None:
+            from hpcml.observe.train_metrics import TrainExporter
+
+            self.exporter = TrainExporter(
+                cfg.observe.metrics_port,
+                cfg.observe.metrics_address,
+                self.out_dir,
+                rt.rank,
+                rt.local_rank,
+                cfg.observe.job,
+                rt.device.index if rt.device.type == "cuda" else None,
+            )
         self.spec = get_spec(cfg.model.name)
         from hpcml.distributed.runtime import device_info
 
@@ -372,6 +388,8 @@ class Trainer:
         flags. True when a rank was asked to stop."""
         hook = self.fault_hook
         records = self.meter.flush(hook.flush_flags() if hook else None)
+        if self.exporter is not None:
+            self.exporter.update(records, self.guard.counts, self.guard.stragglers)
         return hook.on_flushed(records, self.meter.flags) if hook else False
 
     # --- evaluation, checkpoints -------------------------------------------------------------
@@ -414,6 +432,8 @@ class Trainer:
             )
         if self.rt.is_main:
             self.hooks.checkpoint(path, self.step)
+        if self.exporter is not None:
+            self.exporter.checkpointed()
         return path
 
     # --- the end -----------------------------------------------------------------------------
