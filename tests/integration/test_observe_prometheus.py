@@ -1,7 +1,10 @@
-"""A real Prometheus (Debian's `prometheus`) scrapes a real 2-process training run that it found
-only through the run's file_sd target files, and its HTTP query API returns the run's series
-with the job/run/rank/host labels and values the run's own records agree with. After Ctrl-C
-the targets stay and `up` drops to 0 for both ranks: what the HpcmlTrainingDown alert reads."""
+"""A real Prometheus (Debian's `prometheus`) scrapes a real 2-process training run and a real
+`hpcml serve`, both found only through their file_sd target files. Its HTTP query API returns
+the run's series with the job/run/rank/host labels and values the run's own records agree with;
+every panel query of the shipped Grafana dashboards returns data (except the panels listed as
+needing a GPU, a token model, a shadow version, a straggler or an error). After Ctrl-C the
+training targets stay and `up` drops to 0 for both ranks: what HpcmlTrainingDown reads; the
+server's target goes when it stops cleanly."""
 
 from __future__ import annotations
 
@@ -11,15 +14,28 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from fault_util import finish, records, start_train, wait_for, write_config
+import torch
+from fault_util import env, finish, records, start_train, wait_for, write_config
+
+from hpcml.models.export import save_export
+from hpcml.models.zoo import build_model
 
 pytestmark = pytest.mark.slow
+DASHBOARDS = Path(__file__).resolve().parents[2] / "src" / "hpcml" / "observe" / "dashboards"
+# Panels with no series in this test: its CPU MLP run has no GPU, no tokens, no known peak FLOP/s
+# (MFU), no straggler, no shadow version and no failed request.
+NO_DATA_HERE = {
+    "Tokens/s (token models)", "MFU", "Straggler flags", "GPU utilization", "GPU memory used",
+    "GPU temperature", "GPU power", "Error ratio", "Shadow disagreement ratio",
+}
 
 
 def prometheus_binary() -> str:
@@ -45,7 +61,7 @@ def query(url: str, promql: str) -> list[dict[str, Any]]:
     return list(body["data"]["result"])
 
 
-def start_prometheus(tmp: Path, targets: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_prometheus(tmp: Path, *targets: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     config = tmp / "prometheus.yml"
     config.write_text(
@@ -56,7 +72,9 @@ def start_prometheus(tmp: Path, targets: Path) -> tuple[subprocess.Popen[bytes],
                     {
                         "job_name": "hpcml",
                         "honor_labels": True,
-                        "file_sd_configs": [{"files": [str(targets / "*.json")], "refresh_interval": "1s"}],
+                        "file_sd_configs": [
+                            {"files": [str(t / "*.json") for t in targets], "refresh_interval": "1s"}
+                        ],
                     }
                 ],
             }
@@ -85,13 +103,59 @@ def start_prometheus(tmp: Path, targets: Path) -> tuple[subprocess.Popen[bytes],
     return proc, url
 
 
+def start_server(tmp: Path, targets: Path) -> tuple[subprocess.Popen[str], str]:
+    torch.manual_seed(0)
+    args = {"hidden": 16, "depth": 1}
+    export = save_export(tmp / "export", build_model("mlp", args), "mlp", args, (3, 32, 32), (10,))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcml", "serve", str(export), "--name", "digits", "--port",
+         str(port), "--prometheus-targets", str(targets)],
+        env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for("hpcml serve ready", ready, timeout=120, every=0.2, proc=proc)
+    return proc, url
+
+
+def panel_queries(name: str) -> list[tuple[str, str]]:
+    board = json.loads((DASHBOARDS / name).read_text())
+    return [(p["title"], t["expr"]) for p in board["panels"] for t in p["targets"]]
+
+
+def concrete(expr: str) -> str:
+    """A dashboard query as Grafana would send it for this test's job, run and model."""
+    for var, value in (("$job", "itest"), ("$run", "run"), ("$model", "digits"),
+                       ("$__rate_interval", "15s")):
+        expr = expr.replace(var, value)
+    return expr
+
+
+def assert_panels_have_data(url: str, name: str) -> None:
+    empty = [
+        title
+        for title, expr in panel_queries(name)
+        if title not in NO_DATA_HERE and not query(url, concrete(expr))
+    ]
+    assert not empty, f"{name}: panels without data: {empty}"
+
+
 def by_rank(result: list[dict[str, Any]]) -> dict[str, float]:
     return {r["metric"]["rank"]: float(r["value"][1]) for r in result}
 
 
-def test_prometheus_scrapes_both_ranks_through_file_sd_and_sees_them_die(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    prom, url = start_prometheus(tmp_path, run / "prometheus")
+def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path) -> None:
+    run, serve_targets = tmp_path / "run", tmp_path / "serve-targets"
+    prom, url = start_prometheus(tmp_path, run / "prometheus", serve_targets)
+    server, server_url = start_server(tmp_path, serve_targets)
     try:
         config = write_config(
             tmp_path / "c.yaml",
@@ -132,6 +196,31 @@ def test_prometheus_scrapes_both_ranks_through_file_sd_and_sees_them_die(tmp_pat
             # Python process that imported torch holds far more than 50 MB.
             rss = by_rank(query(url, 'process_resident_memory_bytes{role="train",job="itest"}'))
             assert sorted(rss) == ["0", "1"] and min(rss.values()) > 50e6
+            # rate() needs two scrapes of a series inside its window.
+            wait_for(
+                "two scrapes of both ranks inside 15 s",
+                lambda: len(query(url, 'rate(process_cpu_seconds_total{job="itest"}[15s])')) == 2,
+                timeout=60,
+                every=0.5,
+            )
+            assert_panels_have_data(url, "training.json")
+
+            # The server, found through its own target file: 20 requests answered, then seen.
+            x = torch.randn(2 * 3 * 32 * 32, generator=torch.Generator().manual_seed(0)).tolist()
+            inputs = [{"name": "input", "datatype": "FP32", "shape": [2, 3, 32, 32], "data": x}]
+            for _ in range(20):
+                r = httpx.post(f"{server_url}/v2/models/digits/infer", json={"inputs": inputs}, timeout=30)
+                assert r.status_code == 200, r.text
+            wait_for(
+                "the 20 requests scraped",
+                lambda: [
+                    r for r in query(url, 'sum(hpcml_requests_total{model="digits",code="200"})')
+                    if float(r["value"][1]) == 20
+                ],
+                timeout=60,
+                every=0.5,
+            )
+            assert_panels_have_data(url, "serving.json")
         finally:
             os.killpg(proc.pid, signal.SIGINT)
             out, _ = finish(proc, 120)
@@ -145,6 +234,11 @@ def test_prometheus_scrapes_both_ranks_through_file_sd_and_sees_them_die(tmp_pat
             every=0.5,
         )
         assert sorted(down) == ["0", "1"]
+        server.send_signal(signal.SIGTERM)
+        finish(server, 60)
+        assert list(serve_targets.iterdir()) == []  # a clean stop removes its target
     finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
         prom.terminate()
         prom.wait(30)

@@ -66,6 +66,12 @@ def serve(
         "moves to (load beside, warm, switch, unload the old one).",
     ),
     poll_s: float = typer.Option(10.0, "--poll-s", help="Seconds between registry polls."),
+    prometheus_targets: Path | None = typer.Option(
+        None,
+        "--prometheus-targets",
+        help="Folder a Prometheus reads file_sd targets from: the server writes its /metrics "
+        "target there while it runs (removed on a clean stop; left if it dies, so up == 0).",
+    ),
 ) -> None:
     """Serve models over the Open Inference Protocol v2 (REST, and gRPC with --grpc-port) with dynamic batching."""
     from hpcml.serve.app import uvicorn_server
@@ -98,7 +104,44 @@ def serve(
         print_json(summary)
     else:
         _print_summary(summary)
-    uvicorn_server(app, cfg, log_level).run()
+    target = _write_prometheus_target(prometheus_targets, cfg) if prometheus_targets else None
+    if target is not None:
+        _remove_on_stop_signal(target)
+    try:
+        uvicorn_server(app, cfg, log_level).run()
+    finally:
+        if target is not None:
+            target.unlink(missing_ok=True)
+
+
+def _remove_on_stop_signal(target: Path) -> None:
+    """uvicorn stops gracefully on SIGTERM/SIGINT, restores the handlers it found and raises
+    the signal again, so the process ends by that signal before any `finally` runs. The
+    handlers it finds are these: they remove the target, then let the signal act as usual."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        target.unlink(missing_ok=True)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
+def _write_prometheus_target(folder: Path, cfg: Any) -> Path:
+    import os
+    import socket
+
+    from hpcml.observe.targets import write_target
+
+    if cfg.port == 0:
+        raise ConfigError("--prometheus-targets needs a fixed --port (not 0); pass --port.")
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--prometheus-targets {str(folder)!r} is a file; pass a folder.")
+    host = socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+    labels = {"job": os.environ.get("HPCML_JOB", "hpcml-serve"), "role": "serve"}
+    return write_target(folder / f"serve-{host}-{cfg.port}.json", host, cfg.port, labels)
 
 
 def _check_port_free(host: str, port: int, option: str) -> None:

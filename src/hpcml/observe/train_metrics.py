@@ -13,7 +13,6 @@ The GPU series come from NVML (`nvidia-ml-py`) when a CUDA device is in use; the
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcml.errors import ConfigError
+from hpcml.observe.targets import write_target
 
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LABELS = ("job", "run", "rank", "host")
@@ -88,23 +88,13 @@ class TrainExporter:
         self.port = int(self.server.server_address[1])
         # What Prometheus connects to: the bound address, or this host's name when bound to all.
         self.address = self.host if address in ("", "0.0.0.0", "::") else address
-        if ":" in self.address:
-            self.address = f"[{self.address}]"  # an IPv6 literal in host:port
         self.target_file = run_dir / "prometheus" / f"rank-{rank}.json"
         self._write_target()
 
     def _write_target(self) -> None:
         job, run, rank, host = self.label_values
-        target = [
-            {
-                "targets": [f"{self.address}:{self.port}"],
-                "labels": {"job": job, "run": run, "rank": rank, "host": host, "role": "train"},
-            }
-        ]
-        self.target_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.target_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(target))
-        os.replace(tmp, self.target_file)  # Prometheus never reads half a file
+        labels = {"job": job, "run": run, "rank": rank, "host": host, "role": "train"}
+        write_target(self.target_file, self.address, self.port, labels)
 
     def update(
         self,
