@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,44 @@ def test_two_process_ddp_matches_one_process_with_twice_the_batch(tmp_path):
     assert s["world_size"] == 2 and s["global_batch"] == 32 and len(s["memory"]["per_rank"]) == 2
     # Accuracy is k/N: abs 1e-6 < 1/N means the same predictions (float formatting only).
     assert summary(one)["final"]["val_accuracy"] == pytest.approx(summary(two)["final"]["val_accuracy"], abs=1e-6)
+
+    # `hpcml report` on these real runs: the speedup it prints is the ratio of the two
+    # summaries' samples/s, and the page renders in a real headless browser.
+    page = tmp_path / "report" / "index.html"
+    shown = json.loads(run_hpcml("report", str(one), str(two), "--out", str(page), "--json").stdout)
+    ratio = summary(two)["throughput"]["samples_per_s"] / summary(one)["throughput"]["samples_per_s"]
+    assert shown["runs"][1]["speedup"] == pytest.approx(ratio, rel=1e-12)
+    assert shown["runs"][1]["scaling_efficiency"] == pytest.approx(ratio / 2, rel=1e-12)
+    render_in_chromium(page, tmp_path / "shot.png")
+
+
+def render_in_chromium(page: Path, shot: Path) -> None:
+    """Debian's chromium, headless: the page loads with no console message (the report has no
+    script; a broken data: URL or markup would log one) and the screenshot is not blank."""
+    import os
+    import shutil
+    import subprocess
+
+    import numpy as np
+    from matplotlib.image import imread
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is missing in CI; .ci/install_chromium.sh should install it.")
+        pytest.skip("chromium is not installed (bash .ci/install_chromium.sh installs it)")
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         "--window-size=1300,1600", f"--screenshot={shot}", "--enable-logging=stderr", "--v=1",
+         page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, console  # e.g. INFO:CONSOLE:1] "Uncaught ReferenceError: ..."
+    pixels = imread(shot)
+    # A blank page is one colour; the report has tables and three plots.
+    assert pixels.shape[:2] == (1600, 1300) and float(np.std(pixels)) > 0.05
 
 
 def test_grad_accumulation_matches_a_larger_batch(tmp_path):

@@ -16,6 +16,7 @@ from hpcml.cli import launch as launch_cli
 from hpcml.cli import model as model_cli
 from hpcml.cli import plan as plan_cli
 from hpcml.cli import registry as registry_cli
+from hpcml.cli import report as report_cli
 from hpcml.cli import serve as serve_cli
 from hpcml.cli import train as train_cli
 from hpcml.cli.common import fail
@@ -105,6 +106,7 @@ app.add_typer(plan_cli.app, name="plan")
 app.add_typer(registry_cli.app, name="registry")
 app.add_typer(launch_cli.app, name="launch")
 serve_cli.register(app)
+app.command("report", help=report_cli.report.__doc__)(report_cli.report)
 
 
 def main() -> None:
