@@ -177,8 +177,9 @@ def _merge_memory(setups: list[Any], labels: dict[str, Any], failed: list[Any], 
             "command": command,
             "runs": [s.label for s in setups],
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "note": "memory is counted in bytes (tensors held, saved-tensor hooks), so a shared "
-            "machine does not change it; step time of these rows is the full run's",
+            "note": "memory is counted in bytes (tensors held, saved-tensor hooks), which other "
+            "jobs on the machine do not change; step time is not re-measured: existing rows keep "
+            "the full run's, new rows have none",
         }
     )
     for s in setups:
