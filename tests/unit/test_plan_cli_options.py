@@ -80,3 +80,21 @@ def test_verbs_offer_the_groups_they_declare() -> None:
     assert "--per-node" not in flags["memory"] and "--gpus-per-node" not in flags["memory"]
     assert {"--gpus-per-node", "--efficiency", "--largest-layer"} <= flags["step"]
     assert "--tp" not in flags["advise"] and "--kv-heads" not in flags["comm"]
+
+
+def test_a_verb_with_a_positional_argument_still_parses() -> None:
+    """The failure typer issue #1898 reports for signature-rewriting decorators: a command's
+    own positional argument lost. Here every parameter is passed by name, so it is kept."""
+    verbs = typer.Typer()
+
+    @verbs.command()
+    @plan_options(("json_out",))
+    def hello(opts: PlanOptions, name: str = typer.Argument(...), count: int = 1) -> None:
+        print(f"{name} {count} {opts.json_out}")
+
+    @verbs.command()
+    def other() -> None:
+        pass
+
+    result = runner.invoke(verbs, ["hello", "Bob", "--json", "--count", "3"])
+    assert (result.exit_code, result.output) == (0, "Bob 3 True\n")

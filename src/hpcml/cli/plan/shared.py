@@ -6,8 +6,11 @@ values as one `PlanOptions` (its first parameter, `opts`), which builds the plan
 (`opts.shape()`, `opts.cluster(...)`, `opts.layout()`, `opts.training()`,
 `opts.calibration(...)`). Its own options stay ordinary typer parameters after `opts`.
 
-Typer has no option groups of its own: it reads a command's parameters from its signature, so
-`plan_options` writes the shared options into the signature of a wrapper that gathers them.
+Typer has no option groups of its own (fastapi/typer issues #153 and #264 are open requests):
+it reads a command's parameters from its signature, so `plan_options` writes the shared options
+into the signature of a wrapper that gathers them. Every parameter is keyword-only and typer
+passes them by name, so a verb's own positional arguments still parse (the failure of such
+decorators reported in typer #1898; tests/unit/test_plan_cli_options.py checks it).
 """
 
 from __future__ import annotations
