@@ -197,6 +197,10 @@ def _merge_memory(setups: list[Any], labels: dict[str, Any], failed: list[Any], 
         row.update(mem)
         # The old run's notes stay (its step time stays), less those about memory it replaces.
         row["notes"] = [n for n in row["notes"] if not any(x in n for x in STALE)] + [note]
+    # Rows in the order a full run writes them: by model, then strategy.
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    order = ["single", *STRATEGIES_2, "tp", "tp+sp"]
+    result["rows"].sort(key=lambda r: (models.index(r["model"]), order.index(r["strategy"])))
     done = {s.label for s in setups}
     result["failed"] = [f for f in result["failed"] if f["run"] not in done] + failed
     _write(result, a.out)
