@@ -15,7 +15,11 @@ error.
 
     PYTHONPATH=src python benchmarks/plan_check.py [--quick] [--out benchmarks/results]
 
-Writes plan_check.json and plan_check.md under --out.
+Writes plan_check.json and plan_check.md under --out. `--models` and `--strategies` pick runs;
+with `--memory-only` only those runs' memory columns are re-measured and merged into the
+existing plan_check.json (a memory-only row for a run it did not have), step time untouched:
+
+    PYTHONPATH=src python benchmarks/plan_check.py --strategies zero1 --memory-only
 """
 
 from __future__ import annotations
@@ -100,13 +104,123 @@ def _jobs(models: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, int, 
     return jobs
 
 
+QUANTITIES = [
+    "model_states_bytes",
+    "activations_bytes",
+    "states_plus_activations_bytes",
+    "step_time_s",
+]
+MEMORY = (
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "model_states_bytes",
+    "activations_bytes",
+    "states_plus_activations_bytes",
+    "peak_allocated_bytes",
+)
+
+
+# Notes about memory that a re-measurement makes obsolete.
+STALE = ("re-measured", "ZeroRedundancyOptimizer gives each rank whole parameter tensors")
+
+
+def _cells(rows: Any) -> dict[str, Any]:
+    return {
+        r.quantity: {"predicted": r.predicted, "measured": r.measured, "ratio": r.ratio, "ok": r.ok}
+        for r in rows
+    }
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| run | world | " + " | ".join(q.replace("_bytes", "") for q in QUANTITIES) + " |",
+        "|---|---|" + "---|" * len(QUANTITIES),
+    ]
+    for r in result["rows"]:
+        cells = []
+        for q in QUANTITIES:
+            c = r.get(q) or {}
+            ratio = c.get("ratio")
+            cells.append("-" if ratio is None else f"{ratio:.3f}" + ("" if c["ok"] else " miss"))
+        lines.append(f"| {r['run']} | {r['world']} | " + " | ".join(cells) + " |")
+    for f in result["failed"]:
+        lines.append(f"| {f['run']} | failed: {f['error']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(result: dict[str, Any], out: Path) -> None:
+    result["misses"] = {
+        q: sum(1 for r in result["rows"] if r.get(q, {}).get("ok") is False) for q in QUANTITIES
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_check.json").write_text(json.dumps(result, indent=1))
+    (out / "plan_check.md").write_text(_markdown(result))
+    print(_markdown(result))
+
+
+def _merge_memory(setups: list[Any], labels: dict[str, Any], failed: list[Any], a: Any) -> None:
+    """--memory-only: re-measure memory of the selected runs and put their memory columns into
+    the existing results (a new row where the run had none); step time is left as it was,
+    since its calibration is fitted on all the other runs of the table."""
+    from hpcml.plan.check import check_run
+
+    path = a.out / "plan_check.json"
+    result = json.loads(path.read_text())
+    by_run = {r["run"]: r for r in result["rows"]}
+    argv = [x for i, x in enumerate(a.argv) if "--keep" not in (x, a.argv[i - 1] if i else "")]
+    command = " ".join(["PYTHONPATH=src python benchmarks/plan_check.py", *argv])
+    note = "memory columns re-measured by: " + command
+    result.setdefault("memory_updates", []).append(
+        {
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": command,
+            "runs": [s.label for s in setups],
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "note": "memory is counted in bytes (tensors held, saved-tensor hooks), which other "
+            "jobs on the machine do not change; step time is not re-measured: existing rows keep "
+            "the full run's, new rows have none",
+        }
+    )
+    for s in setups:
+        key, strategy, world = labels[s.label]
+        report = check_run(s)
+        mem = {q: c for q, c in _cells(report.rows).items() if q in MEMORY}
+        row = by_run.get(s.label)
+        if row is None:
+            row = {"run": s.label, "model": key, "strategy": strategy, "world": world}
+            row["notes"] = [n for n in report.notes if "step time" not in n]
+            row["notes"].append("memory-only row: step time not predicted out of sample")
+            result["rows"].append(row)
+        for q in MEMORY:
+            row.pop(q, None)
+        row.update(mem)
+        # The old run's notes stay (its step time stays), less those about memory it replaces.
+        row["notes"] = [n for n in row["notes"] if not any(x in n for x in STALE)] + [note]
+    # Rows in the order a full run writes them: by model, then strategy.
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    order = ["single", *STRATEGIES_2, "tp", "tp+sp"]
+    result["rows"].sort(key=lambda r: (models.index(r["model"]), order.index(r["strategy"])))
+    done = {s.label for s in setups}
+    result["failed"] = [f for f in result["failed"] if f["run"] not in done] + failed
+    _write(result, a.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="mlp, simple_cnn and gpt-tiny only")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--keep", type=Path, default=None, help="keep run folders here")
+    ap.add_argument("--models", nargs="+", help="only these model keys (e.g. mlp resnet18)")
+    ap.add_argument("--strategies", nargs="+", help="only these (single ddp zero1 ... tp tp+sp)")
+    ap.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="update only the memory columns of these runs in the existing plan_check.json",
+    )
     a = ap.parse_args()
+    a.argv = sys.argv[1:]
 
     from hpcml.data.tokens import prepare_pystdlib
     from hpcml.plan.check import leave_one_model_out, setup_from_summary
@@ -120,7 +234,13 @@ def main() -> None:
     catalog = load_catalog()
     setups, failed, labels = [], [], {}
     t0 = time.perf_counter()
-    for spec, strategy, world, overrides in _jobs(_models(corpus, a.quick)):
+    models = _models(corpus, a.quick and not a.models)
+    jobs = [
+        j
+        for j in _jobs(models)
+        if (not a.models or j[0]["key"] in a.models) and (not a.strategies or j[1] in a.strategies)
+    ]
+    for spec, strategy, world, overrides in jobs:
         name = f"{spec['key']}-{strategy}".replace("+", "")
         cfg = root / f"{name}.yaml"
         cfg.write_text(_config(spec, a.steps))
@@ -132,64 +252,33 @@ def main() -> None:
         summary = json.loads((root / name / "summary.json").read_text())
         setups.append(setup_from_summary(summary, catalog, name))
         labels[name] = (spec["key"], strategy, world)
-    reports = leave_one_model_out(setups)
+    if a.memory_only:
+        _merge_memory(setups, labels, failed, a)
+        return
     rows = []
-    for rep in reports:
+    for rep in leave_one_model_out(setups):
         key, strategy, world = labels[rep.setup.label]
-        ratios = {r.quantity: r for r in rep.rows}
         rows.append(
             {
                 "run": rep.setup.label,
                 "model": key,
                 "strategy": strategy,
                 "world": world,
-                **{
-                    q: {
-                        "predicted": r.predicted,
-                        "measured": r.measured,
-                        "ratio": r.ratio,
-                        "ok": r.ok,
-                    }
-                    for q, r in ratios.items()
-                },
+                **_cells(rep.rows),
                 "calibration": rep.calibration.to_dict(),
                 "notes": list(rep.notes),
             }
         )
-    quantities = [
-        "model_states_bytes",
-        "activations_bytes",
-        "states_plus_activations_bytes",
-        "step_time_s",
-    ]
     result = {
         "question": "plan vs measured CPU runs; step time out of sample (leave-one-model-out)",
-        "command": "PYTHONPATH=src python benchmarks/plan_check.py"
-        + (" --quick" if a.quick else ""),
+        "command": "PYTHONPATH=src python benchmarks/plan_check.py " + " ".join(a.argv),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "goals": {"memory": 0.10, "step_time": 0.25},
         "wall_s": time.perf_counter() - t0,
         "rows": rows,
         "failed": failed,
-        "misses": {q: sum(1 for r in rows if r.get(q, {}).get("ok") is False) for q in quantities},
     }
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "plan_check.json").write_text(json.dumps(result, indent=1))
-    lines = [
-        "| run | world | " + " | ".join(q.replace("_bytes", "") for q in quantities) + " |",
-        "|---|---|" + "---|" * len(quantities),
-    ]
-    for r in rows:
-        cells = []
-        for q in quantities:
-            c = r.get(q) or {}
-            ratio = c.get("ratio")
-            cells.append("-" if ratio is None else f"{ratio:.3f}" + ("" if c["ok"] else " miss"))
-        lines.append(f"| {r['run']} | {r['world']} | " + " | ".join(cells) + " |")
-    for f in failed:
-        lines.append(f"| {f['run']} | failed: {f['error']} |")
-    (a.out / "plan_check.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _write(result, a.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hpcml.config import OptimConfig
 from hpcml.distributed.wrapping import units
 from hpcml.models import gpt
 from hpcml.models.zoo import build_model, count_parameters, list_models
@@ -21,6 +22,7 @@ from hpcml.plan.memory import Layout, Training, per_device_bytes
 from hpcml.plan.shapes import ZOO_GPT_DEFAULTS, ZOO_GPT_SIZES, model_shape
 from hpcml.train.losses import cross_entropy
 from hpcml.train.memprobe import SavedActivationProbe
+from hpcml.train.schedule import param_groups
 
 
 def test_mirror_equals_the_zoo() -> None:
@@ -135,3 +137,19 @@ def test_probe_counts_a_storage_once_and_parameters_apart() -> None:
     with again.sample(active=False):
         lin(x).sum().backward()
     assert again.result(torch.device("cpu"))["saved_activation_bytes"] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [(s.name, {}) for s in list_models()]
+    + [("gpt-tiny", {"bias": False, "tie_embeddings": False, "mlp": "swiglu"})],
+)
+def test_tensor_sizes_are_the_optimizer_groups(name: str, args: dict[str, object]) -> None:
+    """ZeRO-1 under torch partitions whole tensors group by group, so the planner's tensor
+    sizes must be hpcml's two weight-decay groups exactly (as multisets: the partition sorts)."""
+    with torch.device("meta"):
+        model = build_model(name, dict(args))
+    groups = param_groups(model, OptimConfig(name="adamw", lr=1e-3, weight_decay=0.1))
+    built = [sorted(p.numel() for p in g["params"]) for g in groups]
+    planned = [sorted(g) for g in model_shape(name, dict(args) or None).param_tensor_sizes]
+    assert planned == built

@@ -14,6 +14,7 @@ from typing import Any
 from hpcml.plan.activations import activation_bytes_per_layer, inflight_microbatches
 from hpcml.plan.common import DTYPE_BYTES, PlanError, normalize_precision
 from hpcml.plan.shapes import ModelShape
+from hpcml.plan.zero1 import busiest_rank_optimizer_bytes
 
 # Optimizer state bytes per parameter, without an fp32 master copy.
 #   adam/adamw: first and second moments in fp32 (Kingma & Ba 2015); ZeRO's K = 12 is these
@@ -150,6 +151,10 @@ class Layout:
     attention: str | None = None
     """eager, sdpa or flash; None takes the model's own (sdpa for the zoo's gpt, flash for
     other transformers)."""
+    zero1_whole_tensors: bool = False
+    """ZeRO-1 as torch's ZeroRedundancyOptimizer (hpcml's zero1) shards the optimizer state:
+    whole parameter tensors per rank (hpcml.plan.zero1). False: by elements, 1/dp each
+    (ZeRO paper, DeepSpeed, Megatron-LM's distributed optimizer)."""
 
     def dp(self, devices: int) -> int:
         mp = self.tp * self.pp
@@ -411,9 +416,22 @@ def per_device_bytes(
         training.grad_bytes,
         training.optimizer_bytes_per_param,
     )
-    if training.optimizer in ("adamw", "adam") and model.param_tensors:
-        # torch's Adam/AdamW keep a float32 `step` tensor per parameter tensor.
-        o_bytes += 4.0 * model.param_tensors / (dp if layout.zero >= 1 else 1)
+    # torch's Adam/AdamW keep a float32 `step` tensor per parameter tensor.
+    step_bytes = 4.0 if training.optimizer in ("adamw", "adam") else 0.0
+    o_bytes += step_bytes * model.param_tensors / (dp if layout.zero >= 1 else 1)
+    opt_elements = n_params / (dp if layout.zero >= 1 else 1)
+    if layout.zero == 1 and dp > 1 and layout.zero1_whole_tensors:
+        if model.param_tensor_sizes and layout.tp == 1 and layout.pp == 1:
+            # Whole tensors per rank: the busiest rank holds more than 1/dp of the state, as
+            # measured on hpcml's zero1 runs (benchmarks/results/plan_check.md).
+            o_bytes, opt_elements = busiest_rank_optimizer_bytes(
+                model.param_tensor_sizes, dp, training.optimizer_bytes_per_param, step_bytes
+            )
+        else:
+            notes.append(
+                "ZeRO-1 with whole tensors per rank (torch's ZeroRedundancyOptimizer) needs the "
+                "model's tensor sizes; predicted as an even split, which the busiest rank exceeds"
+            )
 
     host = 0.0
     if layout.offload in ("optimizer", "params"):
@@ -455,7 +473,7 @@ def per_device_bytes(
     # torch's foreach Adam builds one state-sized temporary (the sqrt of the second moment).
     opt_temp = 0.0
     if training.optimizer in ("adamw", "adam") and layout.offload == "none":
-        opt_temp = n_params * 4.0 / (dp if layout.zero >= 1 else 1)
+        opt_temp = opt_elements * 4.0
 
     return MemoryBreakdown(
         params_bytes=p_bytes,

@@ -45,6 +45,10 @@ class ModelShape:
     tied_embeddings: bool = True
     param_tensors: int = 0
     """Number of parameter tensors (torch's AdamW keeps a 4-byte step per tensor); 0 unknown."""
+    param_tensor_sizes: tuple[tuple[int, ...], ...] = ()
+    """Elements of each parameter tensor in hpcml's two optimizer groups with weight decay on
+    (decayed, then exempt: norms, biases, embeddings; hpcml.train.schedule.param_groups); ()
+    unknown. torch's ZeRO-1 partitions whole tensors (hpcml.plan.zero1)."""
     source: str = ""
     attention: str = "flash"
     """Transformers: the attention kernel it trains with (eager, sdpa, flash)."""
@@ -347,7 +351,18 @@ def zoo_gpt_shape(
             non_layer_params=shape.non_layer_params + extra,
             lookup_only_params=shape.lookup_only_params + extra,
         )
-    return replace(shape, param_tensors=tensors, attention="sdpa")
+    vocab = shape.vocab
+    mlp_mats = 3 if swiglu else 2
+    decayed = [d * d] * 4 + [d * ffn] * mlp_mats
+    exempt = [d] * (2 if bias else 1) * 2
+    if bias:
+        exempt += [d] * 4 + [ffn] * (mlp_mats - 1) + [d]
+    sizes = (
+        tuple(decayed * int(c["n_layer"])) + (() if c["tie_embeddings"] else (vocab * d,)),
+        (vocab * d, int(c["max_seq_len"]) * d, *exempt * int(c["n_layer"]))
+        + (d,) * (2 if bias else 1),
+    )
+    return replace(shape, param_tensors=tensors, attention="sdpa", param_tensor_sizes=sizes)
 
 
 # Zoo CNNs: parameters and forward FLOPs as `hpcml model info` counts them (torch's
@@ -363,6 +378,10 @@ _CNN_TABLE: dict[str, ModelShape] = {
         forward_flops_per_sample=83_240_960,
         activation_bytes_per_sample=1_275_952,
         param_tensors=16,
+        param_tensor_sizes=(
+            (1728, 73728, 294912, 2097152, 5120),
+            (64, 64, 64, 128, 128, 128, 256, 256, 256, 512, 10),
+        ),
         source="hpcml zoo, 3x32x32",
         largest_layer_params=2_102_794,
     ),
@@ -372,6 +391,11 @@ _CNN_TABLE: dict[str, ModelShape] = {
         forward_flops_per_sample=1_110_845_440,
         activation_bytes_per_sample=4_700_208,
         param_tensors=62,
+        param_tensor_sizes=(
+            (1728, *[36864] * 4, 73728, 147456, 8192, 147456, 147456, 294912, 589824, 32768)
+            + (589824, 589824, 1179648, 2359296, 131072, 2359296, 2359296, 5120),
+            (*[64] * 10, *[128] * 10, *[256] * 10, *[512] * 10, 10),
+        ),
         source="hpcml zoo, CIFAR stem, 3x32x32",
         largest_layer_params=4_720_640,
     ),
@@ -393,9 +417,11 @@ def mlp_shape(args: Mapping[str, Any]) -> ModelShape:
     # Saved for backward: the flattened input, each ReLU output (in place, shared with the
     # next Linear's input), the log-softmax output, and the int64 target.
     saved = 4 * (width + depth * hidden + classes) + 8
+    weights = tuple(a * b for a, b in zip(dims, dims[1:], strict=False))
     return ModelShape(
         "mlp",
         params,
+        param_tensor_sizes=(weights, tuple(dims[1:])),
         forward_flops_per_sample=2 * macs,
         activation_bytes_per_sample=saved,
         param_tensors=2 * (depth + 1),

@@ -2,113 +2,41 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 from rich.table import Table
 
 from hpcml.cli.common import console, print_json
-from hpcml.cli.plan.options import (
-    ARGS_OPT,
-    CATALOG_OPT,
-    DEVICES_OPT,
-    EFF_OPT,
-    FFN_OPT,
-    FLOPS_OPT,
-    GPU_OPT,
-    GRAD_DTYPE_OPT,
-    HEADS_OPT,
-    HIDDEN_OPT,
-    INTER_OPT,
-    INTRA_OPT,
-    JSON_OPT,
-    KV_HEADS_OPT,
-    LARGEST_LAYER_OPT,
-    LAYERS_OPT,
-    MODEL_OPT,
-    NICS_OPT,
-    NODE_OPT,
-    OPTIM_OPT,
-    OVERHEAD_OPT,
-    OVERLAP_OPT,
-    PARAMS_OPT,
-    PER_NODE_OPT,
-    PRECISION_OPT,
-    RESERVE_OPT,
-    SEQ_OPT,
-    SWIGLU_OPT,
-    VOCAB_OPT,
-    WEIGHTS_OPT,
-    _calibration,
-    _catalog,
-    _cluster,
-    _model,
-    _short,
-    _training,
-    app,
+from hpcml.cli.plan.options import RESERVE_OPT, _short, app
+from hpcml.cli.plan.shared import (
+    CALIBRATION,
+    CLUSTER,
+    MODEL,
+    OUTPUT,
+    TRAINING,
+    PlanOptions,
+    plan_options,
 )
 from hpcml.plan.common import GB
 
 
 @app.command("advise")
+@plan_options(MODEL, CLUSTER, TRAINING, CALIBRATION, OUTPUT)
 def advise_cmd(
-    model: str | None = MODEL_OPT,
-    args: str = ARGS_OPT,
-    params: float | None = PARAMS_OPT,
-    layers: int | None = LAYERS_OPT,
-    hidden: int | None = HIDDEN_OPT,
-    heads: int | None = HEADS_OPT,
-    seq: int | None = SEQ_OPT,
-    vocab: int | None = VOCAB_OPT,
-    ffn: int | None = FFN_OPT,
-    flops: float | None = FLOPS_OPT,
-    kv_heads: int | None = KV_HEADS_OPT,
-    swiglu: bool = SWIGLU_OPT,
-    largest_layer: float | None = LARGEST_LAYER_OPT,
-    devices: int = DEVICES_OPT,
-    gpu: str | None = GPU_OPT,
-    node: str | None = NODE_OPT,
-    per_node: int | None = PER_NODE_OPT,
-    intra: str | None = INTRA_OPT,
-    inter: str | None = INTER_OPT,
-    nics: int | None = NICS_OPT,
+    opts: PlanOptions,
     global_batch: int = typer.Option(..., "--global-batch", help="Samples (sequences) per step."),
-    optimizer: str = OPTIM_OPT,
-    precision: str = PRECISION_OPT,
-    weights: str | None = WEIGHTS_OPT,
-    grad_dtype: str | None = GRAD_DTYPE_OPT,
     reserve_gb: float = RESERVE_OPT,
-    efficiency: float | None = EFF_OPT,
-    overhead: float = OVERHEAD_OPT,
-    overlap: float = OVERLAP_OPT,
     top: int = typer.Option(5, "--top", help="How many layouts to show."),
     usable: float = typer.Option(0.9, "--usable", help="Share of device memory a plan may use."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Also try CPU offload."),
-    catalog: list[Path] = CATALOG_OPT,
-    json_out: bool = JSON_OPT,
 ) -> None:
     """Search data/tensor/pipeline degrees, ZeRO, micro-batch and recomputation; rank by speed."""
     from hpcml.plan.advise import advise
 
-    cat = _catalog(catalog)
-    shape = _model(
-        model,
-        args,
-        params,
-        layers,
-        hidden,
-        heads,
-        seq,
-        vocab,
-        ffn,
-        flops,
-        kv_heads,
-        swiglu,
-        largest_layer,
-    )
-    cluster = _cluster(cat, devices, gpu, node, per_node, intra, inter, nics)
-    tr = _training(precision, optimizer, weights, grad_dtype)
-    cal = _calibration(cluster, efficiency, overhead)
+    cat = opts.load_catalog()
+    shape = opts.shape()
+    cluster = opts.cluster(cat)
+    tr = opts.training()
+    cal = opts.calibration(cluster)
     result = advise(
         shape,
         tr,
@@ -118,10 +46,10 @@ def advise_cmd(
         usable_fraction=usable,
         reserve_bytes=reserve_gb * GB,
         calibration=cal,
-        overlap=overlap,
+        overlap=opts.overlap,
         offload=("none", "optimizer", "params") if allow_offload else ("none",),
     )
-    if json_out:
+    if opts.json_out:
         print_json(
             {
                 "model": shape.name,

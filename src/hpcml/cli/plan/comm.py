@@ -2,87 +2,48 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
 from rich.table import Table
 
 from hpcml.cli.common import console, print_json
-from hpcml.cli.plan.options import (
-    ACCUM_OPT,
-    ARGS_OPT,
-    CATALOG_OPT,
-    GPU_OPT,
-    HEADS_OPT,
-    HIDDEN_OPT,
-    INTER_OPT,
-    INTRA_OPT,
-    JSON_OPT,
-    LAYERS_OPT,
-    MB_OPT,
-    MODEL_OPT,
-    NICS_OPT,
-    NODE_OPT,
-    PARAMS_OPT,
-    PER_NODE_OPT,
-    PRECISION_OPT,
-    SEQ_OPT,
-    VOCAB_OPT,
-    WEIGHTS_OPT,
-    _catalog,
-    _cluster,
-    _model,
-    _training,
-    app,
-    parse_size,
-)
+from hpcml.cli.plan.options import app, parse_size
+from hpcml.cli.plan.shared import CLUSTER, MODEL, OUTPUT, PlanOptions, plan_options
 from hpcml.plan.common import PlanError, human_bytes, human_seconds
 
 # --- comm ------------------------------------------------------------------------------------
 
 
 @app.command("comm")
+@plan_options(
+    CLUSTER,
+    MODEL,
+    ("mb", "accum", "precision", "weights"),
+    OUTPUT,
+    drop=("devices", "ffn", "flops", "kv_heads", "swiglu", "largest_layer"),
+)
 def comm_cmd(
+    opts: PlanOptions,
     size: str = typer.Option("256MB", "--size", help="Message size S (nccl-tests' size)."),
     op: str | None = typer.Option(None, "--op", help="One collective (default: all)."),
     algorithm: str = typer.Option("auto", "--algorithm", help="auto, ring or tree."),
     devices: int = typer.Option(8, "--devices", "-n", help="Ranks."),
-    gpu: str | None = GPU_OPT,
-    node: str | None = NODE_OPT,
-    per_node: int | None = PER_NODE_OPT,
-    intra: str | None = INTRA_OPT,
-    inter: str | None = INTER_OPT,
-    nics: int | None = NICS_OPT,
-    model: str | None = MODEL_OPT,
-    args: str = ARGS_OPT,
-    params: float | None = PARAMS_OPT,
-    layers: int | None = LAYERS_OPT,
-    hidden: int | None = HIDDEN_OPT,
-    heads: int | None = HEADS_OPT,
-    seq: int | None = SEQ_OPT,
-    vocab: int | None = VOCAB_OPT,
-    mb: int = MB_OPT,
-    accum: int = ACCUM_OPT,
-    precision: str = PRECISION_OPT,
-    weights: str | None = WEIGHTS_OPT,
-    catalog: list[Path] = CATALOG_OPT,
-    json_out: bool = JSON_OPT,
 ) -> None:
     """Collective times with algorithm and bus bandwidth; with a model, the per-step
     communication of DDP, ZeRO-1/2/3, TP and PP."""
     from hpcml.plan.comm import OPS, collective_time, step_communication
     from hpcml.plan.memory import Layout
 
-    cat = _catalog(catalog)
-    cluster = _cluster(cat, devices, gpu, node, per_node, intra, inter, nics)
+    cluster = opts.cluster(opts.load_catalog(), devices)
     s = parse_size(size)
     ops = [op] if op else list(OPS)
     rows = [collective_time(o, s, cluster, algorithm=algorithm) for o in ops]
     strategies: list[dict[str, Any]] = []
-    if model or params or layers:
-        shape = _model(model, args, params, layers, hidden, heads, seq, vocab, None, None)
-        tr = _training(precision, "adamw", weights)
+    mb, accum = opts.mb, opts.accum
+    if opts.model or opts.params or opts.layers:
+        shape = opts.shape()
+        tr = opts.training()  # comm offers no --optimizer: adamw, its default
         options: list[tuple[str, Layout]] = [
             ("DDP", Layout(micro_batch=mb, grad_accum=accum)),
             ("ZeRO-1", Layout(zero=1, micro_batch=mb, grad_accum=accum)),
@@ -119,7 +80,7 @@ def comm_cmd(
                     "time_s": sum(i.time_s for i in items),
                 }
             )
-    if json_out:
+    if opts.json_out:
         print_json(
             {
                 "cluster": cluster.describe(),

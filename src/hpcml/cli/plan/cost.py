@@ -2,83 +2,23 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
 from rich.table import Table
 
 from hpcml.cli.common import console, print_json
-from hpcml.cli.plan.options import (
-    ACCUM_OPT,
-    ARGS_OPT,
-    ATTENTION_OPT,
-    CATALOG_OPT,
-    DEVICES_OPT,
-    FFN_OPT,
-    FLOPS_OPT,
-    GRAD_DTYPE_OPT,
-    HEADS_OPT,
-    HIDDEN_OPT,
-    JSON_OPT,
-    KV_HEADS_OPT,
-    LAYERS_OPT,
-    MB_OPT,
-    MODEL_OPT,
-    OFFLOAD_OPT,
-    OPTIM_OPT,
-    PARAMS_OPT,
-    PP_OPT,
-    PRECISION_OPT,
-    RECOMPUTE_OPT,
-    SCHEDULE_OPT,
-    SEQ_OPT,
-    SP_OPT,
-    SWIGLU_OPT,
-    TP_OPT,
-    VIRTUAL_OPT,
-    VOCAB_OPT,
-    WEIGHTS_OPT,
-    ZERO_OPT,
-    _catalog,
-    _layout,
-    _model,
-    _training,
-    cost_app,
-)
+from hpcml.cli.plan.options import cost_app
+from hpcml.cli.plan.shared import LAYOUT, MODEL, OUTPUT, TRAINING, PlanOptions, plan_options
 from hpcml.plan.common import PlanError, human_seconds
 
 # --- cost ------------------------------------------------------------------------------------
 
 
 @cost_app.command("run")
+@plan_options(MODEL, ("devices",), LAYOUT, TRAINING, OUTPUT, drop=("largest_layer",))
 def cost_run_cmd(
-    model: str | None = MODEL_OPT,
-    args: str = ARGS_OPT,
-    params: float | None = PARAMS_OPT,
-    layers: int | None = LAYERS_OPT,
-    hidden: int | None = HIDDEN_OPT,
-    heads: int | None = HEADS_OPT,
-    seq: int | None = SEQ_OPT,
-    vocab: int | None = VOCAB_OPT,
-    flops: float | None = FLOPS_OPT,
-    ffn: int | None = FFN_OPT,
-    kv_heads: int | None = KV_HEADS_OPT,
-    swiglu: bool = SWIGLU_OPT,
-    tp: int = TP_OPT,
-    pp: int = PP_OPT,
-    zero: int = ZERO_OPT,
-    sp: bool | None = SP_OPT,
-    schedule: str = SCHEDULE_OPT,
-    virtual: int = VIRTUAL_OPT,
-    mb: int = MB_OPT,
-    accum: int = ACCUM_OPT,
-    recompute: str = RECOMPUTE_OPT,
-    offload: str = OFFLOAD_OPT,
-    attention: str | None = ATTENTION_OPT,
-    optimizer: str = OPTIM_OPT,
-    weights: str | None = WEIGHTS_OPT,
-    grad_dtype: str | None = GRAD_DTYPE_OPT,
+    opts: PlanOptions,
     tokens: float | None = typer.Option(None, "--tokens", help="Training tokens, e.g. 2e12."),
     steps: int | None = typer.Option(
         None, "--steps", help="Optimizer steps (with --global-batch)."
@@ -87,8 +27,6 @@ def cost_run_cmd(
     gpus: list[str] = typer.Option(
         None, "--gpu", help="Hardware options (repeat; default all GPUs)."
     ),
-    devices: int = DEVICES_OPT,
-    precision: str = PRECISION_OPT,
     mfu: float | None = typer.Option(
         None, "--mfu", help="Model FLOPs utilisation (default per GPU)."
     ),
@@ -96,8 +34,6 @@ def cost_run_cmd(
     provider: str | None = typer.Option(
         None, "--provider", help="Catalog price from this provider."
     ),
-    catalog: list[Path] = CATALOG_OPT,
-    json_out: bool = JSON_OPT,
 ) -> None:
     """Tokens or steps -> GPU-hours -> money, per hardware option.
 
@@ -108,12 +44,10 @@ def cost_run_cmd(
     from hpcml.plan.hardware import resolve_cluster
     from hpcml.plan.perf import step_time
 
-    cat = _catalog(catalog)
-    shape = _model(
-        model, args, params, layers, hidden, heads, seq, vocab, ffn, flops, kv_heads, swiglu
-    )
-    lay = _layout(tp, pp, zero, sp, schedule, virtual, mb, accum, recompute, offload, attention)
-    tr = _training(precision, optimizer, weights, grad_dtype)
+    cat = opts.load_catalog()
+    shape = opts.shape()
+    lay, tr = opts.layout(), opts.training()
+    devices, precision, recompute = opts.devices, opts.precision, opts.recompute
     lay.validate(shape, devices)
     samples = None
     if tokens is None:
@@ -146,7 +80,7 @@ def cost_run_cmd(
             recompute=recompute,
         )
     rows.sort(key=lambda r: (r.cost_usd is None, r.cost_usd or 0.0))
-    if json_out:
+    if opts.json_out:
         print_json(
             {
                 "model": shape.name,

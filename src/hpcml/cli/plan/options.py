@@ -1,9 +1,9 @@
 """What every `hpcml plan` verb shares: the typer apps, the options that describe a model,
-a cluster, a layout and a training setup, and the helpers that turn them into plan objects."""
+a cluster, a layout and a training setup (grouped for the verbs in hpcml.cli.plan.shared,
+which turns their values into plan objects), and output helpers."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -105,134 +105,6 @@ def _catalog(paths: list[Path] | None) -> Any:
     from hpcml.plan.hardware import load_catalog
 
     return load_catalog(paths or [])
-
-
-def _model(
-    model: str | None,
-    args: str,
-    params: float | None,
-    layers: int | None,
-    hidden: int | None,
-    heads: int | None,
-    seq: int | None,
-    vocab: int | None,
-    ffn: int | None,
-    flops: float | None,
-    kv_heads: int | None = None,
-    swiglu: bool = False,
-    largest_layer: float | None = None,
-) -> Any:
-    from hpcml.plan.shapes import model_shape, shape_from_raw
-
-    if model:
-        given = [
-            n
-            for n, v in (
-                ("--kv-heads", kv_heads),
-                ("--swiglu", swiglu),
-                ("--largest-layer", largest_layer),
-            )
-            if v
-        ]
-        if given:
-            raise PlanError(
-                f"{', '.join(given)} describe a model given by numbers; --model {model} "
-                "carries its own shape, so drop them or describe it with --layers/--hidden."
-            )
-        try:
-            parsed = json.loads(args)
-        except json.JSONDecodeError:
-            raise PlanError(
-                f"--args {args!r} is not valid JSON; pass an object like '{{\"hidden\": 512}}'."
-            ) from None
-        return model_shape(model, parsed, seq=seq)
-    return shape_from_raw(
-        params=int(params) if params else None,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        seq=seq,
-        vocab=vocab,
-        ffn_hidden=ffn,
-        kv_heads=kv_heads,
-        flops_per_sample=flops,
-        swiglu=swiglu,
-        largest_layer=largest_layer,
-    )
-
-
-def _cluster(
-    catalog: Any,
-    devices: int,
-    gpu: str | None,
-    node: str | None,
-    per_node: int | None,
-    intra: str | None,
-    inter: str | None,
-    nics: int | None,
-) -> Any:
-    from hpcml.plan.hardware import resolve_cluster
-
-    return resolve_cluster(
-        catalog,
-        devices,
-        accelerator=gpu,
-        node=node,
-        devices_per_node=per_node,
-        intra=intra,
-        inter=inter,
-        nics_per_node=nics,
-    )
-
-
-def _layout(
-    tp: int,
-    pp: int,
-    zero: int,
-    sp: bool | None,
-    schedule: str,
-    virtual: int,
-    mb: int,
-    accum: int,
-    recompute: str,
-    offload: str,
-    attention: str | None = None,
-) -> Any:
-    from hpcml.plan.memory import Layout
-
-    return Layout(
-        tp=tp,
-        pp=pp,
-        zero=zero,
-        sp=(tp > 1) if sp is None else sp,
-        schedule=schedule,
-        virtual_stages=virtual if schedule == "interleaved" else 1,
-        micro_batch=mb,
-        grad_accum=accum,
-        recompute=recompute,
-        offload=offload,
-        attention=attention,
-    )
-
-
-def _training(
-    precision: str, optimizer: str, weights: str | None, grad_dtype: str | None = None
-) -> Any:
-    from hpcml.plan.memory import Training
-
-    return Training(
-        precision=precision, optimizer=optimizer, weights=weights, grad_dtype=grad_dtype
-    )
-
-
-def _calibration(cluster: Any, efficiency: float | None, overhead: float) -> Any:
-    from hpcml.plan.perf import Calibration
-
-    if efficiency is None:
-        return Calibration(cluster.accelerator.default_efficiency, overhead)
-    if not 0 < efficiency <= 1.5:
-        raise PlanError(f"--efficiency {efficiency} must lie in (0, 1.5].")
-    return Calibration(efficiency, overhead, "--efficiency")
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9.eE+-]+)\s*([kKmMgGtT]?i?[bB]?)\s*$")

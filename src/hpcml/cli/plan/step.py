@@ -9,55 +9,16 @@ import typer
 from rich.table import Table
 
 from hpcml.cli.common import console, print_json
-from hpcml.cli.plan.options import (
-    ACCUM_OPT,
-    ARGS_OPT,
-    ATTENTION_OPT,
-    CATALOG_OPT,
-    DEVICES_OPT,
-    EFF_OPT,
-    FFN_OPT,
-    FLOPS_OPT,
-    GPU_OPT,
-    GRAD_DTYPE_OPT,
-    HEADS_OPT,
-    HIDDEN_OPT,
-    INTER_OPT,
-    INTRA_OPT,
-    JSON_OPT,
-    KV_HEADS_OPT,
-    LARGEST_LAYER_OPT,
-    LAYERS_OPT,
-    MB_OPT,
-    MODEL_OPT,
-    NICS_OPT,
-    NODE_OPT,
-    OFFLOAD_OPT,
-    OPTIM_OPT,
-    OVERHEAD_OPT,
-    OVERLAP_OPT,
-    PARAMS_OPT,
-    PER_NODE_OPT,
-    PP_OPT,
-    PRECISION_OPT,
-    RECOMPUTE_OPT,
-    SCHEDULE_OPT,
-    SEQ_OPT,
-    SP_OPT,
-    SWIGLU_OPT,
-    TP_OPT,
-    VIRTUAL_OPT,
-    VOCAB_OPT,
-    WEIGHTS_OPT,
-    ZERO_OPT,
-    _calibration,
-    _catalog,
-    _cluster,
-    _finish_plot,
-    _layout,
-    _model,
-    _training,
-    app,
+from hpcml.cli.plan.options import _finish_plot, app
+from hpcml.cli.plan.shared import (
+    CALIBRATION,
+    CLUSTER,
+    LAYOUT,
+    MODEL,
+    OUTPUT,
+    TRAINING,
+    PlanOptions,
+    plan_options,
 )
 from hpcml.plan.common import PlanError
 
@@ -72,45 +33,9 @@ def _default_counts(devices: int, per_node: int) -> list[int]:
 
 
 @app.command("step")
+@plan_options(MODEL, CLUSTER, LAYOUT, TRAINING, CALIBRATION, OUTPUT)
 def step_cmd(
-    model: str | None = MODEL_OPT,
-    args: str = ARGS_OPT,
-    params: float | None = PARAMS_OPT,
-    layers: int | None = LAYERS_OPT,
-    hidden: int | None = HIDDEN_OPT,
-    heads: int | None = HEADS_OPT,
-    seq: int | None = SEQ_OPT,
-    vocab: int | None = VOCAB_OPT,
-    ffn: int | None = FFN_OPT,
-    flops: float | None = FLOPS_OPT,
-    kv_heads: int | None = KV_HEADS_OPT,
-    swiglu: bool = SWIGLU_OPT,
-    largest_layer: float | None = LARGEST_LAYER_OPT,
-    devices: int = DEVICES_OPT,
-    gpu: str | None = GPU_OPT,
-    node: str | None = NODE_OPT,
-    per_node: int | None = PER_NODE_OPT,
-    intra: str | None = INTRA_OPT,
-    inter: str | None = INTER_OPT,
-    nics: int | None = NICS_OPT,
-    tp: int = TP_OPT,
-    pp: int = PP_OPT,
-    zero: int = ZERO_OPT,
-    sp: bool | None = SP_OPT,
-    schedule: str = SCHEDULE_OPT,
-    virtual: int = VIRTUAL_OPT,
-    mb: int = MB_OPT,
-    accum: int = ACCUM_OPT,
-    recompute: str = RECOMPUTE_OPT,
-    offload: str = OFFLOAD_OPT,
-    attention: str | None = ATTENTION_OPT,
-    grad_dtype: str | None = GRAD_DTYPE_OPT,
-    optimizer: str = OPTIM_OPT,
-    precision: str = PRECISION_OPT,
-    weights: str | None = WEIGHTS_OPT,
-    efficiency: float | None = EFF_OPT,
-    overhead: float = OVERHEAD_OPT,
-    overlap: float = OVERLAP_OPT,
+    opts: PlanOptions,
     scaling: str | None = typer.Option(
         None, "--scaling", help="Device counts for the scaling curve, e.g. 8,16,32,64."
     ),
@@ -118,32 +43,16 @@ def step_cmd(
         None, "--global-batch", help="Fix samples per step (strong scaling) in the curve."
     ),
     plot: Path | None = typer.Option(None, "--plot", help="Write the scaling curve as PNG."),
-    catalog: list[Path] = CATALOG_OPT,
-    json_out: bool = JSON_OPT,
 ) -> None:
     """Predicted step time, throughput and MFU, and a scaling curve over device counts."""
     from hpcml.plan.perf import scaling_curve, step_time
 
-    cat = _catalog(catalog)
-    shape = _model(
-        model,
-        args,
-        params,
-        layers,
-        hidden,
-        heads,
-        seq,
-        vocab,
-        ffn,
-        flops,
-        kv_heads,
-        swiglu,
-        largest_layer,
-    )
-    cluster = _cluster(cat, devices, gpu, node, per_node, intra, inter, nics)
-    lay = _layout(tp, pp, zero, sp, schedule, virtual, mb, accum, recompute, offload, attention)
-    tr = _training(precision, optimizer, weights, grad_dtype)
-    cal = _calibration(cluster, efficiency, overhead)
+    cat = opts.load_catalog()
+    shape = opts.shape()
+    cluster = opts.cluster(cat)
+    lay, tr = opts.layout(), opts.training()
+    cal = opts.calibration(cluster)
+    devices, overlap = opts.devices, opts.overlap
     est = step_time(shape, lay, tr, cluster, cal, overlap)
     try:
         counts = (
@@ -170,7 +79,7 @@ def step_cmd(
     ]
     if plot:
         _plot_scaling(rows, plot, f"{shape.name} on {cluster.accelerator.key}")
-    if json_out:
+    if opts.json_out:
         print_json(
             {
                 "model": shape.name,
@@ -183,8 +92,9 @@ def step_cmd(
         )
         return
     t = Table(
-        title=f"{shape.name} step on {cluster.describe()}: dp={est.dp} tp={tp} pp={pp} "
-        f"ZeRO-{zero}, micro-batch {mb} x {accum}, recompute {recompute}"
+        title=f"{shape.name} step on {cluster.describe()}: dp={est.dp} tp={lay.tp} pp={lay.pp} "
+        f"ZeRO-{lay.zero}, micro-batch {lay.micro_batch} x {lay.grad_accum}, "
+        f"recompute {lay.recompute}"
     )
     t.add_column("term")
     t.add_column("seconds", justify="right")
