@@ -208,6 +208,10 @@ class ObserveConfig(_Section):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus `/metrics` from every rank on this port + the local rank (0: any free
     port); each rank writes its target to RUN_DIR/prometheus/rank-N.json (file_sd). null: off."""
+    targets_dir: str | None = None
+    """Folder for the ranks' file_sd target files, shared by runs (one Prometheus glob
+    `DIR/*.json` finds them all: file_sd globs only the last path element); null:
+    RUN_DIR/prometheus."""
     metrics_address: str = "0.0.0.0"
     """Address the `/metrics` endpoints bind to (127.0.0.1 keeps them on this machine)."""
     job: str | None = None

@@ -24,6 +24,7 @@ import httpx
 import pytest
 import torch
 from fault_util import env, finish, records, start_train, wait_for, write_config
+from tests.conftest import run_hpcml
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
@@ -61,29 +62,16 @@ def query(url: str, promql: str) -> list[dict[str, Any]]:
     return list(body["data"]["result"])
 
 
-def start_prometheus(tmp: Path, *targets: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_prometheus(tmp: Path, targets: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Prometheus on the configuration `hpcml observe up` writes (its rules included)."""
     port = free_port()
-    config = tmp / "prometheus.yml"
-    config.write_text(
-        json.dumps(  # JSON is YAML
-            {
-                "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-                "scrape_configs": [
-                    {
-                        "job_name": "hpcml",
-                        "honor_labels": True,
-                        "file_sd_configs": [
-                            {"files": [str(t / "*.json") for t in targets], "refresh_interval": "1s"}
-                        ],
-                    }
-                ],
-            }
-        )
-    )
+    stack = tmp / "stack"
+    run_hpcml("observe", "up", "--targets", str(targets), "--out", str(stack), "--scrape-s", "1",
+              "--port", str(port))
     proc = subprocess.Popen(
         [
             prometheus_binary(),
-            f"--config.file={config}",
+            f"--config.file={stack / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}",
         ],
@@ -153,14 +141,19 @@ def by_rank(result: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path) -> None:
-    run, serve_targets = tmp_path / "run", tmp_path / "serve-targets"
-    prom, url = start_prometheus(tmp_path, run / "prometheus", serve_targets)
-    server, server_url = start_server(tmp_path, serve_targets)
+    # One folder of target files for the run and the server, as a cluster would share.
+    run, targets = tmp_path / "run", tmp_path / "targets"
+    prom, url = start_prometheus(tmp_path, targets)
+    with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as resp:
+        loaded = [r["name"] for g in json.load(resp)["data"]["groups"] for r in g["rules"]]
+    assert len(loaded) == 12 and "HpcmlTrainingDown" in loaded
+    server, server_url = start_server(tmp_path, targets)
     try:
         config = write_config(
             tmp_path / "c.yaml",
             train={"max_steps": 100_000, "checkpoint_every": 0, "log_every": 2},
-            observe={"metrics_port": 0, "metrics_address": "127.0.0.1", "job": "itest"},
+            observe={"metrics_port": 0, "metrics_address": "127.0.0.1", "job": "itest",
+                     "targets_dir": str(targets)},
         )
         proc = start_train(config, run, "--nproc", "2")
         try:
@@ -226,7 +219,8 @@ def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path)
             out, _ = finish(proc, 120)
         assert proc.returncode == 130, out
         # A run that did not finish leaves its targets: Prometheus sees both ranks down.
-        assert sorted(p.name for p in (run / "prometheus").iterdir()) == ["rank-0.json", "rank-1.json"]
+        left = sorted(p.name for p in targets.iterdir() if p.name.startswith("itest-"))
+        assert left == ["itest-run-rank-0.json", "itest-run-rank-1.json"]
         down = wait_for(
             "up == 0 for both ranks",
             lambda: (d := by_rank(query(url, 'up{job="itest",role="train"} == 0'))) and len(d) == 2 and d,
@@ -236,7 +230,8 @@ def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path)
         assert sorted(down) == ["0", "1"]
         server.send_signal(signal.SIGTERM)
         finish(server, 60)
-        assert list(serve_targets.iterdir()) == []  # a clean stop removes its target
+        # A clean stop removes the server's target; the dead ranks' stay.
+        assert sorted(p.name for p in targets.iterdir()) == left
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)

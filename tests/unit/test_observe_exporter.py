@@ -69,3 +69,17 @@ def test_exporter_serves_flushed_records_writes_and_removes_its_target(tmp_path:
     failed = TrainExporter(0, "127.0.0.1", run, rank=0, local_rank=0)
     failed.close(finished=False)
     assert (run / "prometheus" / "rank-0.json").exists()  # died: `up == 0` shows it
+
+
+def test_a_shared_targets_folder_names_files_by_job_run_and_rank(tmp_path: Path) -> None:
+    shared = tmp_path / "targets"
+    ex = TrainExporter(0, "127.0.0.1", tmp_path / "r1", 1, 0, job="team/a b", targets_dir=shared)
+    try:
+        # A job name is not a safe file name: "/" would make a folder, " " is awkward.
+        assert [p.name for p in shared.iterdir()] == ["team_a_b-r1-rank-1.json"]
+        target = json.loads((shared / "team_a_b-r1-rank-1.json").read_text())
+        assert target[0]["labels"]["job"] == "team/a b"  # the label keeps the real name
+        assert not (tmp_path / "r1" / "prometheus").exists()
+    finally:
+        ex.close(finished=True)
+    assert list(shared.iterdir()) == []

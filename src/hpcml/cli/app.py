@@ -14,6 +14,7 @@ from typer.core import TyperGroup
 from hpcml.cli import data as data_cli
 from hpcml.cli import launch as launch_cli
 from hpcml.cli import model as model_cli
+from hpcml.cli import observe as observe_cli
 from hpcml.cli import plan as plan_cli
 from hpcml.cli import registry as registry_cli
 from hpcml.cli import report as report_cli
@@ -105,6 +106,7 @@ app.add_typer(data_cli.app, name="data")
 app.add_typer(plan_cli.app, name="plan")
 app.add_typer(registry_cli.app, name="registry")
 app.add_typer(launch_cli.app, name="launch")
+app.add_typer(observe_cli.app, name="observe")
 serve_cli.register(app)
 app.command("report", help=report_cli.report.__doc__)(report_cli.report)
 

@@ -14,6 +14,7 @@ The GPU series come from NVML (`nvidia-ml-py`) when a CUDA device is in use; the
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,10 @@ from hpcml.observe.targets import write_target
 
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LABELS = ("job", "run", "rank", "host")
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:100]
 
 
 def default_job(run_dir: Path) -> str:
@@ -44,6 +49,7 @@ class TrainExporter:
         local_rank: int,
         job: str | None = None,
         gpu_index: int | None = None,
+        targets_dir: Path | None = None,
     ) -> None:
         try:
             from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -88,7 +94,11 @@ class TrainExporter:
         self.port = int(self.server.server_address[1])
         # What Prometheus connects to: the bound address, or this host's name when bound to all.
         self.address = self.host if address in ("", "0.0.0.0", "::") else address
-        self.target_file = run_dir / "prometheus" / f"rank-{rank}.json"
+        if targets_dir is None:
+            self.target_file = run_dir / "prometheus" / f"rank-{rank}.json"
+        else:  # shared by runs: the name says whose it is
+            job_name, run_name = (safe_name(v) for v in self.label_values[:2])
+            self.target_file = targets_dir / f"{job_name}-{run_name}-rank-{rank}.json"
         self._write_target()
 
     def _write_target(self) -> None:

@@ -248,6 +248,7 @@ class Trainer:
                 rt.local_rank,
                 cfg.observe.job,
                 rt.device.index if rt.device.type == "cuda" else None,
+                Path(cfg.observe.targets_dir).expanduser() if cfg.observe.targets_dir else None,
             )
         self.spec = get_spec(cfg.model.name)
         from hpcml.distributed.runtime import device_info

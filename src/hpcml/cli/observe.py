@@ -1,0 +1,37 @@
+"""`hpcml observe up`: Prometheus + Grafana files for runs and servers, and how to start them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from hpcml.cli.common import console, print_json
+
+app = typer.Typer(help="Observability: Prometheus and Grafana for runs and servers.", no_args_is_help=True)
+
+
+@app.command("up")
+def up(
+    targets: list[Path] = typer.Option(
+        [],
+        "--targets",
+        help="A folder of target files (observe.targets_dir, RUN_DIR/prometheus, or the one "
+        "hpcml serve --prometheus-targets writes to); repeatable.",
+    ),
+    out: Path = typer.Option(Path("observe-stack"), "--out", help="Folder for the files."),
+    scrape_s: int = typer.Option(5, "--scrape-s", min=1, help="Scrape interval in seconds."),
+    port: int = typer.Option(9090, "--port", min=1, max=65535, help="Prometheus port."),
+    json_out: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+) -> None:
+    """Write prometheus.yml (file_sd over the targets, the alerting rules), Grafana provisioning
+    with the dashboards, and a docker-compose.yml; print the commands that start them."""
+    from hpcml.observe.stack import write_stack
+
+    result = write_stack(out, targets, scrape_s, port)
+    if json_out:
+        print_json(result)
+        return
+    console.print(f"wrote {result['folder']}: watching {', '.join(result['watches'])}")
+    for command in result["commands"]:
+        console.print(f"  {command}", highlight=False)
