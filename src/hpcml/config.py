@@ -81,6 +81,14 @@ class OptimConfig(_Section):
     """Linear scaling rule: multiply lr by the world size (Goyal et al. 2017)."""
 
 
+class ProfileConfig(_Section):
+    """torch.profiler schedule: skip `wait` steps, warm up `warmup`, record `active`."""
+
+    wait: int = Field(2, ge=0)
+    warmup: int = Field(1, ge=0)
+    active: int = Field(3, gt=0)
+
+
 class TrainConfig(_Section):
     max_steps: int = Field(300, gt=0)
     eval_every: int = Field(100, ge=0)
@@ -111,6 +119,9 @@ class TrainConfig(_Section):
     """Peak FLOP/s of one device for the precision in use, for MFU; null looks it up by name."""
     loss: str = "cross_entropy"
     """`cross_entropy` or an import path `pkg.mod:fn` to fn(logits, target) -> mean loss."""
+    profile: ProfileConfig | None = None
+    """Profile a few steps (torch.profiler): RUN_DIR/profile/ gets a Chrome trace and a
+    breakdown of step time per rank; null: off."""
     checkpoint_async: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint.async_save): training
     stalls only for the copy to host memory."""

@@ -16,6 +16,7 @@ from hpcml.cli import launch as launch_cli
 from hpcml.cli import model as model_cli
 from hpcml.cli import observe as observe_cli
 from hpcml.cli import plan as plan_cli
+from hpcml.cli import profile as profile_cli
 from hpcml.cli import registry as registry_cli
 from hpcml.cli import report as report_cli
 from hpcml.cli import serve as serve_cli
@@ -109,6 +110,7 @@ app.add_typer(launch_cli.app, name="launch")
 app.add_typer(observe_cli.app, name="observe")
 serve_cli.register(app)
 app.command("report", help=report_cli.report.__doc__)(report_cli.report)
+app.command("profile", help=profile_cli.profile.__doc__)(profile_cli.profile)
 
 
 def main() -> None:

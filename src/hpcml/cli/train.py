@@ -182,4 +182,13 @@ def report(summary: dict[str, Any], json_out: bool) -> None:
     if thr.get("mfu") is not None:
         table.add_row("MFU", f"{thr['mfu']:.1%}")
     table.add_row("export", f"{summary['run_dir']}/export/model.safetensors")
+    prof = summary.get("profile")
+    if prof and prof.get("steps"):
+        table.add_row(
+            f"profiled step ({prof['steps']} steps, median)",
+            f"{prof['step_s'] * 1000:.1f} ms: data {prof['data_share']:.0%}, compute "
+            f"{prof['compute_share']:.0%}, other {prof['other_share']:.0%}; a collective in "
+            f"flight {prof['communication_in_flight_share']:.0%}",
+        )
+        table.add_row("profile (trace, breakdown, top ops)", f"{summary['run_dir']}/profile/")
     console.print(table)

@@ -49,6 +49,7 @@ from hpcml.train.fault_hook import FaultHook
 from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
+from hpcml.train.profile import no_phase, start_exporter, start_profiler
 from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon, param_groups
 from hpcml.train.summary import build_summary, seed_everything
 from hpcml.train.validate import resolve
@@ -83,6 +84,9 @@ class Trainer:
         self.view: LiveView | None = None
         self.out_dir: Path | None = None
         self.exporter: Any = None
+        self.profiler: Any = None
+        """torch.profiler over a few steps (`train.profile`), or None."""
+        self.phase: Any = no_phase
         """Prometheus `/metrics` of this rank (`observe.metrics_port`), or None."""
         self.resume_from: Path | None = None
         self.writing = False
@@ -114,6 +118,8 @@ class Trainer:
             raise
         finally:
             self.guard.close()
+            if self.profiler is not None:
+                self.profiler.close()
             if self.exporter is not None:
                 self.exporter.close(finished=clean)
             if self.view is not None:
@@ -237,19 +243,7 @@ class Trainer:
             if self.resume_from is not None:
                 self.view.message(f"resumed from {self.resume_from} at step {self.step}")
         self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
-        if cfg.observe.metrics_port is not None:
-            from hpcml.observe.train_metrics import TrainExporter
-
-            self.exporter = TrainExporter(
-                cfg.observe.metrics_port,
-                cfg.observe.metrics_address,
-                self.out_dir,
-                rt.rank,
-                rt.local_rank,
-                cfg.observe.job,
-                rt.device.index if rt.device.type == "cuda" else None,
-                Path(cfg.observe.targets_dir).expanduser() if cfg.observe.targets_dir else None,
-            )
+        self.exporter = start_exporter(cfg, rt, self.out_dir)
         self.spec = get_spec(cfg.model.name)
         from hpcml.distributed.runtime import device_info
 
@@ -287,6 +281,8 @@ class Trainer:
         )
         self.fault_hook = FaultHook(self.guard)
         self.hooks.add(self.fault_hook)
+        self.profiler = start_profiler(cfg, rt, self.out_dir)
+        self.phase = self.profiler.phase if self.profiler is not None else no_phase
         self.model.train()
 
     # --- one optimizer step ------------------------------------------------------------------
@@ -303,7 +299,8 @@ class Trainer:
             return decision
         if decision.skip:
             return decision
-        lr = self.optimizer_step(decision.skip_on_device)
+        with self.phase("hpcml.optimizer"):
+            lr = self.optimizer_step(decision.skip_on_device)
         self.step += 1
         self.meter.record(
             self.step,
@@ -313,6 +310,8 @@ class Trainer:
             data_wait,
             epoch=self.train_data.epoch,
         )
+        if self.profiler is not None:
+            self.profiler.step()
         return decision
 
     def forward_backward(self) -> tuple[torch.Tensor, float]:
@@ -322,7 +321,8 @@ class Trainer:
         data_wait = 0.0
         for micro in range(accum):
             td = time.perf_counter()
-            x, y = self.train_data.next()
+            with self.phase("hpcml.data"):
+                x, y = self.train_data.next()
             data_wait += time.perf_counter() - td
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             if self.cfg.train.channels_last and x.dim() == 4:
@@ -333,9 +333,11 @@ class Trainer:
                     self.precision.autocast(),
                     self.hooks.forward(self),
                     self.probe.sample(micro == 0),  # one sampled forward per run
+                    self.phase("hpcml.forward"),
                 ):
                     loss = self.loss_fn(self.model(x), y) / accum
-                self.scaler.scale(loss).backward()
+                with self.phase("hpcml.backward"):
+                    self.scaler.scale(loss).backward()
             loss_sum += local_value(loss.detach())
         return loss_sum, data_wait
 
@@ -448,6 +450,8 @@ class Trainer:
             self.evaluate()
         summary = build_summary(self)  # collectives inside: every rank calls it
         if self.rt.is_main:
+            if self.profiler is not None and self.profiler.breakdown is not None:
+                summary["profile"] = self.profiler.summary()
             summary["prediction"] = memprobe.prediction_block(summary)
             self.hooks.end(summary)
             assert self.out_dir is not None

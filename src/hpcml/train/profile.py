@@ -1,0 +1,192 @@
+"""Observers a run starts from its config: `train.profile` and `observe.metrics_port`.
+
+`train.profile`: torch.profiler over a few steps of a real run, a Chrome/Perfetto trace per
+rank, and a breakdown of step time that says where it goes.
+
+The Trainer marks its phases with `record_function` ranges (`hpcml.data`, `hpcml.forward`,
+`hpcml.backward`, `hpcml.optimizer`) only while profiling. Per profiled step (the profiler's
+`ProfilerStep#N` range) the breakdown is:
+
+- data: waiting for the next batch (`hpcml.data`);
+- compute: forward + backward + optimizer (with DDP, backward includes waiting for the last
+  gradient all-reduce);
+- other: the rest of the step's wall time (hooks, logging, Python between phases);
+- communication in flight: the time a collective (c10d / gloo / NCCL ops, found by name, on any
+  thread) was running. It overlaps compute, so it is not a fourth slice: 30% means a collective
+  was in flight during 30% of the step.
+
+Data, compute and other add up to the step's wall time by definition; what a test can check is
+how they move (no collective on one process; data grows with a slow loader). Top ops are by
+self CPU time (on CUDA, also by device time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+PHASES = ("hpcml.data", "hpcml.forward", "hpcml.backward", "hpcml.optimizer")
+COMM_MARKERS = (
+    "c10d::", "gloo", "nccl", "allreduce", "all_reduce", "all_gather", "allgather",
+    "reduce_scatter", "broadcast", "record_param_comms", "alltoall",
+)
+
+
+def is_comm(name: str) -> bool:
+    low = name.lower()
+    return any(m in low for m in COMM_MARKERS)
+
+
+@contextlib.contextmanager
+def no_phase(_name: str) -> Iterator[None]:
+    yield
+
+
+def start_profiler(cfg: Any, rt: Any, out_dir: Path) -> StepProfiler | None:
+    p = cfg.train.profile
+    if p is None:
+        return None
+    return StepProfiler(p.wait, p.warmup, p.active, out_dir / "profile", rt.rank)
+
+
+def start_exporter(cfg: Any, rt: Any, out_dir: Path) -> Any:
+    """This rank's Prometheus endpoint (`observe.metrics_port`), or None."""
+    o = cfg.observe
+    if o.metrics_port is None:
+        return None
+    from hpcml.observe.train_metrics import TrainExporter
+
+    return TrainExporter(
+        o.metrics_port,
+        o.metrics_address,
+        out_dir,
+        rt.rank,
+        rt.local_rank,
+        o.job,
+        rt.device.index if rt.device.type == "cuda" else None,
+        Path(o.targets_dir).expanduser() if o.targets_dir else None,
+    )
+
+
+class StepProfiler:
+    """One rank's profiler: `step()` at each optimizer step, `phase(name)` around phases."""
+
+    def __init__(self, wait: int, warmup: int, active: int, out_dir: Path, rank: int) -> None:
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self.out_dir, self.rank, self.active = out_dir, rank, active
+        self.done = False
+        self.breakdown: dict[str, Any] | None = None
+        self.prof = profile(
+            activities=activities,
+            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+            on_trace_ready=self._ready,
+            record_shapes=False,
+            profile_memory=False,
+        )
+        self.prof.__enter__()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.done:
+            yield
+            return
+        with record_function(name):
+            yield
+
+    def step(self) -> None:
+        if not self.done:
+            self.prof.step()
+
+    def close(self) -> None:
+        if not self.done:
+            self.prof.__exit__(None, None, None)
+            self.done = True
+
+    def summary(self) -> dict[str, Any]:
+        """The breakdown without the op table (that stays in the profile folder)."""
+        return {k: v for k, v in (self.breakdown or {}).items() if k != "top_ops"}
+
+    def _ready(self, prof: Any) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.out_dir / f"trace-rank-{self.rank}.json"))
+        self.breakdown = breakdown(prof.events())
+        self.breakdown["top_ops"] = top_ops(prof)
+        (self.out_dir / f"breakdown-rank-{self.rank}.json").write_text(
+            json.dumps(self.breakdown, indent=1)
+        )
+        self.done = True
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def breakdown(events: Any) -> dict[str, Any]:
+    """Median over the profiled steps of each part of a step, in seconds and as a share."""
+    steps = [e for e in events if e.name.startswith("ProfilerStep")]  # "ProfilerStep*"
+    main = {e.thread for e in steps}  # the training loop's thread
+    phases = [e for e in events if e.name in PHASES and e.thread in main]
+    # Collectives run on their own threads (gloo) or streams (NCCL): every thread counts, and
+    # nested ranges (c10d op -> gloo op) count once through the union.
+    comm = _union([(e.time_range.start, e.time_range.end) for e in events if is_comm(e.name)])
+    per_step = []
+    for s in steps:
+        s0, s1 = s.time_range.start, s.time_range.end
+        part = {p: 0.0 for p in PHASES}
+        for e in phases:
+            part[e.name] += _overlap(s0, s1, e.time_range.start, e.time_range.end)
+        wall = s1 - s0
+        work = part["hpcml.forward"] + part["hpcml.backward"] + part["hpcml.optimizer"]
+        per_step.append(
+            {
+                "step_s": wall / 1e6,
+                "data_s": part["hpcml.data"] / 1e6,
+                "compute_s": work / 1e6,
+                "other_s": max(0.0, wall - work - part["hpcml.data"]) / 1e6,
+                "communication_in_flight_s": sum(_overlap(s0, s1, a, b) for a, b in comm) / 1e6,
+            }
+        )
+    if not per_step:
+        return {"steps": 0}
+    out: dict[str, Any] = {"steps": len(per_step)}
+    for key in per_step[0]:
+        out[key] = statistics.median(p[key] for p in per_step)
+    for key in ("data_s", "compute_s", "other_s", "communication_in_flight_s"):
+        out[key.removesuffix("_s") + "_share"] = out[key] / out["step_s"] if out["step_s"] else 0.0
+    return out
+
+
+def top_ops(prof: Any, n: int = 15) -> list[dict[str, Any]]:
+    rows = []
+    for avg in prof.key_averages():
+        if avg.key.startswith(("ProfilerStep", "hpcml.")):
+            continue
+        rows.append(
+            {
+                "op": avg.key,
+                "calls": int(avg.count),
+                "self_cpu_s": avg.self_cpu_time_total / 1e6,
+                "device_s": getattr(avg, "self_device_time_total", 0.0) / 1e6,
+            }
+        )
+    rows.sort(key=lambda r: (r["device_s"], r["self_cpu_s"]), reverse=True)
+    return rows[:n]

@@ -1,0 +1,37 @@
+"""`hpcml profile` on 2 real processes: a Chrome trace per rank that holds the profiled steps and
+hpcml's phase ranges, a breakdown per rank with a collective in flight (DDP's all-reduce), the
+rank-0 breakdown in summary.json and printed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tests.conftest import run_hpcml, summary
+
+pytestmark = pytest.mark.slow
+
+
+def test_profile_two_processes_writes_traces_and_a_breakdown(tmp_path):
+    run = tmp_path / "run"
+    proc = run_hpcml("profile", "examples/digits_cnn.yaml", "model.name=mlp", "model.args={hidden: 32}",
+                     "data.batch_size=16", "--steps", "2", "--nproc", "2", "--run-dir", str(run),
+                     "--quiet")
+    assert "a collective in flight" in proc.stdout
+    for rank in (0, 1):
+        trace = json.loads((run / "profile" / f"trace-rank-{rank}.json").read_text())
+        names = [e.get("name", "") for e in trace["traceEvents"]]
+        assert sum(n.startswith("ProfilerStep#") for n in names) == 2  # --steps 2
+        for phase in ("hpcml.data", "hpcml.forward", "hpcml.backward", "hpcml.optimizer"):
+            assert names.count(phase) == 2, phase  # once per profiled step
+        b = json.loads((run / "profile" / f"breakdown-rank-{rank}.json").read_text())
+        assert b["steps"] == 2
+        # DDP all-reduces the gradients every step: some collective ran during the step.
+        assert b["communication_in_flight_s"] > 0
+        assert b["top_ops"] and all(op["self_cpu_s"] >= 0 for op in b["top_ops"])
+    s = summary(run)
+    assert s["steps"] == 5 and s["profile"]["steps"] == 2  # 2 skipped + 1 warm-up + 2 recorded
+    assert s["profile"] == {
+        k: v for k, v in json.loads((run / "profile" / "breakdown-rank-0.json").read_text()).items()
+        if k != "top_ops"
+    }
