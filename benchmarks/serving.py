@@ -21,10 +21,19 @@ the median with the minimum and maximum, and ratios of medians.
 LitServe runs in its documented fast configuration where the installed version has it
 (`fast_queue=True`), with batching (max 32, 2 ms) and one worker, as `hpcml serve` has; a
 server whose package is missing is skipped and listed as such. Ray Serve is not included yet.
-Requests are OIP JSON only (binary tensors are not measured here).
 
-    python benchmarks/serving.py              # 4 servers x 2 objectives x 3 repeats: ~20 min
-    python benchmarks/serving.py --quick      # 1 s steps, 3 repeats, 2 servers: a smoke run
+Encodings: every server gets OIP JSON requests (JSON outputs). The hpcml servers are also
+measured with the binary tensor data extension (`--encodings json,binary`, the default): the
+input as raw bytes after the JSON header, the output asked for in binary. These rows are named
+`hpcml-batched binary` and `hpcml-bs1 binary` and hit the same server processes. Both request
+bodies are built by one client library (tritonclient's `generate_request_body`, what
+`tritonclient.http` sends) and sent by the same load generator, so the rows differ only in the
+encoding. The peers take JSON only here (their handlers parse JSON).
+
+    python benchmarks/serving.py              # 4 servers + 2 binary rows x 2 objectives x 3
+                                              # repeats, 3 s steps: ~30 min
+    python benchmarks/serving.py --quick      # 1 s steps, 3 repeats, hpcml JSON and binary
+    python benchmarks/serving.py --encodings json  # the JSON-only rows
 
 Writes benchmarks/results/serving.{json,png,md}.
 """
@@ -270,9 +279,32 @@ def _cpu_s(pgid: int) -> float:
     return total
 
 
+def _payloads() -> dict[str, tuple[bytes, dict[str, str]]]:
+    """Request body and extra headers per encoding, both built by tritonclient's HTTP client."""
+    import tritonclient.http as thttp
+
+    x = np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    out: dict[str, tuple[bytes, dict[str, str]]] = {}
+    for encoding, binary in (("json", False), ("binary", True)):
+        inp = thttp.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=binary)
+        wanted = thttp.InferRequestedOutput("logits", binary_data=binary)
+        body, json_length = thttp.InferenceServerClient.generate_request_body(
+            [inp], outputs=[wanted]
+        )
+        headers = {}
+        if json_length is not None:  # the binary tensor data extension
+            headers = {
+                "content-type": "application/octet-stream",
+                "Inference-Header-Content-Length": str(json_length),
+            }
+        out[encoding] = (bytes(body), headers)
+    return out
+
+
 def _step(
     base: str,
-    payload: bytes,
+    payload: tuple[bytes, dict[str, str]],
     rate: float | None,
     concurrency: int | None,
     seconds: float,
@@ -288,7 +320,8 @@ def _step(
             rate=rate,
             concurrency=concurrency,
             duration_s=seconds,
-            payload=payload,
+            payload=payload[0],
+            headers=payload[1],
             infer_path=INFER_PATH,
             timeout_s=30,
         )
@@ -374,6 +407,16 @@ def main() -> None:
     p.add_argument("--slo-list", default="50,100", help="p99 objectives (ms).")
     p.add_argument("--step-s", type=float, default=3.0, help="Seconds per measured rate.")
     p.add_argument("--servers", default="hpcml-batched,hpcml-bs1,litserve,fastapi")
+    p.add_argument(
+        "--encodings",
+        default="json,binary",
+        help="json and/or binary (binary tensor extension; hpcml servers only).",
+    )
+    p.add_argument(
+        "--note",
+        default="",
+        help="Recorded in the JSON and the table, e.g. that other work shared the machine.",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if args.serve == "litserve":
@@ -384,7 +427,9 @@ def main() -> None:
         raise SystemExit("--repeats must be at least 3: the report gives a median and spread.")
 
     sys.path.insert(0, str(ROOT / "src"))
-    from hpcml.serve.protocol import encode_request_bytes
+    encodings = [e for e in args.encodings.split(",") if e]
+    if not encodings or set(encodings) - {"json", "binary"}:
+        raise SystemExit(f"--encodings {args.encodings!r}: give json, binary or json,binary.")
 
     step_s = 1.0 if args.quick else args.step_s
     kinds = ["hpcml-batched", "hpcml-bs1"] if args.quick else args.servers.split(",")
@@ -393,16 +438,22 @@ def main() -> None:
         kinds.remove("litserve")
         skipped["litserve"] = "litserve is not installed (pip install litserve)"
     slos = sorted(float(x) for x in args.slo_list.split(","))
-    payload = encode_request_bytes(
-        np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
-    )
+    payloads = _payloads()
+    # A row is (server, encoding): every server takes JSON; hpcml also takes binary.
+    rows: dict[str, tuple[str, str]] = {}
+    for encoding in encodings:
+        for kind in kinds:
+            if encoding == "json":
+                rows[kind] = (kind, "json")
+            elif kind.startswith("hpcml"):
+                rows[f"{kind} binary"] = (kind, "binary")
     tmp = Path(tempfile.mkdtemp(prefix="hpcml-bench-serving-"))
     export, params = _make_export(tmp)
     load_before = os.getloadavg()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     bases: dict[str, str] = {}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        k: {f"{slo:g}": [] for slo in slos} for k in kinds
+        row: {f"{slo:g}": [] for slo in slos} for row in rows
     }
     try:
         for kind in kinds:
@@ -410,20 +461,24 @@ def main() -> None:
             proc, health = _start(kind, export, port, tmp / f"{kind}.log")
             procs[kind], bases[kind] = proc, f"http://127.0.0.1:{port}"
             _wait(bases[kind] + health, proc)
-            _step(bases[kind], payload, None, 4, 1.0)  # warm-up: connections, allocator, caches
+            for encoding in encodings:  # warm-up: connections, allocator, caches
+                if encoding == "json" or kind.startswith("hpcml"):
+                    _step(bases[kind], payloads[encoding], None, 4, 1.0)
+        names = list(rows)
         for rep in range(args.repeats):
-            order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for slo in slos:
-                for kind in order:
+                for row in order:
+                    kind, encoding = rows[row]
                     found = bisect_capacity(
-                        lambda rate, k=kind: _step(
-                            bases[k], payload, rate, None, step_s, procs[k].pid
+                        lambda rate, k=kind, e=encoding: _step(
+                            bases[k], payloads[e], rate, None, step_s, procs[k].pid
                         ),
                         slo,
                     )
-                    runs[kind][f"{slo:g}"].append(found)
+                    runs[row][f"{slo:g}"].append(found)
                     print(
-                        f"repeat {rep + 1}  p99 <= {slo:g} ms  {kind:<15} capacity "
+                        f"repeat {rep + 1}  p99 <= {slo:g} ms  {row:<22} capacity "
                         f"{found['capacity_rps']:8.1f}/s  bracket {found['bracket'][0]:.0f}.."
                         f"{found['bracket'][1]:.0f}/s  ({len(found['steps'])} steps)",
                         flush=True,
@@ -435,7 +490,14 @@ def main() -> None:
     report = {
         "benchmark": "serving",
         "model": {**MODEL, "parameters": params, "input_shape": [3, 32, 32]},
-        "encoding": "OIP JSON (binary tensors not measured)",
+        "encoding": (
+            "OIP JSON for every server; rows ending in 'binary' use the binary tensor data "
+            "extension (input and output), hpcml only"
+            if "binary" in encodings
+            else "OIP JSON only (binary tensors not measured)"
+        ),
+        "request_bytes": {e: len(payloads[e][0]) for e in encodings},
+        "note": args.note,
         "objectives_p99_ms": slos,
         "step_s": step_s,
         "repeats": args.repeats,
@@ -485,6 +547,8 @@ def _summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, An
             "batched_vs_bs1": ratio("hpcml-batched", "hpcml-bs1"),
             "hpcml_vs_litserve": ratio("hpcml-batched", "litserve"),
             "hpcml_vs_fastapi": ratio("hpcml-batched", "fastapi"),
+            "binary_vs_json_batched": ratio("hpcml-batched binary", "hpcml-batched"),
+            "binary_vs_json_bs1": ratio("hpcml-bs1 binary", "hpcml-bs1"),
         }
     return out
 
@@ -496,11 +560,13 @@ def _markdown(report: dict[str, Any]) -> str:
         f"rate; median [min .. max]. {report['encoding']}.",
         "",
     ]
+    if report.get("note"):
+        lines += [f"Note: {report['note']}", ""]
     for slo, by in report["summary"].items():
         lines += [
             f"p99 <= {slo} ms",
             "",
-            "| server | capacity | vs batch size 1 |",
+            "| server | capacity | vs batch size 1 (JSON) |",
             "|---|---:|---:|",
         ]
         base = by["capacity_rps"].get("hpcml-bs1", {}).get("median")
@@ -509,6 +575,13 @@ def _markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {kind} | {c['median']:.0f} [{c['min']:.0f} .. {c['max']:.0f}] | {vs} |"
             )
+        lines.append("")
+        for key, label in (
+            ("binary_vs_json_batched", "hpcml-batched"),
+            ("binary_vs_json_bs1", "hpcml-bs1"),
+        ):
+            if by.get(key) is not None:
+                lines.append(f"binary / JSON, {label}: {by[key]:.2f}x (ratio of medians)  ")
         lines.append("")
     for kind, why in report["skipped"].items():
         lines.append(f"skipped {kind}: {why}")
