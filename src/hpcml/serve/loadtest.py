@@ -140,14 +140,16 @@ async def fetch_payload(
     return encode_request_bytes(x, spec["name"])
 
 
-async def _send(session: Any, url: str, body: bytes, timeout_s: float) -> int | str:
+async def _send(
+    session: Any, url: str, body: bytes, headers: dict[str, str], timeout_s: float
+) -> int | str:
     import aiohttp
 
     try:
         async with session.post(
             url,
             data=body,
-            headers={"content-type": "application/json"},
+            headers=headers,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             await resp.read()
@@ -173,8 +175,12 @@ async def run_loadtest(
     seed: int = 0,
     progress: Callable[[float, int, int, int], None] | None = None,
     recorder: _Recorder | None = None,
+    headers: dict[str, str] | None = None,
 ) -> LoadtestResult:
-    """Drive `base_url` for `duration_s`; exactly one of `rate` (open) or `concurrency` (closed)."""
+    """Drive `base_url` for `duration_s`; exactly one of `rate` (open) or `concurrency` (closed).
+
+    `headers` are added to every request (they override the JSON content-type), e.g. the
+    binary tensor extension's `Inference-Header-Content-Length` for a binary `payload`."""
     import aiohttp
 
     if (rate is None) == (concurrency is None):
@@ -190,6 +196,7 @@ async def run_loadtest(
         f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
     )
     url = base_url + path
+    send_headers = {"content-type": "application/json", **(headers or {})}
     rec = recorder if recorder is not None else _Recorder()
     limit = concurrency if concurrency is not None else max_inflight
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
@@ -218,11 +225,23 @@ async def run_loadtest(
         try:
             if rate is not None:
                 await _open_loop(
-                    session, url, body, rate, start, end, timeout_s, max_inflight, seed, rec
+                    session,
+                    url,
+                    body,
+                    send_headers,
+                    rate,
+                    start,
+                    end,
+                    timeout_s,
+                    max_inflight,
+                    seed,
+                    rec,
                 )
             else:
                 assert concurrency is not None
-                await _closed_loop(session, url, body, concurrency, start, end, timeout_s, rec)
+                await _closed_loop(
+                    session, url, body, send_headers, concurrency, start, end, timeout_s, rec
+                )
         finally:
             tick.cancel()
         elapsed = max(loop.time() - start, 1e-9)
@@ -283,6 +302,7 @@ async def _open_loop(
     session: Any,
     url: str,
     body: bytes,
+    headers: dict[str, str],
     rate: float,
     start: float,
     end: float,
@@ -297,7 +317,7 @@ async def _open_loop(
 
     async def one(intended: float) -> None:
         rec.lag.record_value(max(1, int((loop.time() - intended) * 1e6)))
-        status = await _send(session, url, body, timeout_s)
+        status = await _send(session, url, body, headers, timeout_s)
         rec.record(intended - start, loop.time() - intended, status)
 
     intended = start
@@ -325,6 +345,7 @@ async def _closed_loop(
     session: Any,
     url: str,
     body: bytes,
+    headers: dict[str, str],
     concurrency: int,
     start: float,
     end: float,
@@ -338,7 +359,7 @@ async def _closed_loop(
         await asyncio.sleep(max(0.0, start - loop.time()) + 0.01 * i / concurrency)
         while (sent_at := loop.time()) < end:
             rec.sent += 1
-            status = await _send(session, url, body, timeout_s)
+            status = await _send(session, url, body, headers, timeout_s)
             rec.record(sent_at - start, loop.time() - sent_at, status)
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
