@@ -1,5 +1,6 @@
 """Cost of Prometheus training metrics: hpcml with `observe.metrics_port` on and off, same
-config, runs alternating in one invocation (off, on, off, on, ...) so machine noise hits both.
+config, runs alternating in one invocation (off, on, on, off, off, on, ...) so machine noise and
+drift hit both alike.
 Throughput is measured as in engine_overhead.py (wall clock from the end of warm-up step W to
 the end of step N, from the run's own step records).
 
@@ -45,8 +46,13 @@ def main() -> None:
     on_args = [*base, "observe.metrics_port=0", "observe.metrics_address=127.0.0.1"]
     off, on = [], []
     for i in range(a.pairs):
-        off.append(hpcml_throughput(base, a.warmup))
-        on.append(hpcml_throughput(on_args, a.warmup))
+        # ABBA order: a drift of the machine's speed over the run does not favour either side.
+        if i % 2 == 0:
+            off.append(hpcml_throughput(base, a.warmup))
+            on.append(hpcml_throughput(on_args, a.warmup))
+        else:
+            on.append(hpcml_throughput(on_args, a.warmup))
+            off.append(hpcml_throughput(base, a.warmup))
         print(f"pair {i + 1}/{a.pairs}: off {off[-1]:.0f}  on {on[-1]:.0f} samples/s", flush=True)
     ratios = [b / x for x, b in zip(off, on, strict=True)]
     result = {
