@@ -2,7 +2,8 @@
 same loop under Lightning Fabric (`pip install hpcml[bench]`; left out when not installed).
 
 Same model, data, batch, optimizer, schedule and precision; runs alternate in one invocation
-(hpcml, plain, fabric, hpcml, plain, ...) so machine noise hits all alike. Throughput is measured the
+(hpcml, plain, fabric; then plain, fabric, hpcml; ...: the order rotates every round) so
+machine noise and drift hit all alike. Throughput is measured the
 same way for both: wall-clock between the end of warm-up step W and the end of step N,
 everything in between included (logging, flushes), divided into (N - W) x batch samples.
 
@@ -115,11 +116,16 @@ def main() -> None:
     hp: list[float] = []
     pl: list[float] = []
     fb: list[float] = []
+    runners = [
+        lambda: hp.append(hpcml_throughput(overrides, a.warmup)),
+        lambda: pl.append(plain_throughput(overrides, a.warmup)),
+    ]
+    if with_fabric:
+        runners.append(lambda: fb.append(plain_throughput(overrides, a.warmup, fabric=True)))
     for i in range(a.pairs):
-        hp.append(hpcml_throughput(overrides, a.warmup))
-        pl.append(plain_throughput(overrides, a.warmup))
-        if with_fabric:
-            fb.append(plain_throughput(overrides, a.warmup, fabric=True))
+        # The order rotates every round: a drift of the machine's speed favours no one.
+        for k in range(len(runners)):
+            runners[(i + k) % len(runners)]()
         fabric_note = f"  fabric {fb[-1]:,.1f}" if fb else ""
         print(f"round {i + 1}/{a.pairs}: hpcml {hp[-1]:,.1f}  plain {pl[-1]:,.1f}{fabric_note} "
               "samples/s", file=sys.stderr)

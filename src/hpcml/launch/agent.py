@@ -25,6 +25,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,32 +50,66 @@ def preempted(failures: dict[int, Any]) -> bool:
     return any(getattr(f, "exitcode", None) == REQUEUE_EXIT_CODE for f in failures.values())
 
 
-def _first_signal_only() -> None:
+DUPLICATE_S = 1.0
+"""A second death signal this soon after the first is the same request delivered twice."""
+
+
+class SignalGate:
     """torchrun's handler raises SignalException on every death signal, also on one that comes
     while the agent is already stopping the workers for the first. Ctrl-C in a terminal reaches
-    the agent twice (from the process group and forwarded by `hpcml train`); the second one broke
+    the agent twice (from the process group, and forwarded by `hpcml train`); the second broke
     off the shutdown that passed SIGINT on, and torchrun's clean-up then sent SIGTERM, which
-    workers take for a preemption. Replace each installed handler by one that raises once."""
-    fired: list[int] = []
+    workers take for a preemption (seen in CI). The gate's handler raises for the first signal,
+    ignores others while the workers are being stopped for it or within DUPLICATE_S of it, and,
+    should the first exception have been lost inside torchrun (the agent still not stopping
+    after DUPLICATE_S + 0.5 s), delivers the signal to the agent again."""
 
-    def once(signum: int, frame: Any) -> None:
-        if fired:
-            return  # the workers are being stopped for the first signal already
-        fired.append(signum)
+    def __init__(self) -> None:
+        self.handling_since: float | None = None
+        self.stopping = False
+
+    def reset(self) -> None:
+        """New workers (first start or elastic restart): no signal is being handled."""
+        self.handling_since, self.stopping = None, False
+
+    def install(self) -> None:
+        names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+        for name in names.split(","):
+            sig = getattr(signal, name.strip(), None)
+            if sig is not None and callable(signal.getsignal(sig)):  # torchrun installed one
+                signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, _frame: Any) -> None:
+        now = time.monotonic()
+        if self.handling_since is not None and (
+            self.stopping or now - self.handling_since < DUPLICATE_S
+        ):
+            return
+        self.handling_since = now
+        retry = threading.Timer(DUPLICATE_S + 0.5, self._again, (signum,))
+        retry.daemon = True
+        retry.start()
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", signal.Signals(signum))
 
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    for name in names.split(","):
-        sig = getattr(signal, name.strip(), None)
-        if sig is not None and callable(signal.getsignal(sig)):  # torchrun installed one
-            signal.signal(sig, once)
+    def _again(self, signum: int) -> None:
+        if not self.stopping:
+            os.kill(os.getpid(), signum)
+
+
+GATE = SignalGate()
 
 
 class PreemptionAwareAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         ids = super()._start_workers(worker_group)
-        _first_signal_only()
+        GATE.reset()
+        GATE.install()
         return ids
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if GATE.handling_since is not None:
+            GATE.stopping = True  # stopping the workers for the signal being handled
+        super()._shutdown(death_sig, timeout)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
