@@ -201,11 +201,18 @@ def _gpu_reader(index: int | None) -> Callable[[list[str]], Iterator[Any]] | Non
     except ImportError:
         return None
     try:
+        import torch
+
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        uuid = str(pynvml.nvmlDeviceGetUUID(handle))
-    except pynvml.NVMLError:
+        # By UUID: NVML numbers all GPUs, CUDA only the visible ones (CUDA_VISIBLE_DEVICES).
+        uuid = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except (pynvml.NVMLError, RuntimeError, AssertionError):
         return None
+    throttle = (
+        getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    )
 
     def read(lv: list[str]) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
@@ -227,9 +234,7 @@ def _gpu_reader(index: int | None) -> Callable[[list[str]], Iterator[Any]] | Non
                 handle, pynvml.NVML_CLOCK_SM
             )
             * 1e6,
-            "hpcml_gpu_throttle_reasons": lambda: pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(
-                handle
-            ),
+            "hpcml_gpu_throttle_reasons": lambda: throttle(handle),
         }
         for name, read_one in readings.items():
             try:
