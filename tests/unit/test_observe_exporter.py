@@ -83,3 +83,11 @@ def test_a_shared_targets_folder_names_files_by_job_run_and_rank(tmp_path: Path)
     finally:
         ex.close(finished=True)
     assert list(shared.iterdir()) == []
+
+
+def test_an_unwritable_targets_folder_is_one_sentence(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match="cannot write its Prometheus target") as err:
+        TrainExporter(0, "127.0.0.1", tmp_path / "r", 0, 0, targets_dir=blocker / "sub")
+    assert "observe.targets_dir" in str(err.value)

@@ -99,7 +99,15 @@ class TrainExporter:
         else:  # shared by runs: the name says whose it is
             job_name, run_name = (safe_name(v) for v in self.label_values[:2])
             self.target_file = targets_dir / f"{job_name}-{run_name}-rank-{rank}.json"
-        self._write_target()
+        try:
+            self._write_target()
+        except OSError as exc:
+            self.server.shutdown()
+            self.server.server_close()
+            raise ConfigError(
+                f"rank {rank} cannot write its Prometheus target {str(self.target_file)!r} "
+                f"({exc.strerror}); set observe.targets_dir to a folder it can write."
+            ) from None
 
     def _write_target(self) -> None:
         job, run, rank, host = self.label_values
