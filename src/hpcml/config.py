@@ -225,6 +225,9 @@ class ObserveConfig(_Section):
     RUN_DIR/prometheus."""
     metrics_address: str = "0.0.0.0"
     """Address the `/metrics` endpoints bind to (127.0.0.1 keeps them on this machine)."""
+    tracing: bool = False
+    """OpenTelemetry spans for every step and its phases, evaluation and checkpoints, exported
+    by OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (pip install opentelemetry-exporter-otlp-proto-http)."""
     job: str | None = None
     """The `job` label of the series; null: $SLURM_JOB_ID, else $HPCML_JOB, else the run
     folder's name."""

@@ -1,4 +1,6 @@
-"""Observers a run starts from its config: `train.profile` and `observe.metrics_port`.
+"""Observers a run starts from its config: `train.profile`, `observe.metrics_port` and
+`observe.tracing` (OpenTelemetry spans for each step and its phases: data, forward, backward,
+optimizer; and for evaluation and checkpoints).
 
 `train.profile`: torch.profiler over a few steps of a real run, a Chrome/Perfetto trace per
 rank, and a breakdown of step time that says where it goes.
@@ -45,8 +47,88 @@ def is_comm(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def no_phase(_name: str) -> Iterator[None]:
+def no_phase(_name: str, **_attributes: Any) -> Iterator[None]:
     yield
+
+
+def make_phase(profiler: StepProfiler | None, tracer: Any) -> Any:
+    """The Trainer's `phase(name, **attributes)`: a profiler range and/or a tracing span, or
+    nothing at all when neither is on (the default: no cost per step)."""
+    if profiler is None and tracer is None:
+        return no_phase
+
+    @contextlib.contextmanager
+    def phase(name: str, **attributes: Any) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if profiler is not None:
+                stack.enter_context(profiler.phase(name))
+            if tracer is not None:
+                attrs = {f"hpcml.{k}": v for k, v in attributes.items()}
+                stack.enter_context(tracer.start_as_current_span(name, attributes=attrs))
+            yield
+
+    return phase
+
+
+def system_id_generator() -> Any:
+    """Trace and span ids from the OS's randomness. OpenTelemetry's default draws from Python's
+    `random`, which a run seeds (train.seed): every run with the same seed, and every rank,
+    would then make the same trace ids, and a tracing backend would merge their traces."""
+    import random
+
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class SystemIdGenerator(RandomIdGenerator):
+        _random = random.SystemRandom()
+
+        def generate_span_id(self) -> int:
+            return self._random.getrandbits(64) or 1
+
+        def generate_trace_id(self) -> int:
+            return self._random.getrandbits(128) or 1
+
+    return SystemIdGenerator()
+
+
+def start_tracer(cfg: Any, rt: Any, out_dir: Path) -> Any:
+    """An OpenTelemetry tracer for `observe.tracing`, or None. A tracer provider the program
+    set (library use, tests) is used as it is; otherwise spans go by OTLP/HTTP to
+    $OTEL_EXPORTER_OTLP_ENDPOINT (the exporter's own default: localhost:4318)."""
+    if not cfg.observe.tracing:
+        return None
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # nobody configured one: OTLP
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            from hpcml.errors import ConfigError
+
+            raise ConfigError(
+                "observe.tracing exports by OTLP and needs its exporter; install it with "
+                "pip install opentelemetry-exporter-otlp-proto-http, or set observe.tracing to false."
+            ) from None
+        resource = Resource.create(
+            {"service.name": "hpcml-train", "hpcml.run": out_dir.name, "hpcml.rank": rt.rank}
+        )
+        provider = TracerProvider(resource=resource, id_generator=system_id_generator())
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(provider)
+    return provider.get_tracer("hpcml.train")
+
+
+def flush_tracer(tracer: Any) -> None:
+    if tracer is None:
+        return
+    from opentelemetry import trace
+
+    flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+    if flush is not None:
+        flush()
 
 
 def start_profiler(cfg: Any, rt: Any, out_dir: Path) -> StepProfiler | None:

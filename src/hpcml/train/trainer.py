@@ -42,6 +42,7 @@ from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_ato
 from hpcml.records import write_text_atomic as write_text
 from hpcml.train import checkpoint as ckpt
 from hpcml.train import memprobe, mfu, rundir
+from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
 from hpcml.train.evaluation import evaluate_model
 from hpcml.train.fault import FaultGuard
@@ -49,7 +50,6 @@ from hpcml.train.fault_hook import FaultHook
 from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
-from hpcml.train.profile import no_phase, start_exporter, start_profiler
 from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon, param_groups
 from hpcml.train.summary import build_summary, seed_everything
 from hpcml.train.validate import resolve
@@ -84,9 +84,9 @@ class Trainer:
         self.view: LiveView | None = None
         self.out_dir: Path | None = None
         self.exporter: Any = None
-        self.profiler: Any = None
-        """torch.profiler over a few steps (`train.profile`), or None."""
-        self.phase: Any = no_phase
+        self.profiler: Any = None  # torch.profiler over a few steps (`train.profile`)
+        self.tracer: Any = None  # OpenTelemetry (`observe.tracing`)
+        self.phase: Any = obs.no_phase
         """Prometheus `/metrics` of this rank (`observe.metrics_port`), or None."""
         self.resume_from: Path | None = None
         self.writing = False
@@ -106,8 +106,8 @@ class Trainer:
         try:
             self.setup()
             while self.step < cfg.train.max_steps:
-                decision = self.train_step()
-                self.after_step(decision)
+                with self.phase("hpcml.step", step=self.step + 1, rank=self.rt.rank):
+                    self.after_step(self.train_step())
             summary = self.finish()
             clean = True
             return summary
@@ -120,6 +120,7 @@ class Trainer:
             self.guard.close()
             if self.profiler is not None:
                 self.profiler.close()
+            obs.flush_tracer(self.tracer)
             if self.exporter is not None:
                 self.exporter.close(finished=clean)
             if self.view is not None:
@@ -243,7 +244,7 @@ class Trainer:
             if self.resume_from is not None:
                 self.view.message(f"resumed from {self.resume_from} at step {self.step}")
         self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
-        self.exporter = start_exporter(cfg, rt, self.out_dir)
+        self.exporter = obs.start_exporter(cfg, rt, self.out_dir)
         self.spec = get_spec(cfg.model.name)
         from hpcml.distributed.runtime import device_info
 
@@ -281,8 +282,9 @@ class Trainer:
         )
         self.fault_hook = FaultHook(self.guard)
         self.hooks.add(self.fault_hook)
-        self.profiler = start_profiler(cfg, rt, self.out_dir)
-        self.phase = self.profiler.phase if self.profiler is not None else no_phase
+        self.profiler = obs.start_profiler(cfg, rt, self.out_dir)
+        self.tracer = obs.start_tracer(cfg, rt, self.out_dir)
+        self.phase = obs.make_phase(self.profiler, self.tracer)
         self.model.train()
 
     # --- one optimizer step ------------------------------------------------------------------
@@ -399,9 +401,10 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss and accuracy; every rank runs the same number of batches."""
-        self.last_eval = evaluate_model(
-            self.model, self.val_data, self.rt, self.precision, self.cfg.train.channels_last
-        )
+        with self.phase("hpcml.eval", step=self.step):
+            self.last_eval = evaluate_model(
+                self.model, self.val_data, self.rt, self.precision, self.cfg.train.channels_last
+            )
         if self.rt.is_main:
             rec = {"kind": "eval", "step": self.step, **self.last_eval}
             if self.log is not None:
@@ -420,7 +423,7 @@ class Trainer:
             "lr_horizon": lr_horizon(cfg.optim, cfg.train.max_steps),
             "config": cfg.model_dump(mode="json"),
         }
-        with self.guard.checkpointing():
+        with self.guard.checkpointing(), self.phase("hpcml.checkpoint", step=self.step):
             path = ckpt.save(
                 self.out_dir / "checkpoints",
                 self.step,
