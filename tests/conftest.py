@@ -15,6 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
 
+def system_binary(*names: str, installer: str) -> str:
+    """The path of a program a Debian package provides (the first of `names` found). Missing:
+    the test fails under CI=true (`.ci/run` runs `installer` first), else it skips saying how
+    to install it."""
+    import shutil
+
+    for name in names:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{names[0]} is missing in CI; {installer} should install it.")
+    pytest.skip(f"{names[0]} is not installed (bash {installer} installs it)")
+
+
 def hpcml_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")

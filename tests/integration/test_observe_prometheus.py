@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ import httpx
 import pytest
 import torch
 from fault_util import env, finish, records, start_train, wait_for, write_config
-from tests.conftest import run_hpcml
+from tests.conftest import run_hpcml, system_binary
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
@@ -37,15 +36,6 @@ NO_DATA_HERE = {
     "Tokens/s (token models)", "MFU", "Straggler flags", "GPU utilization", "GPU memory used",
     "GPU temperature", "GPU power", "Error ratio", "Shadow disagreement ratio",
 }
-
-
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("prometheus is missing in CI; .ci/install_prometheus.sh should install it.")
-        pytest.skip("prometheus is not installed (bash .ci/install_prometheus.sh installs it)")
-    return path
 
 
 def free_port() -> int:
@@ -70,7 +60,7 @@ def start_prometheus(tmp: Path, targets: Path) -> tuple[subprocess.Popen[bytes],
               "--port", str(port))
     proc = subprocess.Popen(
         [
-            prometheus_binary(),
+            system_binary("prometheus", installer=".ci/install_prometheus.sh"),
             f"--config.file={stack / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}",

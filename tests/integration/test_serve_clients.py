@@ -7,8 +7,6 @@ talk to one `hpcml serve` app, whose /metrics scrape must then pass `promtool ch
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +18,7 @@ import pytest
 import torch
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
+from tests.conftest import system_binary
 from tritonclient.utils import InferenceServerException
 
 from hpcml.models.export import save_export
@@ -257,13 +256,7 @@ def test_typed_contents_and_malformed_grpc_requests(served: Served) -> None:
 
 
 def test_metrics_pass_promtool_and_count_both_protocols(served: Served) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("promtool is missing in CI; .ci/install_prometheus.sh should install it.")
-        pytest.skip(
-            "promtool not installed (apt-get install prometheus, or .ci/install_prometheus.sh)"
-        )
+    promtool = system_binary("promtool", installer=".ci/install_prometheus.sh")
     x = _x(1)
     g = tgrpc.InferenceServerClient(served.grpc_address)
     ginp = tgrpc.InferInput("input", list(x.shape), "FP32")

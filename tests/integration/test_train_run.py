@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import run_hpcml, step_losses, summary
+from tests.conftest import run_hpcml, step_losses, summary, system_binary
 
 from hpcml.models.export import load_export
 
@@ -112,18 +112,12 @@ def test_two_process_ddp_matches_one_process_with_twice_the_batch(tmp_path):
 def render_in_chromium(page: Path, shot: Path) -> None:
     """Debian's chromium, headless: the page loads with no console message (the report has no
     script; a broken data: URL or markup would log one) and the screenshot is not blank."""
-    import os
-    import shutil
     import subprocess
 
     import numpy as np
     from matplotlib.image import imread
 
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is missing in CI; .ci/install_chromium.sh should install it.")
-        pytest.skip("chromium is not installed (bash .ci/install_chromium.sh installs it)")
+    browser = system_binary("chromium", "chromium-browser", installer=".ci/install_chromium.sh")
     proc = subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
          "--window-size=1300,1600", f"--screenshot={shot}", "--enable-logging=stderr", "--v=1",

@@ -5,30 +5,19 @@ or a broken template fails it (a data-starved threshold of 0.6 instead of 0.2 di
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
+from tests.conftest import system_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "src" / "hpcml" / "observe" / "rules" / "hpcml.yaml"
 CASES = ROOT / "tests" / "unit" / "promtool" / "hpcml_rules_test.yaml"
 
 
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("promtool is missing in CI; .ci/install_prometheus.sh should install it.")
-        pytest.skip("promtool is not installed (bash .ci/install_prometheus.sh installs it)")
-    return path
-
-
 def test_rules_pass_promtool_check_and_their_unit_tests() -> None:
-    tool = promtool()
+    tool = system_binary("promtool", installer=".ci/install_prometheus.sh")
     check = subprocess.run([tool, "check", "rules", str(RULES)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     run = subprocess.run(

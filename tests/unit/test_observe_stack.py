@@ -5,14 +5,11 @@ folders at their own paths (the file_sd globs name them)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
-from tests.conftest import run_hpcml
+from tests.conftest import run_hpcml, system_binary
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "src" / "hpcml" / "observe" / "dashboards"
 
@@ -38,11 +35,7 @@ def test_observe_up_writes_a_stack_promtool_accepts(tmp_path: Path) -> None:
     source = yaml.safe_load((out / "grafana/provisioning/datasources/prometheus.yaml").read_text())
     assert source["datasources"][0]["url"] == "http://localhost:9090"
 
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("promtool is missing in CI; .ci/install_prometheus.sh should install it.")
-        pytest.skip("promtool is not installed")
+    promtool = system_binary("promtool", installer=".ci/install_prometheus.sh")
     check = subprocess.run([promtool, "check", "config", str(out / "prometheus.yml")],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
