@@ -132,3 +132,12 @@ def test_bad_run_folders_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
         assert words in proc.stderr and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "x.html").exists()
+
+
+def test_scaling_efficiency_is_relative_to_the_baseline_processes(tmp_path: Path) -> None:
+    # Baseline on 2 processes, the other on 8: 4x the processes, 3.4x the throughput -> 0.85
+    # (an efficiency divided by the 8 processes alone would say 0.425).
+    rows = comparison([load_run(fake_run(tmp_path / "two", world=2, sps=100.0)),
+                       load_run(fake_run(tmp_path / "eight", world=8, sps=340.0))])
+    assert round(rows[1]["speedup"], 6) == 3.4
+    assert round(rows[1]["scaling_efficiency"], 6) == 0.85
