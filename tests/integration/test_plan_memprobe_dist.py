@@ -165,15 +165,19 @@ def test_sharding_shows_in_the_measurement(summaries: list[dict[str, Any]]) -> N
             s["config"]["parallel"]["strategy"],
             s["config"]["parallel"]["tp"],
             s["config"]["parallel"]["sequence_parallel"],
-        ): s["memory"]["per_rank"][0]
+        ): s["memory"]["per_rank"]
         for s, c in zip(summaries, CASES, strict=True)
         if c[0] == "gpt-tiny" and not c[4]
     }
-    ddp, z3 = by[("ddp", 1, False)], by[("zero3", 1, False)]
-    assert z3["model_states_bytes"] < 0.6 * ddp["model_states_bytes"]
-    # ZeRO-3's gathered weights saved for backward count as parameters, not activations.
-    assert z3["saved_activation_bytes"] == pytest.approx(ddp["saved_activation_bytes"], rel=0.01)
-    tp, tpsp = by[("zero3", 2, False)], by[("zero3", 2, True)]
+    for ddp, z3 in zip(by[("ddp", 1, False)], by[("zero3", 1, False)], strict=True):
+        assert z3["model_states_bytes"] < 0.6 * ddp["model_states_bytes"]
+        # ZeRO-3's gathered weights saved for backward count as parameters, not activations,
+        # on every rank: the same tensors are saved, whatever addresses FSDP2's frees leave
+        # to the allocator (keyed by address, one 64 KiB activation moved between the two).
+        assert z3["saved_activation_bytes"] == ddp["saved_activation_bytes"]
+        assert z3["saved_param_bytes"] == ddp["saved_param_bytes"]
+    ddp = by[("ddp", 1, False)][0]
+    tp, tpsp = by[("zero3", 2, False)][0], by[("zero3", 2, True)][0]
     assert (
         tpsp["saved_activation_bytes"]
         < tp["saved_activation_bytes"]

@@ -5,7 +5,12 @@ the planner's prediction for the run's own config and hardware next to them.
 Saved activations are counted with `torch.autograd.graph.saved_tensors_hooks`, which sees
 every tensor an autograd node keeps, whatever the device. Each storage is counted once (views
 and tensors saved by several nodes share one; the whole storage stays alive, so its full
-size counts). Parameters saved for backward (a Linear keeps its weight) are model states, not
+size counts), at its size when saved. Storages are told apart by identity, never by data
+address: FSDP2 frees a gathered weight's memory after its layer's forward even though
+autograd saved it, and the allocator hands that address to the next tensor of the size, so
+an address can name a parameter and then an activation within one forward (keyed by address,
+rank 0 of a ZeRO-3 run once counted a 64 KiB activation as a weight). The probe holds each
+storage it saw until the sample ends, so no identity is reused while it counts. Parameters saved for backward (a Linear keeps its weight) are model states, not
 activations: a storage that belongs to a module's parameters when that module runs (after
 FSDP2 has gathered them, so gathered ZeRO-3 layers count as parameters too) is reported
 apart as `saved_param_bytes`. Tensors saved inside an activation-checkpointed unit are
@@ -27,9 +32,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    st = _local(t).untyped_storage()
-    return st.data_ptr(), st.nbytes()
+def _storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    return _local(t).untyped_storage()
 
 
 class SavedActivationProbe:
@@ -38,23 +42,27 @@ class SavedActivationProbe:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.done = False
-        self._activations: dict[int, int] = {}
+        self._activations: dict[int, int] = {}  # storage identity -> bytes when saved
         self._params: dict[int, int] = {}
-        self._param_ptrs: set[int] = set()
+        self._param_ids: set[int] = set()
+        self._held: list[torch.UntypedStorage] = []  # keeps identities unique while counting
 
     def _note_params(self, module: nn.Module, _args: Any) -> None:
         for p in module.parameters(recurse=False):
-            ptr, _ = _storage_key(p)
-            if ptr:
-                self._param_ptrs.add(ptr)
+            st = _storage_of(p)
+            if st.nbytes():
+                self._held.append(st)
+                self._param_ids.add(st._cdata)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr, nbytes = _storage_key(t)
-        if ptr and nbytes:
-            if isinstance(t, nn.Parameter) or ptr in self._param_ptrs:
-                self._params[ptr] = nbytes
+        st = _storage_of(t)
+        if st.nbytes():
+            self._held.append(st)
+            key = st._cdata
+            if isinstance(t, nn.Parameter) or key in self._param_ids:
+                self._params[key] = st.nbytes()
             else:
-                self._activations[ptr] = nbytes
+                self._activations[key] = st.nbytes()
         return t
 
     @contextmanager
@@ -71,9 +79,10 @@ class SavedActivationProbe:
             for h in handles:
                 h.remove()
             # A storage first seen as an activation may turn out to be a parameter's view.
-            for ptr in list(self._activations):
-                if ptr in self._param_ptrs:
-                    self._params[ptr] = self._activations.pop(ptr)
+            for key in list(self._activations):
+                if key in self._param_ids:
+                    self._params[key] = self._activations.pop(key)
+            self._held.clear()
             self.done = True
 
     def result(self, device: torch.device) -> dict[str, Any]:
