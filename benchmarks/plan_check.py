@@ -14,6 +14,7 @@ Every run is a row; nothing is dropped. Runs whose training failed are listed wi
 error.
 
     PYTHONPATH=src python benchmarks/plan_check.py [--quick] [--out benchmarks/results]
+        [--keep DIR [--reuse]]
 
 Writes plan_check.json and plan_check.md under --out. `--models` and `--strategies` pick runs;
 with `--memory-only` only those runs' memory columns are re-measured and merged into the
@@ -125,6 +126,10 @@ MEMORY = (
 STALE = ("re-measured", "ZeroRedundancyOptimizer gives each rank whole parameter tensors")
 
 
+def _when(path: Path) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
+
+
 def _cells(rows: Any) -> dict[str, Any]:
     return {
         r.quantity: {"predicted": r.predicted, "measured": r.measured, "ratio": r.ratio, "ok": r.ok}
@@ -212,6 +217,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--keep", type=Path, default=None, help="keep run folders here")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="with --keep: predict runs already in that folder instead of training them again "
+        "(a change to the planner re-checked against the same measurements)",
+    )
     ap.add_argument("--models", nargs="+", help="only these model keys (e.g. mlp resnet18)")
     ap.add_argument("--strategies", nargs="+", help="only these (single ddp zero1 ... tp tp+sp)")
     ap.add_argument(
@@ -221,6 +232,8 @@ def main() -> None:
     )
     a = ap.parse_args()
     a.argv = sys.argv[1:]
+    if a.reuse and a.keep is None:
+        ap.error("--reuse needs --keep DIR, the folder holding the runs to predict again")
 
     from hpcml.data.tokens import prepare_pystdlib
     from hpcml.plan.check import leave_one_model_out, setup_from_summary
@@ -244,8 +257,9 @@ def main() -> None:
         name = f"{spec['key']}-{strategy}".replace("+", "")
         cfg = root / f"{name}.yaml"
         cfg.write_text(_config(spec, a.steps))
-        err = _train(cfg, root / name, world, overrides)
-        print(f"{name}: {'ok' if err is None else err}", flush=True)
+        reused = a.reuse and (root / name / "summary.json").exists()
+        err = None if reused else _train(cfg, root / name, world, overrides)
+        print(f"{name}: {'reused' if reused else 'ok' if err is None else err}", flush=True)
         if err is not None:
             failed.append({"run": name, "error": err})
             continue
@@ -269,12 +283,14 @@ def main() -> None:
                 "notes": list(rep.notes),
             }
         )
+    stamps = sorted(_when(root / n / "summary.json") for n in labels)
     result = {
         "question": "plan vs measured CPU runs; step time out of sample (leave-one-model-out)",
         "command": "PYTHONPATH=src python benchmarks/plan_check.py " + " ".join(a.argv),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "goals": {"memory": 0.10, "step_time": 0.25},
         "wall_s": time.perf_counter() - t0,
+        "runs_finished": stamps[:1] + stamps[-1:],
         "rows": rows,
         "failed": failed,
     }

@@ -71,6 +71,34 @@ def test_calibration_recovers_efficiency_and_overhead() -> None:
     assert one.overhead_s == 0.0 and one.residuals[0] == pytest.approx(1.0, rel=1e-6)
 
 
+def test_calibration_recovers_a_software_cost_per_collective() -> None:
+    """Runs whose collective counts differ (ddp: one all-reduce; ZeRO-3: an all-gather per
+    unit and pass) separate the per-collective cost from the per-step overhead; the fit finds
+    the cost the points were made with. A fit that ignored collectives, or a step time that
+    did not count them, would put the difference into the efficiency and miss both."""
+    cluster = resolve_cluster(CAT, 2, accelerator="cpu")
+    truth = Calibration(0.05, 0.002, collective_overhead_s=0.004)
+    points = []
+    for name in ("simple_cnn", "resnet18", "gpt-tiny"):
+        m = model_shape(name)
+        for zero in (0, 3):
+            lay = Layout(zero=zero, micro_batch=8)
+            t = step_time(m, lay, Training("fp32"), cluster, truth).step_s
+            points.append(CalibrationPoint(m, lay, Training("fp32"), cluster, t, f"{name}{zero}"))
+    fit = calibrate(points)
+    # The points are exact, so the fit is limited only by the golden-section search's
+    # tolerance on the efficiency (60 steps over a factor of 4e5: far below 1e-3).
+    assert fit.efficiency == pytest.approx(0.05, rel=1e-3)
+    assert fit.overhead_s == pytest.approx(0.002, rel=1e-3)
+    assert fit.collective_overhead_s == pytest.approx(0.004, rel=1e-3)
+    assert all(r == pytest.approx(1.0, rel=1e-6) for r in fit.residuals)
+    # ZeRO-3 gathers (forward, backward) and reduces unit by unit: resnet18's 10 units hold
+    # every parameter (no root collective); gpt-tiny's 2 blocks and its embeddings' root.
+    for name, units in (("resnet18", 10), ("gpt-tiny", 3)):
+        z3 = step_time(model_shape(name), Layout(zero=3), Training(), cluster, truth)
+        assert sum(c.calls_per_step for c in z3.comm) == 3 * units
+
+
 def test_advise_ranks_fitting_layouts() -> None:
     m = model_shape("llama-7b")
     cluster = resolve_cluster(CAT, 64, node="hgx-h100")

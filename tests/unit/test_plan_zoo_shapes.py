@@ -43,6 +43,11 @@ def test_every_zoo_model_counts_as_built(name: str) -> None:
             sum(p.numel() for p in getattr(parent, n).parameters()) for parent, n in units(model)
         )
         assert planned.largest_layer_params == biggest
+    # One ZeRO-3 all-gather per wrapped unit, plus the root's when parameters are left there.
+    found = units(model)
+    in_units = sum(p.numel() for parent, n in found for p in getattr(parent, n).parameters())
+    root = 1 if in_units < planned.params else 0
+    assert planned.gather_units == len(found) + root
 
 
 @pytest.mark.parametrize(

@@ -246,10 +246,18 @@ def step_communication(
         add("ZeRO gradient reduce-scatter", "reducescatter", grad_size, calls, dp_g, "backward")
         add("ZeRO parameter all-gather", "allgather", param_size, 1, dp_g, "none")
     else:
+        # One all-gather and one reduce-scatter per unit (FSDP's wrapped blocks), so a deep
+        # model pays the collectives' latency once per unit, not once per pass.
+        u = model.gather_units
         add(
-            "ZeRO-3 parameter all-gather (fwd+bwd)", "allgather", param_size, 2 * m, dp_g, "compute"
+            "ZeRO-3 parameter all-gather (fwd+bwd)",
+            "allgather",
+            param_size / u,
+            2 * m * u,
+            dp_g,
+            "compute",
         )
-        add("ZeRO-3 gradient reduce-scatter", "reducescatter", grad_size, m, dp_g, "compute")
+        add("ZeRO-3 gradient reduce-scatter", "reducescatter", grad_size / u, m * u, dp_g, "compute")
 
     if model.is_transformer:
         layers = math.ceil(model.layers / layout.pp)

@@ -54,6 +54,16 @@ class ModelShape:
     """Transformers: the attention kernel it trains with (eager, sdpa, flash)."""
     largest_layer_params: float = 0.0
     """Parameters of the biggest unit ZeRO-3 gathers at once; 0: derived or unknown."""
+    units: int = 0
+    """Units ZeRO-3 gathers one at a time (hpcml.distributed.wrapping.units); 0: a
+    transformer's layers, else 1."""
+
+    @property
+    def gather_units(self) -> int:
+        """Collectives per ZeRO-3 pass: one per unit, and one for the root's parameters
+        (embeddings, head) when the model has them."""
+        n = self.units or self.layers or 1
+        return n + (1 if self.non_layer_params else 0)
 
     @property
     def is_transformer(self) -> bool:
@@ -384,6 +394,7 @@ _CNN_TABLE: dict[str, ModelShape] = {
         ),
         source="hpcml zoo, 3x32x32",
         largest_layer_params=2_102_794,
+        units=4,
     ),
     "resnet18": ModelShape(
         "resnet18",
@@ -398,6 +409,7 @@ _CNN_TABLE: dict[str, ModelShape] = {
         ),
         source="hpcml zoo, CIFAR stem, 3x32x32",
         largest_layer_params=4_720_640,
+        units=10,
     ),
 }
 
@@ -427,6 +439,7 @@ def mlp_shape(args: Mapping[str, Any]) -> ModelShape:
         param_tensors=2 * (depth + 1),
         source="hpcml zoo MLP",
         largest_layer_params=params,  # one Sequential: FSDP2 gathers it whole
+        units=1,
     )
 
 

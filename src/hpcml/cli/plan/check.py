@@ -158,7 +158,8 @@ def _print_report(report: Any, run_dir: Path) -> None:
     cal_d = report.calibration
     console.print(
         f"calibration: efficiency {cal_d.efficiency:.3g}, overhead "
-        f"{cal_d.overhead_s * 1e3:.2f} ms/step ({cal_d.source})"
+        f"{cal_d.overhead_s * 1e3:.2f} ms/step, "
+        f"{cal_d.collective_overhead_s * 1e3:.2f} ms per collective ({cal_d.source})"
     )
     for note in report.notes:
         console.print(f"note: {note}")

@@ -105,7 +105,7 @@ def step_cmd(
         ("data-parallel comm (total)", est.dp_comm_s),
         ("data-parallel comm (exposed)", est.exposed_dp_comm_s),
         ("optimizer step", est.optimizer_s),
-        ("fixed overhead", est.overhead_s),
+        ("fixed overhead (per step and per collective)", est.overhead_s),
         ("= step", est.step_s),
     ):
         t.add_row(label, f"{value:.4f}")
