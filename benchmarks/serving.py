@@ -10,15 +10,17 @@ Five servers answer the same Open Inference Protocol request for the same export
                   one replica with one CPU, max_ongoing_requests 128 (Ray's default of 5
                   would cap every batch at 5), on a local Ray started with 2 CPUs
 
-All run at the same time, each in its own process with one torch thread per model instance,
-and are driven in turns by the open-loop Poisson load generator of `hpcml loadtest` (latency
+Only the measured server runs (each in its own process, one torch thread per model instance):
+servers left up beside it steal CPU (LitServe's queue loop, Ray's raylet). They are driven by
+the open-loop Poisson load generator of `hpcml loadtest` (latency
 measured from the intended send time; errors and client timeouts count in the p99). A server's
 capacity at a p99 objective is found by bisection on the rate: the rate doubles from 20/s until
 a step fails (an error, or p99 of all requests over the objective), or halves until one passes,
 then the bracket is halved
 geometrically until its ends are within 5% of each other; the capacity is the throughput of the
 highest passing step. Each (server, objective) is measured `--repeats` times (at least 3),
-servers in a rotating order per repetition so background load hits each alike; the report gives
+servers started in a rotating order per repetition so background load hits each alike;
+the report gives
 the median with the minimum and maximum, and ratios of medians.
 
 LitServe runs in its documented fast configuration where the installed version has it
@@ -64,7 +66,6 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -281,45 +282,47 @@ def _measure(
     slos: list[float],
     step_s: float,
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Start every server, then bisect each (row, objective) `args.repeats` times."""
+    """Bisect each (row, objective) `args.repeats` times, with only the measured server up.
+
+    Each repetition starts the servers one at a time in a rotating order, measures all of that
+    server's rows and objectives, and stops it. Servers left idle beside the measured one are
+    not idle: LitServe's queue loop and Ray's raylet and controller took a quarter of a core
+    each on this 2-core machine while others were measured, which cut every capacity by half
+    or more."""
     rows = _rows(kinds, args.encodings)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         row: {f"{slo:g}": [] for slo in slos} for row in rows
     }
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    bases: dict[str, str] = {}
-    try:
-        for kind in kinds:
+    for rep in range(args.repeats):
+        order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+        for kind in order:
             port = _free_port()
-            log = export.parent / f"{kind}.log"
+            log = export.parent / f"{kind}-{rep + 1}.log"
             proc, health = _start(kind, export, port, log, args.peer_path)
-            procs[kind], bases[kind] = proc, f"http://127.0.0.1:{port}"
-            _wait(bases[kind] + health, proc)
-            for server, encoding in rows.values():  # warm-up: connections, caches
-                if server == kind:
-                    _step(bases[kind], payloads[encoding], None, 4, 1.0)
-        names = list(rows)
-        for rep in range(args.repeats):
-            order = names[rep % len(names) :] + names[: rep % len(names)]
-            for slo in slos:
-                for row in order:
-                    kind, encoding = rows[row]
-                    found = bisect_capacity(
-                        lambda rate, k=kind, e=encoding: _step(
-                            bases[k], payloads[e], rate, None, step_s, procs[k].pid
-                        ),
-                        slo,
-                    )
-                    runs[row][f"{slo:g}"].append(found)
-                    print(
-                        f"repeat {rep + 1}  p99 <= {slo:g} ms  {row:<22} capacity "
-                        f"{found['capacity_rps']:8.1f}/s  bracket {found['bracket'][0]:.0f}.."
-                        f"{found['bracket'][1]:.0f}/s  ({len(found['steps'])} steps)",
-                        flush=True,
-                    )
-    finally:
-        for kind, proc in procs.items():
-            _stop(proc, leader_first=kind == "ray")
+            base = f"http://127.0.0.1:{port}"
+            try:
+                _wait(base + health, proc)
+                mine = [row for row, (server, _) in rows.items() if server == kind]
+                for row in mine:  # warm-up: connections, caches
+                    _step(base, payloads[rows[row][1]], None, 4, 1.0)
+                for slo in slos:
+                    for row in mine:
+                        encoding = rows[row][1]
+                        found = bisect_capacity(
+                            lambda rate, e=encoding, b=base, pid=proc.pid: _step(
+                                b, payloads[e], rate, None, step_s, pid
+                            ),
+                            slo,
+                        )
+                        runs[row][f"{slo:g}"].append(found)
+                        print(
+                            f"repeat {rep + 1}  p99 <= {slo:g} ms  {row:<22} capacity "
+                            f"{found['capacity_rps']:8.1f}/s  bracket {found['bracket'][0]:.0f}.."
+                            f"{found['bracket'][1]:.0f}/s  ({len(found['steps'])} steps)",
+                            flush=True,
+                        )
+            finally:
+                _stop(proc, leader_first=kind == "ray")
     return runs
 
 
