@@ -231,6 +231,10 @@ class ObserveConfig(_Section):
     job: str | None = None
     """The `job` label of the series; null: $SLURM_JOB_ID, else $HPCML_JOB, else the run
     folder's name."""
+    strict_health: bool = False
+    """Refuse to train on a GPU whose NVML pre-flight finds a problem (uncorrected ECC errors,
+    pending memory repairs, slowdown at rest, a narrowed PCIe link, other processes on it);
+    without it the problems are printed and the run goes on. No effect on CPU runs."""
 
 
 class RunConfig(_Section):

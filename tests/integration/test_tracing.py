@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hpcml.config import load_config
+from hpcml.observe.tracing import system_id_generator
 from hpcml.train.engine import run
-from hpcml.train.profile import system_id_generator
 
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry import trace  # noqa: E402

@@ -35,3 +35,31 @@ def up(
     console.print(f"wrote {result['folder']}: watching {', '.join(result['watches'])}")
     for command in result["commands"]:
         console.print(f"  {command}", highlight=False)
+
+
+@app.command("health")
+def health(json_out: bool = typer.Option(False, "--json", help="Print readings as JSON.")) -> None:
+    """NVML health of every GPU on this machine: uncorrected ECC errors, pending memory
+    repairs, slowdown at rest, narrowed PCIe links, other processes; exit 1 on a problem."""
+    import dataclasses
+
+    from hpcml.observe.gpu_health import problems, read_gpus
+
+    readings = read_gpus()
+    found = [(r, problems(r)) for r in readings or []]
+    if json_out:
+        print_json(
+            {
+                "gpus": [{**dataclasses.asdict(r), "problems": p} for r, p in found],
+                "note": None if readings else "no GPU: NVML found none, nothing to check",
+            }
+        )
+    elif not readings:
+        console.print("no GPU: NVML found none (or is not installed); nothing to check.")
+    for r, p in found if not json_out else []:
+        state = "ok" if not p else f"{len(p)} problem(s)"
+        console.print(f"GPU {r.index} {r.name} {r.uuid}: {state}", highlight=False)
+        for line in p:
+            console.print(f"  {line}", highlight=False)
+    if any(p for _, p in found):
+        raise typer.Exit(1)

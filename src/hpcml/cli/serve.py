@@ -66,6 +66,12 @@ def serve(
         "moves to (load beside, warm, switch, unload the old one).",
     ),
     poll_s: float = typer.Option(10.0, "--poll-s", help="Seconds between registry polls."),
+    tracing: bool = typer.Option(
+        False,
+        "--tracing",
+        help="An OpenTelemetry trace per request (receive, queue, compute, respond) by OTLP/HTTP "
+        "to $OTEL_EXPORTER_OTLP_ENDPOINT.",
+    ),
     prometheus_targets: Path | None = typer.Option(
         None,
         "--prometheus-targets",
@@ -87,6 +93,8 @@ def serve(
     ):
         if value is not None:
             data[key] = value
+    if tracing:
+        data["tracing"] = True
     per_model = {
         "backend": backend,
         "max_batch_size": max_batch_size,

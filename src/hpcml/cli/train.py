@@ -41,6 +41,12 @@ def train(
         help="With --resume auto: when checkpoints exist but none is complete, move them to "
         "checkpoints/corrupt/ and start from step 0 (without it, the run refuses).",
     ),
+    strict_health: bool = typer.Option(
+        False,
+        "--strict-health",
+        help="Refuse to start on a GPU whose NVML health pre-flight finds a problem "
+        "(observe.strict_health).",
+    ),
 ) -> None:
     """Train a model from a YAML config on one process or several (DDP)."""
     from hpcml.config import load_config
@@ -54,6 +60,8 @@ def train(
     from hpcml.train.entry import preflight, run_here
     from hpcml.train.fault import require_checkpoints_for_restarts
 
+    if strict_health:
+        overrides = [*(overrides or []), "observe.strict_health=true"]
     cfg = load_config(config, overrides or [])
     if launched_by_torchrun():
         # A worker: torchrun (ours or the user's) chose the world; rank 0 checks the folder.

@@ -158,6 +158,8 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             answer.output,
             binary=parsed.wants_binary(mv.output.name),
         )
+        if answer.trace is not None:
+            answer.trace.finish("200")
         if header_length is None:
             return Response(body, media_type=JSON)
         return Response(
@@ -362,11 +364,14 @@ def build_app(
     seed: int | None = None,
     trust_code: bool = False,
     follow_poll_s: float | None = None,
+    tracer: Any = None,
 ) -> FastAPI:
     """The app for PATH (see `resolve_model_source`) with `config`; models load at startup.
 
     `trust_code` (`--trust-code`) lets a model.json that names an import path run that code;
-    `follow_poll_s` makes a `models:/NAME@ALIAS` PATH follow its alias (`--follow`)."""
+    `follow_poll_s` makes a `models:/NAME@ALIAS` PATH follow its alias (`--follow`); `tracer`
+    (an OpenTelemetry tracer) writes a trace per request, as `config.tracing` does through the
+    program's tracer provider or OTLP."""
     from hpcml.errors import ConfigError
     from hpcml.serve.repository import ModelSource, resolve_model_source
 
@@ -376,6 +381,11 @@ def build_app(
         else ModelSource("repository", Path("."))
     )
     metrics = ServeMetrics()
+    if tracer is None and config.tracing:
+        from hpcml.observe.tracing import start_tracer
+
+        tracer = start_tracer("hpcml.serve", {"service.name": "hpcml-serve"}, "--tracing")
+    metrics.tracer = tracer
     router = Router.from_source(source, config, metrics, seed, trust_code=trust_code)
     if not router.models:
         raise ConfigError(

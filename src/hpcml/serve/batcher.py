@@ -59,6 +59,10 @@ class InferResult:
     queue_s: float
     compute_s: float
     batch_size: int
+    started: float = 0.0
+    """time.perf_counter() when its batch's forward pass began."""
+    batch: int = 0
+    """Number of its batch in this batcher (requests computed together share it)."""
 
 
 @dataclass(eq=False)
@@ -349,7 +353,14 @@ class DynamicBatcher:
                 self.metrics.queue_s.observe(queue_s)
             if not it.future.done():
                 it.future.set_result(
-                    InferResult(out[offset : offset + it.n], queue_s, compute_s, size)
+                    InferResult(
+                        out[offset : offset + it.n],
+                        queue_s,
+                        compute_s,
+                        size,
+                        started,
+                        self.stats.batches,
+                    )
                 )
             offset += it.n
         return True

@@ -180,7 +180,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode[failure.grpc_code], failure.message)
         out = answer.output
         mv = answer.version
-        return pb.ModelInferResponse(
+        response = pb.ModelInferResponse(
             model_name=request.model_name,
             model_version=mv.version,
             id=request.id,
@@ -191,6 +191,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             ],
             raw_output_contents=[to_raw(out)],
         )
+        if answer.trace is not None:
+            answer.trace.finish("OK")
+        return response
 
 
 async def start_grpc_server(

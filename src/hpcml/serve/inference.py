@@ -32,6 +32,7 @@ from hpcml.serve.protocol import (
     check_requested_outputs,
 )
 from hpcml.serve.router import ModelVersion, NotFound, Router
+from hpcml.serve.spans import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class InferAnswer:
     version: ModelVersion
     request: InferRequest
     output: np.ndarray
+    trace: RequestTrace | None = None
+    """With tracing on: call `trace.finish(code)` once the answer is encoded."""
 
 
 def failure_of(
@@ -118,6 +121,8 @@ async def run_infer(
     an unknown model is a 404 whatever the body holds.
     """
     started = time.perf_counter()
+    tracer = getattr(metrics, "tracer", None)
+    rt = RequestTrace(tracer, protocol, name, version) if tracer is not None else None
     chosen: ModelVersion | None = None
     # Unknown names must not create metric series (any client could invent them).
     label_model = name if name in router.models else ""
@@ -128,6 +133,8 @@ async def run_infer(
         if version is not None:
             model.version(version)
         parsed = await read_request()
+        if rt is not None:
+            rt.parsed()
 
         def prepare(mv: ModelVersion) -> np.ndarray:
             nonlocal chosen
@@ -138,13 +145,19 @@ async def run_infer(
 
         mv, result = await router.infer(name, version, prepare)
         code = "200" if protocol == "http" else "OK"
-        return InferAnswer(mv, parsed, result.output)
+        if rt is not None:
+            rt.computed(result, mv.version)
+        return InferAnswer(mv, parsed, result.output, rt)
     except asyncio.CancelledError:
         code = "499" if protocol == "http" else "CANCELLED"  # the client went away
+        if rt is not None:
+            rt.finish(code, "the client went away")
         raise
     except Exception as exc:
         failure = failure_of(exc, name, chosen, config)
         code = str(failure.status) if protocol == "http" else failure.grpc_code
+        if rt is not None:
+            rt.finish(code, failure.message)
         raise failure from None
     finally:
         if chosen is not None:

@@ -27,12 +27,16 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from hpcml.observe.tracing import flush_tracer as flush_tracer
+from hpcml.observe.tracing import start_tracer as start_tracer_for
 
 PHASES = ("hpcml.data", "hpcml.forward", "hpcml.backward", "hpcml.optimizer")
 COMM_MARKERS = (
@@ -70,65 +74,12 @@ def make_phase(profiler: StepProfiler | None, tracer: Any) -> Any:
     return phase
 
 
-def system_id_generator() -> Any:
-    """Trace and span ids from the OS's randomness. OpenTelemetry's default draws from Python's
-    `random`, which a run seeds (train.seed): every run with the same seed, and every rank,
-    would then make the same trace ids, and a tracing backend would merge their traces."""
-    import random
-
-    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-
-    class SystemIdGenerator(RandomIdGenerator):
-        _random = random.SystemRandom()
-
-        def generate_span_id(self) -> int:
-            return self._random.getrandbits(64) or 1
-
-        def generate_trace_id(self) -> int:
-            return self._random.getrandbits(128) or 1
-
-    return SystemIdGenerator()
-
-
 def start_tracer(cfg: Any, rt: Any, out_dir: Path) -> Any:
-    """An OpenTelemetry tracer for `observe.tracing`, or None. A tracer provider the program
-    set (library use, tests) is used as it is; otherwise spans go by OTLP/HTTP to
-    $OTEL_EXPORTER_OTLP_ENDPOINT (the exporter's own default: localhost:4318)."""
+    """An OpenTelemetry tracer for `observe.tracing`, or None (hpcml.observe.tracing)."""
     if not cfg.observe.tracing:
         return None
-    from opentelemetry import trace
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # nobody configured one: OTLP
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            from hpcml.errors import ConfigError
-
-            raise ConfigError(
-                "observe.tracing exports by OTLP and needs its exporter; install it with "
-                "pip install opentelemetry-exporter-otlp-proto-http, or set observe.tracing to false."
-            ) from None
-        resource = Resource.create(
-            {"service.name": "hpcml-train", "hpcml.run": out_dir.name, "hpcml.rank": rt.rank}
-        )
-        provider = TracerProvider(resource=resource, id_generator=system_id_generator())
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        trace.set_tracer_provider(provider)
-    return provider.get_tracer("hpcml.train")
-
-
-def flush_tracer(tracer: Any) -> None:
-    if tracer is None:
-        return
-    from opentelemetry import trace
-
-    flush = getattr(trace.get_tracer_provider(), "force_flush", None)
-    if flush is not None:
-        flush()
+    resource = {"service.name": "hpcml-train", "hpcml.run": out_dir.name, "hpcml.rank": rt.rank}
+    return start_tracer_for("hpcml.train", resource, "observe.tracing")
 
 
 def start_profiler(cfg: Any, rt: Any, out_dir: Path) -> StepProfiler | None:
@@ -155,6 +106,27 @@ def start_exporter(cfg: Any, rt: Any, out_dir: Path) -> Any:
         rt.device.index if rt.device.type == "cuda" else None,
         Path(o.targets_dir).expanduser() if o.targets_dir else None,
     )
+
+
+def gpu_preflight(cfg: Any, rt: Any) -> None:
+    """NVML health checks of this rank's GPU (hpcml.observe.gpu_health): one line per problem
+    on stderr; with `observe.strict_health` (--strict-health) a problem stops the run before
+    it starts. Nothing on a CPU run."""
+    from hpcml.observe.gpu_health import preflight
+
+    found = preflight(rt.device)
+    if not found:
+        return
+    for line in found:
+        print(f"rank {rt.rank}: {line}", file=sys.stderr, flush=True)
+    if cfg.observe.strict_health:
+        from hpcml.errors import WorkFailed
+
+        raise WorkFailed(
+            f"rank {rt.rank} found {len(found)} GPU health problem(s) (above) and "
+            "observe.strict_health refuses to train on it; fix them, or run without "
+            "--strict-health to train anyway."
+        )
 
 
 class StepProfiler:

@@ -244,6 +244,7 @@ class Trainer:
             if self.resume_from is not None:
                 self.view.message(f"resumed from {self.resume_from} at step {self.step}")
         self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
+        obs.gpu_preflight(cfg, rt)
         self.exporter = obs.start_exporter(cfg, rt, self.out_dir)
         self.spec = get_spec(cfg.model.name)
         from hpcml.distributed.runtime import device_info
