@@ -27,5 +27,6 @@ def profile(
         f"train.max_steps={wait + warmup + steps}",
         "train.eval_every=0",
     ]
+    # Every parameter given: called directly, typer's defaults would be OptionInfo objects.
     train(config, [*(overrides or []), *extra], nproc, run_dir, None, overwrite, quiet, 0,
-          json_out, False)
+          json_out, False, False)
