@@ -71,3 +71,21 @@ def test_the_step_timer_counts_device_time_of_a_slow_backward_without_a_sync_per
         assert state is not None and "error" not in state, state
         assert 0 < state["sm_clock_mhz"] <= state["sm_clock_max_mhz"]
         assert isinstance(state["clock_event_reasons"], list)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profile_on_a_gpu_writes_a_memory_snapshot(tmp_path: Path) -> None:
+    """`hpcml profile` on CUDA: the allocator's history for PyTorch's memory viewer (a pickle
+    hpcml writes and never reads) and the peak allocated bytes in the breakdown."""
+    import json
+
+    from tests.conftest import run_hpcml
+
+    run = tmp_path / "run"
+    run_hpcml("profile", "examples/digits_cnn.yaml", "train.device=cuda", "--steps", "3",
+              "--run-dir", str(run), "--quiet")
+    snap = run / "profile" / "memory-snapshot-rank-0.pickle"
+    assert snap.stat().st_size > 1000
+    breakdown = json.loads((run / "profile" / "breakdown-rank-0.json").read_text())
+    assert breakdown["memory_snapshot"] == snap.name
+    assert breakdown["cuda_max_memory_allocated_bytes"] > 0

@@ -147,6 +147,10 @@ class StepProfiler:
             profile_memory=False,
         )
         self.prof.__enter__()
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            # The CUDA caching allocator's history, for https://pytorch.org/memory_viz.
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -174,6 +178,13 @@ class StepProfiler:
         prof.export_chrome_trace(str(self.out_dir / f"trace-rank-{self.rank}.json"))
         self.breakdown = breakdown(prof.events())
         self.breakdown["top_ops"] = top_ops(prof)
+        if self.cuda:
+            # Written for PyTorch's memory viewer; hpcml never reads it back.
+            snapshot = self.out_dir / f"memory-snapshot-rank-{self.rank}.pickle"
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.breakdown["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            self.breakdown["memory_snapshot"] = snapshot.name
         (self.out_dir / f"breakdown-rank-{self.rank}.json").write_text(
             json.dumps(self.breakdown, indent=1)
         )
