@@ -21,7 +21,11 @@ COMMON = [
 ]
 
 
-def test_training_on_shards_equals_training_on_the_source(tmp_path):
+def test_training_on_shards_equals_training_on_the_source(tmp_path, tmp_path_factory):
+    from mlflow import MlflowClient
+    from tests.integration.mlflow_util import fresh_store
+
+    store = fresh_store(tmp_path_factory, "shards-mlflow")
     shards_dir = tmp_path / "digits-shards"
     made = run_hpcml(
         "data", "shard", "digits", "--out", str(shards_dir), "--shard-size", "512KB", "--json"
@@ -36,6 +40,8 @@ def test_training_on_shards_equals_training_on_the_source(tmp_path):
         *COMMON,
         "data.source=shards",
         f"data.path={shards_dir}",
+        "tracking.backend=mlflow",
+        f"tracking.uri={store}",
         "--run-dir",
         str(sharded),
     )
@@ -45,6 +51,13 @@ def test_training_on_shards_equals_training_on_the_source(tmp_path):
     assert s["data"]["version"] == info["version"] and s["data"]["fingerprint"] == info["version"]
     assert s["data"]["train_samples"] == info["splits"]["train"]["samples"]
     assert summary(direct)["data"]["version"] is None
+    # MLflow holds the shard set as the run's training dataset input.
+    run_id = json.loads((sharded / "tracking.json").read_text())["run_id"]
+    inputs = MlflowClient(tracking_uri=store).get_run(run_id).inputs.dataset_inputs
+    assert len(inputs) == 1
+    assert inputs[0].dataset.digest == info["version"][:36]
+    assert json.loads(inputs[0].dataset.source)["version"] == info["version"]
+    assert [(t.key, t.value) for t in inputs[0].tags] == [("mlflow.data.context", "training")]
 
     listed = json.loads(run_hpcml("data", "info", str(shards_dir), "--verify", "--json").stdout)
     assert listed["version"] == info["version"] and listed["verified"] is True
