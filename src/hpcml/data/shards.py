@@ -5,16 +5,18 @@ an epoch is a function of (seed, epoch) alone (DistributedSampler's permutation)
 checkpoint stores the global sample position, so a resume on another world size or worker
 count continues at the next unseen sample (`hpcml.data.loader`). What the shards must give is
 therefore random access by sample index with bounded memory. LitData and MosaicML Streaming
-(and its fork streaming-community) each bring their own iterable dataset whose order is tied to
-their own partitioning (LitData: chunks assigned per worker and rank, with open issues on
-resuming with another worker count; Streaming: `num_canonical_nodes` and shared-memory state)
-and their own checkpoint keys, so using them means replacing the engine's position with theirs;
-upstream mosaicml-streaming also pins numpy<2.2 (this environment has numpy 2.4). WebDataset is
-sequential tar reading (random access only through its separate `wids` index). Arrow IPC files,
-written and memory-mapped by the already-installed pyarrow, give exactly random access by row:
-an uncompressed shard is read zero-copy through the page cache, a compressed one (lz4/zstd) one
-small record batch at a time. The format is documented here and in the README; nothing in it is
-executed or unpickled.
+(and its fork streaming-community) each bring their own iterable dataset whose order comes from
+their own partitioning of chunks over workers and ranks, and their own checkpoint keys, so using
+them means replacing the engine's position with theirs. LitData's tracker shows a run of resume
+bugs in exactly that machinery (Lightning-AI/litData #24 "resuming with num_workers=0 fails",
+closed won't-fix; #248 multi-node resume; #316, #770). Streaming's elastic determinism is tied
+to `num_canonical_nodes`, it keeps state in shared memory and file locks, its loader imports
+transformers, and upstream mosaicml-streaming pins numpy<2.2 (this environment has numpy 2.4;
+pip silently falls back to 0.10). WebDataset reads tar files sequentially (random access only
+through the separate `wids` index). Arrow IPC files, written and memory-mapped by the
+already-installed pyarrow, give exactly random access by row: an uncompressed shard is read
+zero-copy through the page cache, a compressed one (lz4/zstd) one small record batch at a time.
+The format is documented here and in the README; nothing in it is executed or unpickled.
 
 Layout of a shard set folder::
 
