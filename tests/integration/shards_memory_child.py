@@ -1,8 +1,8 @@
 """Child for test_data_shards_memory.py: stream one epoch of a shard set under an address-space
 limit (RLIMIT_AS) of the process's own size after warm-up plus `--margin-mb`.
 
-Warm-up first (a few batches: torch's allocator, pyarrow's memory pool and the first shard
-maps exist), then the limit, then the whole epoch. Prints JSON: samples read, the distinct ids,
+Warm-up first (a few batches from the first shard: torch's allocator and pyarrow's memory pool
+exist), then the limit, then the whole shuffled epoch with a fresh reader. Prints JSON: samples read, the distinct ids,
 the limit and the peak RSS."""
 
 from __future__ import annotations
@@ -31,16 +31,20 @@ def main() -> None:
     from hpcml.data.loader import EpochLoader
     from hpcml.data.shards import ShardSet
 
+    # Warm-up on the first shard only (unshuffled): it must not map the shards whose cost the
+    # limit is there to catch.
+    warm = ShardSet(a.shards, "train", cache_shards=1, with_ids=True)
+    warm_loader = EpochLoader(warm, DataConfig(batch_size=64, shuffle=False), 0, 1, 0, False)
+    for _ in range(3):
+        warm_loader.next()
+    del warm_loader, warm
+    limit = vm_size_bytes() + a.margin_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     ds = ShardSet(a.shards, "train", cache_shards=a.cache_shards, with_ids=True)
     ld = EpochLoader(ds, DataConfig(batch_size=64), 0, 1, 0, False)
     seen: set[int] = set()
     count = 0
-    for _ in range(3):
-        batch = ld.next()
-        seen.update(int(i) for i in batch[2])
-        count += len(batch[2])
-    limit = vm_size_bytes() + a.margin_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     while True:
         batch = ld.next()
         if ld.epoch != 0:

@@ -1,5 +1,5 @@
 """Bounded memory: a process whose address space may grow by only 64 MiB past its size after
-warm-up streams a whole epoch of a 256 MB shard set (4x the margin); the same process keeping
+warm-up streams a whole epoch of a 240 MiB shard set (about 4x the margin); the same process keeping
 every shard open fails under the same limit, so the limit does bind.
 
 Why a limit relative to the process: torch and pyarrow alone map several hundred MB of address
@@ -21,8 +21,8 @@ from tests.conftest import ROOT, hpcml_env
 from hpcml.data import shards
 
 CHILD = Path(__file__).with_name("shards_memory_child.py")
-SHAPE = (3, 64, 64)  # uint8: 12 KiB a sample
-N = 20_480  # 20,480 x 12 KiB = 240 MiB (about 256 MB) of training samples
+SHAPE = (3, 128, 128)  # uint8: 48 KiB a sample
+N = 5_120  # 5,120 x 48 KiB = 240 MiB (about 252 MB) of training samples
 MARGIN_MB = 64
 
 

@@ -177,7 +177,8 @@ class ShardSet(Dataset[Any]):
         except (OSError, pa.ArrowInvalid) as exc:
             raise DataError(
                 f"shard {path} cannot be read ({exc}); check the shard set with "
-                f"`hpcml data info {self.root} --verify`."
+                f"`hpcml data info {self.root} --verify`, or lower data.shard_cache if memory "
+                "is short."
             ) from None
         self._open[k] = reader
         return reader
