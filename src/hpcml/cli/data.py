@@ -191,20 +191,19 @@ def diff(
                     "b": f"{len(hb)} shards, {len(only_b)} not in a",
                 }
             )
-    result = {
-        "a": {"path": str(a), "version": version_id(ma)},
-        "b": {"path": str(b), "version": version_id(mb)},
-        "same": version_id(ma) == version_id(mb),
+    va, vb = version_id(ma), version_id(mb)
+    result: dict[str, Any] = {
+        "a": {"path": str(a), "version": va},
+        "b": {"path": str(b), "version": vb},
+        "same": va == vb,
         "changes": changes,
     }
     if json_out:
         print_json(result)
         return
-    if result["same"]:
-        console.print(f"same version {result['a']['version']}", highlight=False)
+    if va == vb:
+        console.print(f"same version {va}", highlight=False)
         return
-    console.print(
-        f"a {result['a']['version'][:16]}  b {result['b']['version'][:16]}", highlight=False
-    )
+    console.print(f"a {va[:16]}  b {vb[:16]}", highlight=False)
     for c in changes:
         console.print(f"{c['key']}: {c['a']!r} -> {c['b']!r}", highlight=False, soft_wrap=True)

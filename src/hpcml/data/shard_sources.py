@@ -62,8 +62,8 @@ def from_builtin(cfg: DataConfig) -> tuple[Samples, dict[str, Any]]:
 
 
 def _source_config(cfg: DataConfig) -> dict[str, Any]:
-    keep = ("source", "path", "val_fraction", "synthetic_samples", "synthetic_shape")
-    keep += ("synthetic_classes", "seq_len", "eval_windows")
+    keep = {"source", "path", "val_fraction", "synthetic_samples", "synthetic_shape"}
+    keep |= {"synthetic_classes", "seq_len", "eval_windows"}
     return {k: v for k, v in cfg.model_dump(mode="json").items() if k in keep}
 
 
@@ -132,7 +132,9 @@ def from_image_folder(
                 continue
             try:
                 with Image.open(root / rel) as im:
-                    rgb = im.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
+                    rgb = im.convert("RGB").resize(
+                        (image_size, image_size), Image.Resampling.BILINEAR
+                    )
             except (UnidentifiedImageError, OSError) as exc:
                 raise DataError(
                     f"image {root / rel} cannot be read ({type(exc).__name__}); remove or "
