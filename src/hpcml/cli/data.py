@@ -137,6 +137,8 @@ def _print_info(manifest: dict[str, Any], root: str | Path) -> None:
         f"source {src.get('name')} ({src.get('path') or 'built in'}), sample {info['sample']['x']}, "
         f"{info['num_classes']} classes, compression {info['compression']}, hpcml {info['hpcml']}",
         highlight=False,
+        emoji=False,
+        markup=False,
     )
 
 
@@ -206,4 +208,10 @@ def diff(
         return
     console.print(f"a {va[:16]}  b {vb[:16]}", highlight=False)
     for c in changes:
-        console.print(f"{c['key']}: {c['a']!r} -> {c['b']!r}", highlight=False, soft_wrap=True)
+        console.print(
+            f"{c['key']}: {c['a']!r} -> {c['b']!r}",
+            highlight=False,
+            soft_wrap=True,
+            emoji=False,
+            markup=False,
+        )
