@@ -210,3 +210,29 @@ def test_manifest_records_source_transform_and_version(tmp_path: Path):
     for s in m["splits"]["train"]["shards"]:
         assert s["sha256"] == shards.sha256_file(out / s["file"])
     assert m["splits"]["train"]["samples"] == len(ref.train)
+
+
+def test_cifar10_shards_hold_what_the_cifar10_source_gives(tmp_path):
+    """CIFAR-10 itself is not on this machine: batches in its official pickle format, written
+    here with random pixels, stand in (the same reader reads both)."""
+    import pickle
+
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    rng = np.random.default_rng(5)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {
+            b"data": rng.integers(0, 256, (12, 3072), dtype=np.uint8),
+            b"labels": [int(v) for v in rng.integers(0, 10, 12)],
+        }
+        (root / name).write_bytes(pickle.dumps(batch))
+    out = tmp_path / "s"
+    shard("cifar10", out, path=str(tmp_path), shard_size="40KB")
+    ref = load_source(DataConfig(source="cifar10", path=str(tmp_path)))
+    got = load_source(DataConfig(source="shards", path=str(out)))
+    assert len(shards.read_manifest(out)["splits"]["train"]["shards"]) > 1
+    assert (len(got.train), len(got.val)) == (60, 12)  # 5 x 12 training, 12 test samples
+    for split in ("train", "val"):
+        xs, ys = getattr(ref, split).tensors
+        for i, (x, y) in enumerate(read_all(getattr(got, split))):
+            assert torch.equal(x, xs[i]) and int(y) == int(ys[i])
