@@ -33,9 +33,10 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     source: str = "digits"
-    """`digits`, `cifar10`, `synthetic`, `tokens` (and sources later issues add)."""
+    """`digits`, `cifar10`, `synthetic`, `tokens`, `shards` (and sources later issues add)."""
     path: str | None = None
-    """Folder for file-backed sources (cifar10: the `cifar-10-batches-py` folder or its parent)."""
+    """Folder for file-backed sources (cifar10: the `cifar-10-batches-py` folder or its parent;
+    shards: a folder written by `hpcml data shard`)."""
     batch_size: int = Field(64, gt=0)
     """Samples per process per micro-batch."""
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
@@ -58,6 +59,9 @@ class DataConfig(_Section):
     """Validation windows, evenly spaced through the validation tokens; null means all of them."""
     vocab_size: int | None = Field(None, gt=1)
     """Token vocabulary; null reads it from meta.json beside the token files."""
+    shard_cache: int = Field(4, gt=0)
+    """data.source shards: shard files each reading process keeps open (memory-mapped); bounds
+    its memory to about this many shards whatever the size of the shard set."""
 
 
 class OptimConfig(_Section):

@@ -1,8 +1,9 @@
-"""`hpcml data prepare CORPUS --out DIR`: turn a corpus into token files for `data.source: tokens`."""
+"""`hpcml data prepare | shard | info | diff`: token corpora, shard sets and their versions."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -51,3 +52,166 @@ def prepare(
         f"train with data.source=tokens data.path={out}",
         highlight=False,
     )
+
+
+@app.command("shard")
+def shard(
+    source: str = typer.Argument(
+        ...,
+        help="digits, cifar10, synthetic, tokens, an image folder (a subfolder per class) or "
+        "a .parquet / .arrow table file.",
+    ),
+    out: Path = typer.Option(..., "--out", help="New folder for the shards and manifest.json."),
+    shard_size: str = typer.Option(
+        "64MB", "--shard-size", help="Sample bytes per shard before compression (64MB, 512KiB)."
+    ),
+    compression: str = typer.Option("none", "--compression", help="none, lz4 or zstd."),
+    path: str | None = typer.Option(
+        None, "--path", help="cifar10 / tokens: the data folder (as data.path)."
+    ),
+    val_fraction: float = typer.Option(0.2, "--val-fraction", help="Share held out."),
+    image_size: int = typer.Option(32, "--image-size", help="Image folders: resize to N x N."),
+    label: str = typer.Option("label", "--label", help="Tables: the label column."),
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens: tokens per window."),
+    synthetic_samples: int = typer.Option(4096, "--synthetic-samples", help="synthetic: samples."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Write a shard set (Arrow IPC shards + manifest.json) for data.source shards."""
+    from hpcml.data.shard_sources import shard as write
+
+    result = write(
+        source,
+        out,
+        path=path,
+        shard_size=shard_size,
+        compression=compression,
+        val_fraction=val_fraction,
+        image_size=image_size,
+        label=label,
+        seq_len=seq_len,
+        synthetic_samples=synthetic_samples,
+    )
+    if json_out:
+        print_json(_info(result["manifest"], result["out"]))
+        return
+    _print_info(result["manifest"], out)
+    console.print(f"train with data.source=shards data.path={out}", highlight=False)
+
+
+def _info(manifest: dict[str, Any], root: str | Path) -> dict[str, Any]:
+    from hpcml.data.shards import version_id
+
+    return {
+        "path": str(root),
+        "version": version_id(manifest),
+        "format": manifest["format"],
+        "hpcml": manifest.get("hpcml"),
+        "source": manifest.get("source"),
+        "transform": manifest.get("transform"),
+        "sample": manifest["sample"],
+        "num_classes": manifest.get("num_classes"),
+        "compression": manifest.get("compression"),
+        "splits": {
+            split: {
+                "samples": entry["samples"],
+                "shards": len(entry["shards"]),
+                "bytes": sum(s["bytes"] for s in entry["shards"]),
+            }
+            for split, entry in manifest["splits"].items()
+        },
+    }
+
+
+def _print_info(manifest: dict[str, Any], root: str | Path) -> None:
+    from rich.table import Table
+
+    info = _info(manifest, root)
+    table = Table(title=f"shard set {root}  version {info['version'][:16]}")
+    for col in ("split", "samples", "shards", "bytes"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    for split, s in info["splits"].items():
+        table.add_row(split, f"{s['samples']:,}", str(s["shards"]), f"{s['bytes']:,}")
+    console.print(table)
+    src = info["source"] or {}
+    console.print(
+        f"source {src.get('name')} ({src.get('path') or 'built in'}), sample {info['sample']['x']}, "
+        f"{info['num_classes']} classes, compression {info['compression']}, hpcml {info['hpcml']}",
+        highlight=False,
+        emoji=False,
+        markup=False,
+    )
+
+
+@app.command("info")
+def info(
+    folder: Path = typer.Argument(..., help="A shard set folder."),
+    check: bool = typer.Option(
+        False, "--verify", help="Also check every shard's sha256 against the manifest."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Version id, source, transform and per-split counts of a shard set."""
+    from hpcml.data.shards import read_manifest, verify
+
+    manifest = read_manifest(folder)
+    if check:
+        verify(folder, manifest)
+    if json_out:
+        print_json({**_info(manifest, folder), "verified": check})
+        return
+    _print_info(manifest, folder)
+    if check:
+        console.print("every shard matches its sha256", highlight=False)
+
+
+@app.command("diff")
+def diff(
+    a: Path = typer.Argument(..., help="A shard set folder."),
+    b: Path = typer.Argument(..., help="Another shard set folder."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """What differs between two shard sets: version, source, transform, samples, shards."""
+    from hpcml.data.shards import read_manifest, version_id
+
+    ma, mb = read_manifest(a), read_manifest(b)
+    changes: list[dict[str, Any]] = []
+    for key in ("hpcml", "source", "transform", "sample", "num_classes", "compression"):
+        if ma.get(key) != mb.get(key):
+            changes.append({"key": key, "a": ma.get(key), "b": mb.get(key)})
+    for split in sorted(set(ma["splits"]) | set(mb["splits"])):
+        sa = ma["splits"].get(split, {"samples": 0, "shards": []})
+        sb = mb["splits"].get(split, {"samples": 0, "shards": []})
+        if sa["samples"] != sb["samples"]:
+            changes.append({"key": f"{split}.samples", "a": sa["samples"], "b": sb["samples"]})
+        ha, hb = [s["sha256"] for s in sa["shards"]], [s["sha256"] for s in sb["shards"]]
+        if ha != hb:
+            only_a, only_b = sorted(set(ha) - set(hb)), sorted(set(hb) - set(ha))
+            changes.append(
+                {
+                    "key": f"{split}.shards",
+                    "a": f"{len(ha)} shards, {len(only_a)} not in b",
+                    "b": f"{len(hb)} shards, {len(only_b)} not in a",
+                }
+            )
+    va, vb = version_id(ma), version_id(mb)
+    result: dict[str, Any] = {
+        "a": {"path": str(a), "version": va},
+        "b": {"path": str(b), "version": vb},
+        "same": va == vb,
+        "changes": changes,
+    }
+    if json_out:
+        print_json(result)
+        return
+    if va == vb:
+        console.print(f"same version {va}", highlight=False)
+        return
+    console.print(f"a {va[:16]}  b {vb[:16]}", highlight=False)
+    for c in changes:
+        console.print(
+            f"{c['key']}: {c['a']!r} -> {c['b']!r}",
+            highlight=False,
+            soft_wrap=True,
+            emoji=False,
+            markup=False,
+        )

@@ -82,6 +82,7 @@ class EpochLoader:
         self.batch_size, self.rank, self.world_size = cfg.batch_size, rank, world_size
         self.shuffle, self.seed, self.dataset = cfg.shuffle, seed, dataset
         self.keyed = keyed
+        self.workers = workers
         self._it: Iterator[Any] | None = None
         self._remainder = False
         self._base = 0
@@ -130,6 +131,7 @@ class EpochLoader:
         return {
             "epoch": self.epoch,
             "taken": self.taken,
+            "workers": self.workers,
             "loader": self.loader.state_dict() if self._it else None,
         }
 
@@ -144,6 +146,11 @@ class EpochLoader:
         if loader_state is not None and loader_state.get("_iterator_finished"):
             self.epoch += 1
             loader_state, taken = None, 0
+        if loader_state is not None and _other_workers(state, self.workers):
+            # StatefulDataLoader cannot load another worker count's state (it asserts); the
+            # global position can, exactly: taken batches of every rank of this same world.
+            self.resume_at(self.epoch, taken * self.batch_size * self.world_size)
+            return
         if loader_state is not None:
             self.loader.load_state_dict(loader_state)
         self._start_epoch()
@@ -181,6 +188,14 @@ class EpochLoader:
         self._it = iter(remainder)
         self._remainder = True
         self._base, self.taken = samples, 0
+
+
+def _other_workers(state: dict[str, Any], workers: int) -> bool:
+    """Whether a state was saved with another loader worker count. States written before the
+    count was stored tell 0 from >0 by StatefulDataLoader's multi-process snapshot key."""
+    if "workers" in state:
+        return int(state["workers"]) != workers
+    return ("_snapshot" in (state.get("loader") or {})) != (workers > 0)
 
 
 class EpochKeys(torch.utils.data.Sampler[tuple[int, int, int]]):

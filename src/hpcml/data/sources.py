@@ -4,7 +4,8 @@
 3x32x32 so the CIFAR-shaped CNNs take it unchanged. `cifar10` reads the official
 python-pickle batches from a local folder (numpy arrays and plain data only: no other global is
 unpickled). `synthetic` is random tensors of a given shape.
-`tokens` reads uint16 token files for language models (`hpcml.data.tokens`).
+`tokens` reads uint16 token files for language models (`hpcml.data.tokens`); `shards` reads a
+shard set written by `hpcml data shard` (`hpcml.data.shards`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Splits:
     """Per-sample input dtype: token sources give int64 ids."""
     target_shape: tuple[int, ...] = ()
     """Per-sample target shape: () for one class per sample, (seq_len,) for next tokens."""
+    version: str | None = None
+    """A shard set's version id (sha256 of its manifest); None for other sources."""
 
 
 def _split(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,11 +230,18 @@ def load_token_source(cfg: DataConfig) -> Splits:
     return load_tokens(cfg)  # type: ignore[no-any-return]
 
 
+def load_shards(cfg: DataConfig) -> Splits:
+    from hpcml.data.shard_sources import load_shard_source
+
+    return load_shard_source(cfg)  # type: ignore[no-any-return]
+
+
 SOURCES: dict[str, Callable[[DataConfig], Splits]] = {
     "digits": load_digits,
     "cifar10": load_cifar10,
     "synthetic": load_synthetic,
     "tokens": load_token_source,
+    "shards": load_shards,
 }
 
 
@@ -247,6 +257,10 @@ def check_source(cfg: DataConfig) -> None:
         from hpcml.data.tokens import check_tokens
 
         check_tokens(cfg)
+    if cfg.source == "shards":
+        from hpcml.data.shard_sources import check_shards
+
+        check_shards(cfg)
 
 
 def load_source(cfg: DataConfig) -> Splits:

@@ -209,6 +209,7 @@ class MlflowTracker:
             self._queue += self._metrics(_summary_metrics(summary), step)
             self._flush()
             self._set_tags(_summary_tags(summary, status))
+            _log_dataset(client, run_id, summary.get("data") or {}, summary.get("config") or {})
             self._wait()
             # From the dict: the engine calls finish before it writes summary.json.
             client.log_dict(run_id, summary, SUMMARY)
@@ -350,6 +351,29 @@ def _summary_tags(summary: dict[str, Any], status: str) -> dict[str, str]:
         if model.get(key) is not None:
             tags[f"hpcml.model.{key}"] = str(model[key])
     return tags
+
+
+def _log_dataset(
+    client: MlflowClient, run_id: str, data: dict[str, Any], config: dict[str, Any]
+) -> None:
+    """A shard set the run read becomes the run's MLflow dataset input: name and path, the
+    first 36 hex digits of its version as the digest (MLflow's column holds 36), the whole
+    version in the source JSON."""
+    version = data.get("version")
+    if not version:
+        return
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    path = (config.get("data") or {}).get("path") or ""
+    dataset = Dataset(
+        name=Path(path).name or "shards",
+        digest=str(version)[:36],
+        source_type="local",
+        source=json.dumps({"uri": str(path), "version": version}),
+    )
+    client.log_inputs(
+        run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])]
+    )
 
 
 def make_tracker(cfg: TrackingConfig, run_dir: Path) -> MlflowTracker | NullTracker:

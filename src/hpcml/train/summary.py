@@ -71,6 +71,7 @@ def build_summary(t: Any) -> dict[str, Any]:
         "data": {
             "source": cfg.data.source,
             "fingerprint": splits.fingerprint,
+            "version": splits.version,
             "train_samples": len(splits.train),
             "val_samples": len(splits.val),
             "epochs_seen": t.train_data.epoch,

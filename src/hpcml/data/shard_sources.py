@@ -1,0 +1,307 @@
+"""`hpcml data shard SOURCE`: turn a data source into a shard set, and `data.source: shards`.
+
+Sources: the built-in ones by name (`digits`, `cifar10`, `synthetic`: their train/val tensors
+as float32, exactly what training on that source would read; `tokens`: non-overlapping windows
+of `seq_len + 1` uint16 tokens), an image folder (one subfolder per class, read with Pillow,
+resized, stored as uint8 and scaled/normalised at read time) and a Parquet or Arrow table (one
+label column, the other numeric columns as a float32 feature vector). Image folders and tables
+go to validation by a hash of the file path / row number, so the split does not depend on
+file order. The manifest records the source, every option that shaped the bytes (`transform`)
+and the hpcml version.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcml import __version__
+from hpcml.config import DataConfig
+from hpcml.data import shards
+from hpcml.errors import DataError
+
+BUILTIN = ("digits", "cifar10", "synthetic", "tokens")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
+Samples = dict[str, Iterator[tuple[int, np.ndarray, np.ndarray]]]
+
+
+def _val(key: str, fraction: float) -> bool:
+    return zlib.crc32(key.encode()) % 10_000 < fraction * 10_000
+
+
+def from_builtin(cfg: DataConfig) -> tuple[Samples, dict[str, Any]]:
+    if cfg.source == "tokens":
+        return from_tokens(cfg)
+    from hpcml.data.sources import load_source
+
+    splits = load_source(cfg)
+
+    def items(ds: Any) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        xs, ys = ds.tensors  # the tensor sources hold TensorDatasets
+        for i in range(len(ys)):
+            yield i, xs[i].numpy(), ys[i].numpy()
+
+    header = {
+        "sample": {
+            "layout": "tensor",
+            "x": shards.spec(np.float32, splits.input_shape),
+            "y": shards.spec(np.int64, ()),
+        },
+        "num_classes": splits.num_classes,
+        "source": {"name": cfg.source, "path": cfg.path, "fingerprint": splits.fingerprint},
+        # What shaped the bytes: the source's own config (its loader's preprocessing is fixed
+        # per source and hpcml version, both recorded); nothing more is applied at read time.
+        "transform": {"source_config": _source_config(cfg), "read": {}},
+    }
+    return {"train": items(splits.train), "val": items(splits.val)}, header
+
+
+def _source_config(cfg: DataConfig) -> dict[str, Any]:
+    keep = {"source", "path", "val_fraction", "synthetic_samples", "synthetic_shape"}
+    keep |= {"synthetic_classes", "seq_len", "eval_windows"}
+    return {k: v for k, v in cfg.model_dump(mode="json").items() if k in keep}
+
+
+def from_tokens(cfg: DataConfig) -> tuple[Samples, dict[str, Any]]:
+    from hpcml.data.tokens import TokenWindows, load_tokens
+
+    splits = load_tokens(cfg)
+    seq = cfg.seq_len
+
+    def windows(ds: TokenWindows, starts: Any) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        tokens = ds.tokens()
+        for i, start in enumerate(starts):
+            yield i, np.asarray(tokens[start : start + seq + 1]), np.zeros((), np.int64)
+
+    train, val = splits.train, splits.val
+    # Training: non-overlapping windows covering the training tokens once; validation: the
+    # windows data.source tokens evaluates on (data.eval_windows of them).
+    train_starts = range(0, train.n_tokens - seq - 1 + 1, seq)
+    val_starts = (
+        [int(s) for s in val.starts] if val.starts is not None else range(0, val.n_starts + 1, seq)
+    )
+    header = {
+        "sample": {
+            "layout": "tokens",
+            "x": shards.spec(np.uint16, (seq + 1,)),
+            "y": shards.spec(np.int64, ()),
+        },
+        "num_classes": splits.num_classes,
+        "seq_len": seq,
+        "source": {"name": "tokens", "path": cfg.path, "fingerprint": splits.fingerprint},
+        "transform": {
+            "source_config": _source_config(cfg),
+            "windows": "train: non-overlapping, stride seq_len; val: the tokens source's eval windows",
+            "read": {},
+        },
+    }
+    return {"train": windows(train, train_starts), "val": windows(val, val_starts)}, header
+
+
+def from_image_folder(
+    root: Path, image_size: int, val_fraction: float
+) -> tuple[Samples, dict[str, Any]]:
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(
+            f"image folder {root} has no class subfolders; put each class's images in its own "
+            "subfolder (root/cat/1.png, root/dog/2.png)."
+        )
+    files = [
+        (rel, label)
+        for label, name in enumerate(classes)
+        for rel in sorted(
+            p.relative_to(root).as_posix()
+            for p in (root / name).rglob("*")
+            if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
+        )
+    ]
+    if not files:
+        raise DataError(f"image folder {root} holds no images ({', '.join(IMAGE_SUFFIXES)}).")
+
+    def items(split: str) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        from PIL import Image, UnidentifiedImageError
+
+        for sid, (rel, label) in enumerate(files):
+            if _val(rel, val_fraction) != (split == "val"):
+                continue
+            try:
+                with Image.open(root / rel) as im:
+                    rgb = im.convert("RGB").resize(
+                        (image_size, image_size), Image.Resampling.BILINEAR
+                    )
+            except (UnidentifiedImageError, OSError) as exc:
+                raise DataError(
+                    f"image {root / rel} cannot be read ({type(exc).__name__}); remove or "
+                    "replace it."
+                ) from None
+            chw = np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
+            yield sid, chw, np.asarray(label, dtype=np.int64)
+
+    header = {
+        "sample": {
+            "layout": "tensor",
+            "x": shards.spec(np.uint8, (3, image_size, image_size)),
+            "y": shards.spec(np.int64, ()),
+        },
+        "num_classes": len(classes),
+        "classes": classes,
+        "source": {"name": "image_folder", "path": str(root), "files": len(files)},
+        "transform": {
+            "write": {"convert": "RGB", "resize": [image_size, image_size], "filter": "bilinear"},
+            "val_fraction": val_fraction,
+            "read": {"scale": 1 / 255, "mean": [0.5] * 3, "std": [0.5] * 3},
+        },
+    }
+    return {"train": items("train"), "val": items("val")}, header
+
+
+def from_table(path: Path, label: str, val_fraction: float) -> tuple[Samples, dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    fmt = "parquet" if path.suffix.lower() == ".parquet" else "ipc"
+    try:
+        ds = pads.dataset(str(path), format=fmt)
+        schema = ds.schema
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"table {path} cannot be read as {fmt} ({exc}).") from None
+    if label not in schema.names:
+        raise DataError(
+            f"table {path} has no column {label!r} (columns: {', '.join(schema.names)}); pass "
+            "the label column with --label."
+        )
+    numeric = [
+        f.name
+        for f in schema
+        if f.name != label and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))
+    ]
+    if not numeric:
+        raise DataError(f"table {path} has no numeric feature columns besides {label!r}.")
+    labels = ds.to_table(columns=[label]).column(0).to_numpy()
+    if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
+        raise DataError(
+            f"column {label!r} of {path} must hold class numbers 0..C-1 (found {labels.dtype})."
+        )
+    num_classes = int(labels.max()) + 1
+
+    def items(split: str) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        row = 0
+        for batch in ds.to_batches(columns=[*numeric, label], batch_size=4096):
+            feats = np.stack(
+                [batch.column(i).to_numpy(zero_copy_only=False) for i in range(len(numeric))],
+                axis=1,
+            ).astype(np.float32)
+            ys = batch.column(len(numeric)).to_numpy(zero_copy_only=False)
+            for j in range(batch.num_rows):
+                if _val(str(row), val_fraction) == (split == "val"):
+                    yield row, feats[j], np.asarray(ys[j], dtype=np.int64)
+                row += 1
+
+    header = {
+        "sample": {
+            "layout": "tensor",
+            "x": shards.spec(np.float32, (len(numeric),)),
+            "y": shards.spec(np.int64, ()),
+        },
+        "num_classes": num_classes,
+        "features": numeric,
+        "source": {"name": "table", "path": str(path), "rows": int(len(labels))},
+        "transform": {
+            "write": {"features": numeric, "label": label, "dtype": "float32"},
+            "val_fraction": val_fraction,
+            "read": {},
+        },
+    }
+    return {"train": items("train"), "val": items("val")}, header
+
+
+def shard(
+    source: str,
+    out: Path,
+    *,
+    path: str | None = None,
+    shard_size: str = "64MB",
+    compression: str = "none",
+    val_fraction: float = 0.2,
+    image_size: int = 32,
+    label: str = "label",
+    seq_len: int = 256,
+    synthetic_samples: int = 4096,
+) -> dict[str, Any]:
+    """Write the shard set of `source` (a built-in name, an image folder or a table file)."""
+    shard_bytes = shards.parse_size(shard_size)
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction {val_fraction} must be in [0, 1).")
+    if source in BUILTIN:
+        cfg = DataConfig(
+            source=source,
+            path=path,
+            val_fraction=val_fraction,
+            seq_len=seq_len,
+            synthetic_samples=synthetic_samples,
+        )
+        samples, header = from_builtin(cfg)
+    else:
+        p = Path(source).expanduser()
+        if p.is_dir():
+            samples, header = from_image_folder(p, image_size, val_fraction)
+        elif p.is_file() and p.suffix.lower() in TABLE_SUFFIXES:
+            samples, header = from_table(p, label, val_fraction)
+        else:
+            raise DataError(
+                f"SOURCE {source!r} is neither a data source ({', '.join(BUILTIN)}), an image "
+                f"folder nor a table file ({', '.join(TABLE_SUFFIXES)})."
+            )
+    header["hpcml"] = __version__
+    manifest = shards.write_shard_set(out, samples, header, shard_bytes, compression)
+    return {"out": str(out), "version": shards.version_id(manifest), "manifest": manifest}
+
+
+def load_shard_source(cfg: DataConfig) -> Any:
+    """`data.source: shards`: the shard set at data.path, verified against its manifest."""
+    from hpcml.data.sources import Splits
+
+    root = check_shards(cfg)
+    manifest = shards.read_manifest(root)
+    shards.verify(root, manifest)
+    train = shards.ShardSet(root, "train", manifest, cache_shards=cfg.shard_cache)
+    val = shards.ShardSet(root, "val", manifest, cache_shards=cfg.shard_cache)
+    sample = manifest["sample"]
+    version = shards.version_id(manifest)
+    if sample["layout"] == "tokens":
+        seq = int(manifest["seq_len"])
+        return Splits(
+            train,
+            val,
+            (seq,),
+            int(manifest["num_classes"]),
+            version,
+            input_dtype="int64",
+            target_shape=(seq,),
+            version=version,
+        )
+    return Splits(
+        train,
+        val,
+        tuple(sample["x"]["shape"]),
+        int(manifest["num_classes"]),
+        version,
+        version=version,
+    )
+
+
+def check_shards(cfg: DataConfig) -> Path:
+    if cfg.path is None:
+        raise DataError(
+            "data source 'shards' needs data.path: a folder written by "
+            "`hpcml data shard SOURCE --out DIR`."
+        )
+    root = Path(cfg.path).expanduser()
+    shards.read_manifest(root)
+    return root
