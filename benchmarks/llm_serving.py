@@ -6,6 +6,7 @@ lengths drawn uniformly), replayed in real time against the generation engine of
 `hpcml.serve.generate` twice per repetition:
 
   continuous   iteration-level batching: sequences join and leave at every step
+  continuous-chunk32  the same with prefill chunked to 32 new tokens per step (decodes first)
   static       a batch starts only when the previous one has ended; finished sequences stay
                in it (padding: one recomputed position per step) until its longest ends
 
@@ -28,6 +29,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -138,15 +140,19 @@ def main() -> None:
             kv_cache_blocks=blocks,
             block_size=16,
             max_num_seqs=args.max_seqs,
-            max_batched_tokens=args.max_seqs * args.prompt_len[1],
+            max_batched_tokens=32
+            if mode == "continuous-chunk32"
+            else args.max_seqs * args.prompt_len[1],
             static_batching=mode == "static",
         )
-        for mode in ("continuous", "static")
+        for mode in ("continuous", "continuous-chunk32", "static")
     }
-    runs: dict[str, list[dict[str, Any]]] = {"continuous": [], "static": []}
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in configs}
+    load_before = os.getloadavg()
     replay(model, configs["continuous"], requests[:4])  # warm-up: allocator, kernels
     for rep in range(args.repeats):
-        order = ["continuous", "static"] if rep % 2 == 0 else ["static", "continuous"]
+        modes = list(configs)
+        order = modes[rep % len(modes) :] + modes[: rep % len(modes)]  # rotate per repetition
         for mode in order:
             r = replay(model, configs[mode], requests)
             runs[mode].append(r)
@@ -176,12 +182,13 @@ def main() -> None:
         )
         / statistics.median(r["output_tokens_per_s"] for r in runs["static"]),
         "note": args.note,
+        "load_average_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
         },
-        "command": "python benchmarks/llm_serving.py " + " ".join(sys.argv[1:]),
+        "command": shlex.join(["python", "benchmarks/llm_serving.py", *sys.argv[1:]]),
     }
     name = "llm_serving" + (f"_{args.tag}" if args.tag else "") + ("_quick" if args.quick else "")
     RESULTS.mkdir(exist_ok=True)
@@ -195,13 +202,16 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Continuous vs static batching, {w['requests']} requests, Poisson {w['rate_per_s']:g}/s, "
         f"prompt {w['prompt_len'][0]}-{w['prompt_len'][1]} bytes, output "
-        f"{w['output_len'][0]}-{w['output_len'][1]} tokens; gpt {result['model']['args']['n_layer']} "
+        f"{w['output_len'][0]}-{w['output_len'][1]} tokens, at most "
+        f"{result['engine']['static']['max_num_seqs']} sequences per step; gpt {result['model']['args']['n_layer']} "
         f"layers d_model {result['model']['args']['d_model']}, float32, {result['threads']} torch "
         f"thread(s); median [min .. max] of {result['repeats']} repetitions.",
         "",
     ]
-    if result["note"]:
-        lines += [f"Note: {result['note']}", ""]
+    load = result["load_average_1m"]
+    note = result["note"] + (" " if result["note"] else "")
+    note += f"1-minute load average {load['start']:.1f} at the start, {load['end']:.1f} at the end."
+    lines += [f"Note: {note}", ""]
     lines += [
         "| scheduling | output tokens/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms | TTFT p99 ms |",
         "|---|---:|---:|---:|---:|---:|",
