@@ -127,7 +127,10 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cache, layer))
+        h = self.attn_norm(x)
+        # Without a cache the attention gets one input, as tensor parallelism's input hooks
+        # (`PrepareModuleInput` in `parallelize_gpt`) expect.
+        x = x + self.drop(self.attn(h) if cache is None else self.attn(h, cache, layer))
         return x + self.drop(self.mlp(self.mlp_norm(x)))  # type: ignore[no-any-return]
 
 
@@ -202,7 +205,7 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Logits for `idx`; with `cache`, `positions` (same shape) place the tokens after the
         ones already cached (see the module docstring)."""
-        x = self.emb(idx, positions)
+        x = self.emb(idx) if positions is None else self.emb(idx, positions)
         for i, block in enumerate(self.blocks):
             x = block(x) if cache is None else block(x, cache, i)
         logits: torch.Tensor = self.lm_head(self.norm(x))
