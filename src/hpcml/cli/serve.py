@@ -130,7 +130,9 @@ def _remove_on_stop_signal(target: Path) -> None:
 
     def stop(signum: int, _frame: object) -> None:
         target.unlink(missing_ok=True)
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        signal.signal(
+            signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        )
         signal.raise_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -182,6 +184,7 @@ def _build(
         "grpc": f"{cfg.host}:{cfg.grpc_port}" if cfg.grpc_port is not None else None,
         "admin": bool(cfg.admin_token_env),
         "models": [m.describe() for m in router.models.values()],
+        "completions": sorted(app.state.generators),
         "batching": {
             name: {
                 "max_batch_size": m.newest.config.max_batch_size,
@@ -218,6 +221,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"{summary['url']}/docs · admin endpoints {'on' if summary['admin'] else 'off'}"
         + (f" · gRPC {summary['grpc']}" if summary["grpc"] else "")
     )
+    if summary["completions"]:
+        console.print(
+            f"text generation (OpenAI completions) at {summary['url']}/v1/completions for "
+            + ", ".join(summary["completions"])
+        )
 
 
 def loadtest(

@@ -4,13 +4,17 @@ Pre-norm blocks, causal attention through `scaled_dot_product_attention` (FlashA
 GPUs), GELU or SwiGLU MLP, learned positions, optionally tied input/output embeddings. The
 layout (`blocks[i].attn.wq` ...) is what `hpcml.distributed.parallelize_gpt` shards; the model itself
 knows nothing about parallelism. Input (B, T) int64 token ids; output (B, T, vocab) logits.
+
+For generation (`hpcml.serve.generate`) `forward` also takes the tokens' positions and a KV
+cache: any object with `attend(layer, q, k, v) -> y` (shapes (B, heads, T, head_dim)), which
+stores the new keys and values and attends over everything cached before them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +65,12 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
+class KVCache(Protocol):
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -73,15 +83,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         b, t = x.shape[0], x.shape[1]
         # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if cache is not None:
+            y = cache.attend(layer, q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))  # type: ignore[no-any-return]
 
 
@@ -109,8 +124,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x)))
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        h = self.attn_norm(x)
+        # Without a cache the attention gets one input, as tensor parallelism's input hooks
+        # (`PrepareModuleInput` in `parallelize_gpt`) expect.
+        x = x + self.drop(self.attn(h) if cache is None else self.attn(h, cache, layer))
         return x + self.drop(self.mlp(self.mlp_norm(x)))  # type: ignore[no-any-return]
 
 
@@ -124,8 +144,9 @@ class Embeddings(nn.Module):
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.drop(self.tok(idx) + self.pos(positions))  # type: ignore[no-any-return]
 
 
@@ -176,10 +197,17 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(tensor, mean=0.0, std=0.02, generator=generator)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
+    def forward(
+        self,
+        idx: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits for `idx`; with `cache`, `positions` (same shape) place the tokens after the
+        ones already cached (see the module docstring)."""
+        x = self.emb(idx) if positions is None else self.emb(idx, positions)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache, i)
         logits: torch.Tensor = self.lm_head(self.norm(x))
         if self.cfg.padded_vocab != self.cfg.vocab_size:
             # Padding ids are never a target nor a prediction: drop their columns.

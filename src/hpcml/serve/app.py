@@ -69,11 +69,18 @@ class ShadowBody(BaseModel):
 
 
 def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> FastAPI:
+    from hpcml.serve.generate.mount import text_services
+
     admin_token = os.environ.get(config.admin_token_env) if config.admin_token_env else None
+    # gpt exports over bytes also generate text (/v1/completions); loaded now, like the CLI
+    # loads the router before serving, so a bad export fails before the server starts.
+    generators = text_services(router, config, metrics.registry)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        for generator in generators.values():
+            generator.start()
         grpc_server = None
         if config.grpc_port is not None:
             from hpcml.serve.grpc import start_grpc_server
@@ -85,6 +92,8 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         yield
         if grpc_server is not None:
             await grpc_server.stop(config.graceful_timeout_s)
+        for generator in generators.values():
+            await generator.close()
         await router.close()
 
     app = FastAPI(
@@ -105,6 +114,11 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     app.state.router = router
     app.state.metrics = metrics
     app.state.grpc_port = None
+    app.state.generators = generators
+    if generators:
+        from hpcml.serve.generate.openai_api import mount_openai
+
+        mount_openai(app, generators)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> Response:

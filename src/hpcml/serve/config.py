@@ -90,6 +90,19 @@ class ModelServeConfig(_Section):
         return self
 
 
+class GenerationConfig(_Section):
+    """Text generation for `gpt` exports (`/v1/completions`); see `hpcml.serve.generate`."""
+
+    kv_cache_blocks: int = Field(default=512, gt=0)
+    """KV cache size in blocks, allocated at startup: the memory bound of generation."""
+    block_size: int = Field(default=16, gt=0)
+    """Token positions per KV cache block."""
+    max_num_seqs: int = Field(default=32, gt=0)
+    """Most sequences decoded together in one step."""
+    max_batched_tokens: int = Field(default=256, gt=0)
+    """Most new tokens in one step: long prompts are prefilled in chunks of at most this."""
+
+
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, lt=65536)
@@ -116,6 +129,7 @@ class ServeConfig(_Section):
     body does not hold up every other request on the event loop."""
     defaults: ModelServeConfig = Field(default_factory=ModelServeConfig)
     """Settings for models that `models` does not list."""
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
     models: dict[str, ModelServeConfig] = Field(default_factory=dict)
 
     def for_model(self, name: str) -> ModelServeConfig:

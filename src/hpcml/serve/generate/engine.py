@@ -1,0 +1,264 @@
+"""The generation engine: iteration-level (continuous) batching over a paged KV cache.
+
+Every `step` is one forward pass of the model over the new tokens of every running sequence:
+one token for a decoding sequence, a chunk of the prompt for a prefilling one (chunked prefill:
+at most `max_batched_tokens` tokens per step, decodes first, so a long prompt does not stall
+the others). Sequences are admitted from the waiting queue and retired at every step (Orca, Yu
+et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
+
+When a running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are freed, and it goes back to the front of the queue keeping the tokens
+it has generated; when readmitted it recomputes their keys and values (prompt and output
+together, as one prefill) and carries on exactly where it was. A request that could not fit
+the whole cache alone is refused when it is submitted, so preemption always ends: the oldest
+sequence can always run, alone if need be.
+
+`static_batching=True` is the baseline the benchmark compares against: a batch is admitted only
+when the previous one has finished, and finished sequences stay in the batch (each step
+recomputes one cached position for them, as padding costs) until its longest one ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from hpcml.models.gpt import GPT
+from hpcml.serve.generate.kv_cache import PagedKVCache, StepAttention, StepItem
+from hpcml.serve.generate.sampling import SamplingParams, sample
+
+
+class RequestRefused(ValueError):
+    """A request the engine can never serve (too long for the model or the cache)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_cache_blocks: int = 256
+    block_size: int = 16
+    max_num_seqs: int = 32
+    """Most sequences in one step."""
+    max_batched_tokens: int = 256
+    """Most new tokens in one step (prefill chunks plus one per decoding sequence)."""
+    static_batching: bool = False
+
+
+@dataclass(eq=False)  # compared by identity: `running.remove(seq)` removes that sequence
+class Sequence:
+    id: int
+    tokens: list[int]
+    """Prompt, then generated tokens."""
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    table: list[int] = field(default_factory=list)
+    computed: int = 0
+    """Tokens whose keys and values are in the cache."""
+    finish_reason: str | None = None
+    stopped_by: bytes | None = None
+    preemptions: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token generated for sequence `seq_id` (None when it ended without one: aborted)."""
+
+    seq_id: int
+    token: int | None
+    finish_reason: str | None = None
+    """None while it goes on; "stop", "length" or "abort" on its last event."""
+    stopped_by: bytes | None = None
+
+
+class Engine:
+    def __init__(self, model: GPT, config: EngineConfig) -> None:
+        cfg = model.cfg
+        self.model = model.eval()
+        self.config = config
+        self.max_seq_len = int(cfg.max_seq_len)
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        self.cache = PagedKVCache(
+            cfg.n_layer,
+            cfg.n_head,
+            cfg.head_dim,
+            config.kv_cache_blocks,
+            config.block_size,
+            dtype,
+            device,
+        )
+        self.device = device
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ghosts: list[Sequence] = []  # static batching: finished, still padding the batch
+        self._ids = itertools.count()
+        self.preemptions = 0
+
+    def submit(self, prompt: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
+        """Queue a request; its id. Raises RequestRefused if it can never be served."""
+        self.check(prompt, params)
+        seq_id = next(self._ids) if seq_id is None else seq_id
+        seq = Sequence(seq_id, list(prompt), len(prompt), params, params.generator())
+        self.waiting.append(seq)
+        return seq.id
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise RequestRefused if this request can never be served (reads only settings)."""
+        if not prompt:
+            raise RequestRefused("the prompt is empty; send at least one character.")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_seq_len:
+            raise RequestRefused(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{total}, more than the model's context of {self.max_seq_len}; shorten one."
+            )
+        capacity = self.cache.allocator.num_blocks * self.cache.block_size
+        if total > capacity:
+            raise RequestRefused(
+                f"prompt plus max_tokens ({total} tokens) exceeds the KV cache ({capacity} "
+                "tokens); shorten the request or raise kv_cache_blocks."
+            )
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a queued or running sequence (its client went away); whether it was found."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.id == seq_id:
+                    queue.remove(seq)
+                    self.cache.allocator.release(seq.table)
+                    return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def blocks_used(self) -> int:
+        return self.cache.allocator.used
+
+    # Scheduling --------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.allocator.release(seq.table)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _plan_running(self, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
+        """Chunks for running sequences, oldest first, preempting the newest when blocks run
+        out. Decodes (1 token) come before prefill chunks."""
+        order = sorted(self.running, key=lambda s: (len(s.tokens) - s.computed > 1, s.id))
+        plan: list[tuple[Sequence, int]] = []
+        for seq in order:
+            if seq not in self.running:  # preempted while planning an older one
+                continue
+            n = min(len(seq.tokens) - seq.computed, budget)
+            if n <= 0:
+                continue
+            while not self.cache.grow(seq.table, seq.computed + n):
+                victim = max(self.running, key=lambda s: s.id)
+                budget += sum(k for s, k in plan if s is victim)
+                plan = [(s, k) for s, k in plan if s is not victim]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                plan.append((seq, n))
+                budget -= n
+        budget = self.config.max_batched_tokens - sum(k for _, k in plan)
+        return plan, budget
+
+    def _admit(self, plan: list[tuple[Sequence, int]], budget: int) -> None:
+        if self.config.static_batching and (self.running or self._ghosts):
+            return
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(len(seq.tokens) - seq.computed, budget)
+            if not self.cache.grow(seq.table, seq.computed + n):
+                break  # admitting never preempts; it waits for blocks
+            self.waiting.popleft()
+            self.running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+
+    def step(self) -> list[TokenEvent]:
+        """One forward pass over the planned chunks; the tokens it generated."""
+        self._end_static_batch()
+        plan, budget = self._plan_running(self.config.max_batched_tokens)
+        self._admit(plan, budget)
+        if not plan:
+            return []
+        ghosts = [(g, 0) for g in self._ghosts]
+        items = [StepItem(s.table, s.computed, n) for s, n in plan]
+        # A ghost recomputes its last cached position: same token, same slot, same values.
+        items += [StepItem(g.table, g.computed - 1, 1) for g, _ in ghosts]
+        idx = [t for s, n in plan for t in s.tokens[s.computed : s.computed + n]]
+        idx += [g.tokens[g.computed - 1] for g, _ in ghosts]
+        pos = [p for it in items for p in range(it.start, it.start + it.n)]
+        with torch.inference_mode():
+            logits = self.model(
+                torch.tensor([idx], device=self.device),
+                torch.tensor([pos], device=self.device),
+                StepAttention(self.cache, items),
+            )[0]
+        return self._advance(plan, logits)
+
+    def _advance(self, plan: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[TokenEvent]:
+        events = []
+        end = 0
+        for seq, n in plan:
+            end += n
+            seq.computed += n
+            if seq.computed < len(seq.tokens):
+                continue  # prefill (or recompute) not done yet
+            token = sample(logits[end - 1], seq.params, seq.generator)
+            seq.tokens.append(token)
+            self._check_finished(seq)
+            events.append(TokenEvent(seq.id, token, seq.finish_reason, seq.stopped_by))
+            if seq.finish_reason is not None:
+                self._retire(seq)
+        self._end_static_batch()
+        return events
+
+    def _end_static_batch(self) -> None:
+        if not self.running and self._ghosts:
+            for ghost in self._ghosts:
+                self.cache.allocator.release(ghost.table)
+            self._ghosts = []
+
+    def _check_finished(self, seq: Sequence) -> None:
+        out = seq.output
+        if seq.params.stop:
+            tail = bytes(out[-max(len(s) for s in seq.params.stop) :])
+            for stop in seq.params.stop:
+                if tail.endswith(stop):
+                    seq.finish_reason, seq.stopped_by = "stop", stop
+                    return
+        if len(out) >= seq.params.max_tokens:
+            seq.finish_reason = "length"
+
+    def _retire(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if self.config.static_batching:
+            self._ghosts.append(seq)
+        else:
+            self.cache.allocator.release(seq.table)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Every prompt's output tokens, all submitted at once and run to the end."""
+        ids = [self.submit(p, params) for p in prompts]
+        out: dict[int, list[int]] = {i: [] for i in ids}
+        while self.has_work:
+            for ev in self.step():
+                if ev.token is not None:
+                    out[ev.seq_id].append(ev.token)
+        return [out[i] for i in ids]

@@ -1,0 +1,139 @@
+"""A paged KV cache: fixed-size blocks, a free list, and the per-step attention over it.
+
+Keys and values of every layer live in one preallocated tensor each, `(layers, blocks *
+block_size, heads, head_dim)`: memory is bounded by `kv_cache_blocks` from the start. A
+sequence owns a block table (a list of block ids); token position p of a sequence lives in slot
+`table[p // block_size] * block_size + p % block_size`. Blocks come from a free list and go back
+to it when a sequence finishes or is preempted.
+
+`StepAttention` is what the model's attention calls for one engine step (`GPT.forward(...,
+cache=)`): the step's new tokens of all sequences come packed in one row (the linear layers see
+no padding); their keys and values are written into their slots, then each sequence's whole
+context is *gathered* from its blocks into a contiguous, padded `(sequences, heads, context,
+head_dim)` tensor and attended with `scaled_dot_product_attention` under a mask. The gather
+copies the context every step and layer: a fused paged-attention kernel (vLLM's) reads the
+blocks in place, but none ships with CPU PyTorch, and this keeps the engine pure torch and
+easy to check. Hand-written because no maintained CPU library offers a paged cache for an
+arbitrary torch model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class BlockAllocator:
+    """Block ids 0..num_blocks-1 on a free list; `allocate` returns None when none is left."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self) -> int | None:
+        return self._free.popleft() if self._free else None
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+        blocks.clear()
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        n_layer: int,
+        n_head: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (n_layer, num_blocks * block_size, n_head, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def grow(self, table: list[int], tokens: int) -> bool:
+        """Extend `table` to hold `tokens` positions; False (table unchanged) if blocks run out."""
+        need = self.blocks_for(tokens) - len(table)
+        if need > self.allocator.free:
+            return False
+        for _ in range(need):
+            block = self.allocator.allocate()
+            assert block is not None
+            table.append(block)
+        return True
+
+    def slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
+        """Flat slot indices of positions start..stop-1 of the sequence owning `table`."""
+        pos = torch.arange(start, stop)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+
+@dataclass
+class StepItem:
+    """One sequence's part of a step: `n` new tokens at positions start..start+n-1."""
+
+    table: list[int]
+    start: int
+    n: int
+
+
+class StepAttention:
+    """The `KVCache` the model attends through during one engine step (see module docstring)."""
+
+    def __init__(self, cache: PagedKVCache, items: list[StepItem]) -> None:
+        self.cache = cache
+        device = cache.k.device
+        b = len(items)
+        t = max(it.n for it in items)
+        ctx = max(it.start + it.n for it in items)
+        self.shape = (b, t)
+        self.write = torch.cat([cache.slots(it.table, it.start, it.start + it.n) for it in items])
+        # Where each packed token goes in the padded (b * t) query layout.
+        self.unpack = torch.cat([i * t + torch.arange(it.n) for i, it in enumerate(items)])
+        gather = torch.zeros(b, ctx, dtype=torch.long)
+        key_pos = torch.arange(ctx)
+        query_pos = torch.zeros(b, t, dtype=torch.long)
+        for i, it in enumerate(items):
+            length = it.start + it.n
+            gather[i, :length] = cache.slots(it.table, 0, length)
+            query_pos[i, : it.n] = torch.arange(it.start, length)
+            # Padding queries (beyond it.n) keep position 0: they see key 0 only, so no row of
+            # the mask is empty (an empty row would give NaN); their outputs are dropped.
+        self.gather = gather.to(device)
+        self.mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)
+        self.write, self.unpack = self.write.to(device), self.unpack.to(device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: (1, heads, N, head_dim), the step's N new tokens packed in one row.
+        heads, head_dim = q.shape[1], q.shape[3]
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        k_cache.index_copy_(0, self.write, k[0].transpose(0, 1))
+        v_cache.index_copy_(0, self.write, v[0].transpose(0, 1))
+        b, t = self.shape
+        q_pad = q.new_zeros(b * t, heads, head_dim)
+        q_pad[self.unpack] = q[0].transpose(0, 1)
+        q_pad = q_pad.view(b, t, heads, head_dim).transpose(1, 2)
+        keys = k_cache[self.gather].transpose(1, 2)  # (b, heads, ctx, head_dim), a copy
+        values = v_cache[self.gather].transpose(1, 2)
+        y = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=self.mask)
+        y = y.transpose(1, 2).reshape(b * t, heads, head_dim)[self.unpack]
+        return y.transpose(0, 1).unsqueeze(0)

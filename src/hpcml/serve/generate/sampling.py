@@ -1,0 +1,101 @@
+"""Choosing the next token, and turning byte tokens back into text as they stream.
+
+`sample` does greedy (temperature 0), temperature, top-k and top-p (nucleus; Holtzman et al.
+2020) with a per-request `torch.Generator`, so a seeded request draws the same tokens whatever
+else is batched with it (as long as the logits are the same). The zoo `gpt` is trained on
+bytes (`hpcml.data.tokens`), so `ByteTokenizer` is UTF-8 itself; `TextStream` holds back the
+bytes that may still turn out to be a stop sequence or half of a multi-byte character.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    """0 picks the most likely token (greedy)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p; 1 keeps all."""
+    seed: int | None = None
+    stop: tuple[bytes, ...] = field(default_factory=tuple)
+    """Generation ends when the output ends with one of these; it is not part of the text."""
+
+    def generator(self) -> torch.Generator | None:
+        if self.temperature == 0:
+            return None
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token id from one position's logits (vocab,)."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    # float64: the vocabulary is small, and float32 rounding would move probabilities by more
+    # than the model's own batch-to-batch differences (see the seeded-sampling test).
+    scores = logits.double() / params.temperature
+    if 0 < params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        # Drop a token when the tokens more likely than it already reach top_p; the most
+        # likely token is always kept.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, the zoo gpt's vocabulary."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: list[int]) -> str:
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+
+class TextStream:
+    """Text deltas of a growing byte stream: never emits bytes that could still start a stop
+    sequence, nor half a UTF-8 character (invalid bytes become U+FFFD, as in `decode`)."""
+
+    def __init__(self, stop: tuple[bytes, ...] = ()) -> None:
+        self.stop = stop
+        # The last max-stop-length bytes stay back: a stop sequence completed by the newest
+        # token then lies wholly in `pending`, never partly sent.
+        self.hold = max((len(s) for s in stop), default=0)
+        self.pending = b""
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        self.pending += bytes([token])
+        cut = len(self.pending) - self.hold
+        if cut <= 0:
+            return ""
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return self.decoder.decode(out)
+
+    def finish(self, stopped_by: bytes | None) -> str:
+        """The rest of the text; `stopped_by` (the stop sequence that ended it) is cut off."""
+        rest = self.pending
+        if stopped_by:
+            rest = rest[: len(rest) - len(stopped_by)]
+        self.pending = b""
+        return self.decoder.decode(rest, final=True)

@@ -1,0 +1,90 @@
+"""The official `openai` Python client against `hpcml serve`'s `/v1/completions` on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+
+from hpcml.models.export import save_export
+from hpcml.models.gpt import GPT, GPTConfig
+from hpcml.serve.app import build_app
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.testing import running_server
+
+ARGS = {
+    "vocab_size": 256,
+    "max_seq_len": 128,
+    "n_layer": 1,
+    "n_head": 2,
+    "d_model": 32,
+    "tie_embeddings": False,
+}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, GPT]]:
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(**ARGS)).eval()
+    with torch.no_grad():
+        # Untied, std 0.3 (norms kept): a random model whose greedy outputs depend on the
+        # context (GPT-2's init repeats one token).
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.3)
+    export = save_export(
+        tmp_path_factory.mktemp("run") / "export",
+        model,
+        "gpt-tiny",
+        ARGS,
+        (128,),
+        (128, 256),
+        input_dtype="int64",
+        task="language_modeling",
+    )
+    cfg = ServeConfig.model_validate({"defaults": {"isolation": "thread"}})
+    with running_server(build_app(export, cfg, name="tiny")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), model
+
+
+def greedy(model: GPT, prompt: str, n: int) -> str:
+    """Full recompute per token; float32 ties: see test_serve_generate.py (margin asserted)."""
+    tokens = list(prompt.encode())
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens + out]))[0, -1]
+            assert float(logits.abs().max()) < 10, "logits outside the range the bound assumes"
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) > 1e-3, "near-tie in the reference"
+            out.append(int(torch.argmax(logits)))
+    return bytes(out).decode("utf-8", errors="replace")
+
+
+def test_openai_client_completes_and_streams(client: tuple[openai.OpenAI, GPT]) -> None:
+    c, model = client
+    expected = greedy(model, "def main():", 25)
+    done = c.completions.create(model="tiny", prompt="def main():", max_tokens=25, temperature=0)
+    assert done.choices[0].text == expected
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage is not None and done.usage.completion_tokens == 25
+    pieces = list(
+        c.completions.create(
+            model="tiny", prompt="def main():", max_tokens=25, temperature=0, stream=True
+        )
+    )
+    assert len(pieces) > 3
+    assert "".join(p.choices[0].text for p in pieces) == expected
+    assert pieces[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_client_sees_bad_requests_as_its_own_errors(
+    client: tuple[openai.OpenAI, GPT],
+) -> None:
+    c, _ = client
+    with pytest.raises(openai.BadRequestError, match="'n' = 3 is not supported"):
+        c.completions.create(model="tiny", prompt="x", n=3)
+    with pytest.raises(openai.NotFoundError, match="does not generate text"):
+        c.completions.create(model="gpt-4", prompt="x")
