@@ -194,6 +194,8 @@ def test_stop_sequence_seed_and_sampling_over_http(served: tuple[GPT, str, Any])
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ({"prompt": "x", "model": "cifar"}, 404, "does not generate text"),
         ({"max_tokens": 3}, 400, "'prompt'"),
+        # Past torch.Generator's seed range: once a 503 "shutting down" from the sampler.
+        ({"prompt": "x", "seed": 2**80}, 400, "'seed'"),
     ],
 )
 def test_bad_requests_get_one_sentence(

@@ -37,7 +37,7 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # torch.Generator.manual_seed's range
     stop: Stop | list[Stop] | None = Field(None)
     stream: bool = False
     user: str | None = None
