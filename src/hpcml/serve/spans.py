@@ -2,11 +2,12 @@
 
 One trace per request: a root span `hpcml.infer` (model, version, protocol, status code) with
 children `receive` (reading and parsing the body), `queue` (waiting in the dynamic batcher),
-`compute` (the batched forward pass it shared, with the batch's number and size) and `respond` (encoding the
-answer). The batcher times queue and compute with `time.perf_counter`; the spans are written
-when the request ends, from those readings placed on the wall clock of the request's start, so
-tracing adds nothing to the batcher's loop. A request that fails ends its root span with an
-error status and the children it reached.
+`compute` (the batched forward pass it shared, with the batch's number and size) and `respond`
+(encoding the answer). The batcher times queue and compute with `time.perf_counter`; the spans
+are written when the request ends, from those readings placed on the wall clock through one
+anchor all requests share, so tracing adds nothing to the batcher's loop and the requests of a
+batch show the same compute span. A request that fails ends its root span with an error status
+and the children it reached.
 """
 
 from __future__ import annotations
