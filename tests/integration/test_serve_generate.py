@@ -25,12 +25,13 @@ import httpx
 import pytest
 import torch
 from tests.conftest import system_binary
+from tests.unit.generate_util import served_reference as reference
+from tests.unit.generate_util import widen
 
 from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
 from hpcml.serve.app import bind_socket, build_app
 from hpcml.serve.config import ServeConfig
-from hpcml.serve.generate.sampling import ByteTokenizer
 from hpcml.serve.loadtest import wait_ready
 from hpcml.serve.testing import running_server
 
@@ -43,32 +44,13 @@ ARGS = {
     "tie_embeddings": False,
 }
 NAME = "poet"
-TOK = ByteTokenizer()
 
 
 def make_model() -> GPT:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**ARGS)).eval()
-    with torch.no_grad():
-        # Untied, std 0.3 (norms kept): a random model whose greedy outputs depend on the
-        # context (GPT-2's init repeats one token).
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.3)
+    widen(model)  # a random model whose greedy outputs depend on the context
     return model
-
-
-def reference(model: GPT, prompt: str, max_tokens: int) -> str:
-    tokens = TOK.encode(prompt)
-    out: list[int] = []
-    with torch.inference_mode():
-        for _ in range(max_tokens):
-            logits = model(torch.tensor([tokens + out]))[0, -1]
-            assert float(logits.abs().max()) < 10, "logits outside the range the bound assumes"
-            top2 = torch.topk(logits, 2).values
-            assert float(top2[0] - top2[1]) > 1e-3, "near-tie in the reference"
-            out.append(int(torch.argmax(logits)))
-    return TOK.decode(out)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
+from tests.unit.generate_util import served_reference, widen
 
 from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
@@ -28,12 +29,7 @@ ARGS = {
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, GPT]]:
     torch.manual_seed(1)
     model = GPT(GPTConfig(**ARGS)).eval()
-    with torch.no_grad():
-        # Untied, std 0.3 (norms kept): a random model whose greedy outputs depend on the
-        # context (GPT-2's init repeats one token).
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.3)
+    widen(model)  # a random model whose greedy outputs depend on the context
     export = save_export(
         tmp_path_factory.mktemp("run") / "export",
         model,
@@ -49,23 +45,9 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.Op
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), model
 
 
-def greedy(model: GPT, prompt: str, n: int) -> str:
-    """Full recompute per token; float32 ties: see test_serve_generate.py (margin asserted)."""
-    tokens = list(prompt.encode())
-    out: list[int] = []
-    with torch.inference_mode():
-        for _ in range(n):
-            logits = model(torch.tensor([tokens + out]))[0, -1]
-            assert float(logits.abs().max()) < 10, "logits outside the range the bound assumes"
-            top2 = torch.topk(logits, 2).values
-            assert float(top2[0] - top2[1]) > 1e-3, "near-tie in the reference"
-            out.append(int(torch.argmax(logits)))
-    return bytes(out).decode("utf-8", errors="replace")
-
-
 def test_openai_client_completes_and_streams(client: tuple[openai.OpenAI, GPT]) -> None:
     c, model = client
-    expected = greedy(model, "def main():", 25)
+    expected = served_reference(model, "def main():", 25)
     done = c.completions.create(model="tiny", prompt="def main():", max_tokens=25, temperature=0)
     assert done.choices[0].text == expected
     assert done.choices[0].finish_reason == "length"

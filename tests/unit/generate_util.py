@@ -52,6 +52,23 @@ def reference(model: GPT, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
+def served_reference(model: GPT, prompt: str, max_tokens: int) -> str:
+    """The text a float32 server must answer for a greedy request: full recompute per token.
+    The server batches, so its logits differ from these by rounding only (see
+    tests/integration/test_serve_generate.py for the bound); the range and the 1e-3 gap between
+    the best two logits are asserted so no rounding difference can flip a token."""
+    tokens = list(prompt.encode("utf-8"))
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([tokens + out]))[0, -1]
+            assert float(logits.abs().max()) < 10, "logits outside the range the bound assumes"
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) > 1e-3, "near-tie in the reference"
+            out.append(int(torch.argmax(logits)))
+    return bytes(out).decode("utf-8", errors="replace")
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny matrices: one intra-op thread is several times faster than two on a busy 2-core
