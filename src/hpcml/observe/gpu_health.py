@@ -94,23 +94,30 @@ def _nvml() -> Any | None:
     return pynvml
 
 
-def _clock_reasons(nv: Any, handle: Any) -> list[str]:
+def clock_event_mask(nv: Any, handle: Any) -> int:
+    """The device's clock event (throttle) reason bits, by whichever name this NVML has."""
     get = (
         getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
         or nv.nvmlDeviceGetCurrentClocksThrottleReasons
     )
-    return reason_names(nv, int(get(handle)))
+    return int(get(handle))
+
+
+def _clock_reasons(nv: Any, handle: Any) -> list[str]:
+    return reason_names(nv, clock_event_mask(nv, handle))
 
 
 def reason_names(nv: Any, mask: int) -> list[str]:
-    """The clock event reasons set in `mask`, by NVML's constant names without the prefix."""
+    """The clock event reasons set in `mask`, by NVML's constant names without the prefix
+    (the catch-alls All, None and Unknown left out)."""
     names = []
     for attr in dir(nv):
         for prefix in ("nvmlClocksEventReason", "nvmlClocksThrottleReason"):
             if attr.startswith(prefix):
                 bit = getattr(nv, attr)
                 name = attr.removeprefix(prefix)
-                if isinstance(bit, int) and bit and mask & bit == bit and name != "All":
+                skip = name in ("All", "None", "Unknown")
+                if isinstance(bit, int) and bit and mask & bit == bit and not skip:
                     names.append(name)
     return sorted(set(names))
 

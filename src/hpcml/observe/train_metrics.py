@@ -208,19 +208,17 @@ def _gpu_reader(index: int | None) -> Callable[[list[str]], Iterator[Any]] | Non
         import pynvml
     except ImportError:
         return None
-    try:
-        import torch
+    from hpcml.observe.gpu_health import clock_event_mask, cuda_uuid
 
+    try:
         pynvml.nvmlInit()
         # By UUID: NVML numbers all GPUs, CUDA only the visible ones (CUDA_VISIBLE_DEVICES).
-        uuid = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+        uuid = cuda_uuid(index)
+        if uuid is None:
+            return None
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
     except (pynvml.NVMLError, RuntimeError, AssertionError):
         return None
-    throttle = (
-        getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
-    )
 
     def read(lv: list[str]) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
@@ -242,7 +240,7 @@ def _gpu_reader(index: int | None) -> Callable[[list[str]], Iterator[Any]] | Non
                 handle, pynvml.NVML_CLOCK_SM
             )
             * 1e6,
-            "hpcml_gpu_throttle_reasons": lambda: throttle(handle),
+            "hpcml_gpu_throttle_reasons": lambda: clock_event_mask(pynvml, handle),
         }
         for name, read_one in readings.items():
             try:

@@ -157,29 +157,18 @@ def nvml_state(device: torch.device) -> dict[str, Any] | None:
     except ImportError:
         return None
     try:
+        from hpcml.observe.gpu_health import clock_event_mask, cuda_uuid, reason_names
+
         pynvml.nvmlInit()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        reasons_of = (
-            getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-            or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        )
-        mask = int(reasons_of(handle))
-        names = sorted(
-            name.split("Reason", 1)[1]
-            for name in dir(pynvml)
-            if name.startswith(("nvmlClocksEventReason", "nvmlClocksThrottleReason"))
-            and not name.endswith(("All", "None", "Unknown"))
-            and isinstance(getattr(pynvml, name), int)
-            and getattr(pynvml, name) & mask
-        )
+        handle = pynvml.nvmlDeviceGetHandleByUUID(cuda_uuid(index))
+        mask = clock_event_mask(pynvml, handle)
         return {
             "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
             "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
             "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
             "power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-            "clock_event_reasons": sorted(set(names)),
+            "clock_event_reasons": reason_names(pynvml, mask),
             "clock_event_mask": mask,
         }
     except Exception as exc:  # noqa: BLE001 - NVMLError and friends: report, never fail training
