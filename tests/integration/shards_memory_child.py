@@ -34,7 +34,7 @@ def main() -> None:
     # Warm-up on the first shard only (unshuffled): it must not map the shards whose cost the
     # limit is there to catch.
     warm = ShardSet(a.shards, "train", cache_shards=1, with_ids=True)
-    warm_loader = EpochLoader(warm, DataConfig(batch_size=64, shuffle=False), 0, 1, 0, False)
+    warm_loader = EpochLoader(warm, DataConfig(batch_size=16, shuffle=False), 0, 1, 0, False)
     for _ in range(3):
         warm_loader.next()
     del warm_loader, warm
@@ -42,7 +42,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     ds = ShardSet(a.shards, "train", cache_shards=a.cache_shards, with_ids=True)
-    ld = EpochLoader(ds, DataConfig(batch_size=64), 0, 1, 0, False)
+    ld = EpochLoader(ds, DataConfig(batch_size=16), 0, 1, 0, False)
     seen: set[int] = set()
     count = 0
     while True:
