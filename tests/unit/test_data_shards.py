@@ -71,14 +71,17 @@ def test_version_follows_the_bytes_and_diff_names_what_changed(tmp_path):
     res = CliRunner().invoke(
         app, ["data", "diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json"]
     )
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # differ: 1, as diff(1) and git diff --exit-code
     diff = json.loads(res.stdout)
     assert diff["same"] is False and diff["a"]["version"] == va and diff["b"]["version"] == vc
     assert {c["key"] for c in diff["changes"]} == {"train.shards", "val.shards"}
     res = CliRunner().invoke(
         app, ["data", "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]
     )
-    assert json.loads(res.stdout) == {**json.loads(res.stdout), "same": True, "changes": []}
+    same = json.loads(res.stdout)
+    assert res.exit_code == 0 and same["same"] is True and same["changes"] == []
+    res = CliRunner().invoke(app, ["data", "diff", str(tmp_path / "a"), str(tmp_path / "c")])
+    assert res.exit_code == 1 and "train.shards" in res.output
 
 
 def test_a_corrupted_or_missing_shard_is_one_sentence(tmp_path):

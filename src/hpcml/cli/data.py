@@ -170,7 +170,10 @@ def diff(
     b: Path = typer.Argument(..., help="Another shard set folder."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """What differs between two shard sets: version, source, transform, samples, shards."""
+    """What differs between two shard sets: version, source, transform, samples, shards.
+
+    Exits 0 when both are the same version, 1 when they differ (as diff(1) does), 2 on bad
+    input."""
     from hpcml.data.shards import read_manifest, version_id
 
     ma, mb = read_manifest(a), read_manifest(b)
@@ -202,6 +205,8 @@ def diff(
     }
     if json_out:
         print_json(result)
+        if va != vb:
+            raise typer.Exit(1)
         return
     if va == vb:
         console.print(f"same version {va}", highlight=False)
@@ -215,3 +220,4 @@ def diff(
             emoji=False,
             markup=False,
         )
+    raise typer.Exit(1)
