@@ -454,8 +454,8 @@ class Router:
         stats.primary_latency_s_sum += result.queue_s + result.compute_s
         m.shadow_requests.labels(model.name, shadow_version, "compared").inc()
         m.shadow_samples.labels(model.name, shadow_version).inc(a.shape[0])
-        if disagree:
-            m.shadow_disagreements.labels(model.name, shadow_version).inc(disagree)
+        # Counted at 0 too: a series that exists tells "compared, none differ" from "no shadow".
+        m.shadow_disagreements.labels(model.name, shadow_version).inc(disagree)
         m.shadow_latency.labels(model.name, shadow_version).observe(latency_s)
 
     # Traffic changes (admin endpoints). Each replaces the policy in one assignment.

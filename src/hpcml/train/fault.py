@@ -384,6 +384,13 @@ class FaultGuard:
         self.warn(f"step {n}: the loss was {what}; rolled back to {target}, skipping that batch.")
         return Path(target)
 
+    def straggler_series(self) -> dict[int, int]:
+        """Flags per rank for the metrics: every rank at 0 while the comparison runs (a counter
+        that exists at 0 tells "checked, none slow" from "not checked"), none when it is off."""
+        if not (self.fc.straggler_every and self.rt.world_size > 1):
+            return dict(self.stragglers)
+        return {r: self.stragglers.get(r, 0) for r in range(self.rt.world_size)}
+
     def _check_stragglers(self, n: int) -> None:
         """Every rank at the same step: compare compute times (see hpcml.train.straggler)."""
         for event in straggler.compare(self.rt, self.timer, self.fc.straggler_factor, n):

@@ -395,7 +395,7 @@ class Trainer:
         hook = self.fault_hook
         records = self.meter.flush(hook.flush_flags() if hook else None)
         if self.exporter is not None:
-            self.exporter.update(records, self.guard.counts, self.guard.stragglers)
+            self.exporter.update(records, self.guard.counts, self.guard.straggler_series())
         return hook.on_flushed(records, self.meter.flags) if hook else False
 
     # --- evaluation, checkpoints -------------------------------------------------------------
