@@ -88,3 +88,17 @@ def test_unusable_summaries(over: dict[str, Any], needle: str) -> None:
         del data["model"]
     with pytest.raises(PlanError, match=needle):
         setup_from_summary(data, CAT, "run")
+
+
+def test_a_cpu_run_is_planned_with_the_threads_each_rank_had() -> None:
+    """The summary's `device.threads` sets a CPU rank's peak (the catalog's CPU peak is for 8
+    cores); a summary from before threads were recorded gets the runtime's rule, the host's
+    cores split between the ranks (2 cores, 2 ranks: 1 thread each)."""
+    full = CAT.accelerator("cpu").peak("fp32")
+    cpu = {"type": "cpu", "name": "x86_64", "count": 16}
+    four = setup_from_summary(summary(device={**cpu, "threads": 4}), CAT, "run")
+    assert four.cluster.accelerator.peak("fp32") == pytest.approx(full * 4 / 8)
+    old = setup_from_summary(summary(), CAT, "run")
+    assert old.cluster.accelerator.peak("fp32") == pytest.approx(full * 1 / 8)
+    one = setup_from_summary(summary(world_size=1, device={**cpu, "count": 2}), CAT, "run")
+    assert one.cluster.accelerator.peak("fp32") == pytest.approx(full * 2 / 8)

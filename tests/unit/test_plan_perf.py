@@ -85,7 +85,9 @@ def test_calibration_recovers_a_software_cost_per_collective() -> None:
             lay = Layout(zero=zero, micro_batch=8)
             t = step_time(m, lay, Training("fp32"), cluster, truth).step_s
             points.append(CalibrationPoint(m, lay, Training("fp32"), cluster, t, f"{name}{zero}"))
-    fit = calibrate(points)
+    # These models' tensor counts differ, so by default a cost per tensor would replace the
+    # per-step overhead the points were made with: this test asks for the overhead.
+    fit = calibrate(points, fit_tensors=False)
     # The points are exact, so the fit is limited only by the golden-section search's
     # tolerance on the efficiency (60 steps over a factor of 4e5: far below 1e-3).
     assert fit.efficiency == pytest.approx(0.05, rel=1e-3)
@@ -97,6 +99,56 @@ def test_calibration_recovers_a_software_cost_per_collective() -> None:
     for name, units in (("resnet18", 10), ("gpt-tiny", 3)):
         z3 = step_time(model_shape(name), Layout(zero=3), Training(), cluster, truth)
         assert sum(c.calls_per_step for c in z3.comm) == 3 * units
+
+
+def test_calibration_recovers_software_costs_per_tensor_and_under_tp() -> None:
+    """Points made from a known efficiency and known costs per collective, per parameter
+    tensor and per tensor under TP, on models whose tensor counts differ and with and without
+    tensor parallelism: the fit finds every term. A step time that dropped a tensor term, or
+    counted tensors of the whole model under pipeline parallelism, would miss them."""
+    cluster = resolve_cluster(CAT, 2, accelerator="cpu")
+    truth = Calibration(
+        0.05, collective_overhead_s=0.004, tensor_overhead_s=3e-4, tp_tensor_overhead_s=2e-3
+    )
+    points = []
+    for name in ("gpt-tiny", "gpt2-small", "mlp", "resnet18"):
+        m = model_shape(name)
+        layouts = [Layout(micro_batch=4), Layout(zero=3, micro_batch=4)]
+        if m.is_transformer:
+            layouts.append(Layout(tp=2, micro_batch=4))
+        for lay in layouts:
+            t = step_time(m, lay, Training("fp32"), cluster, truth).step_s
+            points.append(CalibrationPoint(m, lay, Training("fp32"), cluster, t, name))
+    fit = calibrate(points)
+    assert fit.overhead_s == 0.0  # replaced by the per-tensor cost (see calibrate)
+    # Exact points: limited by the golden-section search's tolerance on the efficiency.
+    assert fit.efficiency == pytest.approx(0.05, rel=1e-3)
+    assert fit.collective_overhead_s == pytest.approx(0.004, rel=1e-3)
+    assert fit.tensor_overhead_s == pytest.approx(3e-4, rel=1e-3)
+    assert fit.tp_tensor_overhead_s == pytest.approx(2e-3, rel=1e-3)
+    # The tensor cost counts a pipeline stage's tensors, once per micro-batch.
+    m = model_shape("gpt2-small")
+    one = Calibration(1.0, tensor_overhead_s=1.0)
+    four = Layout(grad_accum=4)
+    staged = Layout(pp=2, grad_accum=4)
+    t_four = step_time(m, four, Training(), cluster, one).overhead_s
+    t_staged = step_time(m, staged, Training(), cluster, one).overhead_s
+    assert t_four == pytest.approx(4 * m.param_tensors)
+    assert t_staged == pytest.approx(2 * m.param_tensors)
+
+
+def test_a_cpu_rank_computes_with_its_threads() -> None:
+    """Two ranks on one host get half the cores each (hpcml's runtime), so each predicts twice
+    the single process's compute time; the catalog's CPU peak is for its `cores`."""
+    acc = CAT.accelerator("cpu")
+    assert acc.cores == 8
+    assert acc.per_threads(2).peak("fp32") == pytest.approx(acc.peak("fp32") / 4)
+    m = model_shape("resnet18")
+    one = resolve_cluster(CAT, 1, accelerator="cpu")
+    two = resolve_cluster(CAT, 2, accelerator="cpu")
+    t1 = step_time(m, Layout(), Training(), replace(one, accelerator=acc.per_threads(2)))
+    t2 = step_time(m, Layout(), Training(), replace(two, accelerator=acc.per_threads(1)))
+    assert t2.compute_s == pytest.approx(2 * t1.compute_s)
 
 
 def test_advise_ranks_fitting_layouts() -> None:

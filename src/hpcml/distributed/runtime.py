@@ -232,6 +232,9 @@ def device_info(rt: Runtime) -> dict[str, Any]:
         "type": "cpu",
         "name": platform.processor() or platform.machine(),
         "count": os.cpu_count() or 1,
+        # What this rank computes with (the planner scales a CPU's peak by it).
+        "threads": torch.get_num_threads(),
+        "ranks_per_host": rt.local_world_size,
     }
 
 

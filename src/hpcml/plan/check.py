@@ -201,6 +201,16 @@ def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
     return ()
 
 
+def _cpu_threads(device: Mapping[str, Any], world: int) -> int | None:
+    """Threads one CPU rank computed with: recorded by hpcml train, or for summaries written
+    before it was, the rule hpcml's runtime applies (the host's cores split evenly between the
+    ranks, all on one host)."""
+    if device.get("threads"):
+        return int(device["threads"])
+    cores = device.get("count")
+    return max(1, int(cores) // max(1, world)) if cores else None
+
+
 def setup_from_summary(
     summary: Mapping[str, Any],
     catalog: Catalog,
@@ -231,6 +241,9 @@ def setup_from_summary(
             )
         acc_key = acc.key
     cluster = resolve_cluster(catalog, world, accelerator=acc_key)
+    threads = _cpu_threads(device, world) if dev_type == "cpu" else None
+    if threads is not None:
+        cluster = replace(cluster, accelerator=cluster.accelerator.per_threads(threads))
 
     precision = str(summary.get("precision") or config.get("precision") or "fp32")
     # hpcml train uses torch autocast for bf16/fp16: weights and gradients stay fp32.
@@ -356,18 +369,32 @@ def memory_rows(mem: MemoryBreakdown, ranks: Sequence[Mapping[str, Any]]) -> lis
     return rows
 
 
-def leave_one_model_out(setups: Sequence[RunSetup], overlap: float = 1.0) -> list[CheckReport]:
-    """Each run's step time predicted with a calibration (one efficiency and one overhead for
-    the hardware) fitted on the runs of every *other* model on the same hardware and, on CPU,
-    the same number of processes (they share cores). Memory needs no calibration."""
+def _model_key(shape: ModelShape) -> tuple[str, int]:
+    """A model is its architecture and size: gpt-tiny at 2 x 64 and at 4 x 128 are two."""
+    return shape.name, shape.params
+
+
+def _model_label(shape: ModelShape) -> str:
+    return f"{shape.name} ({shape.params / 1e6:.2f}M)"
+
+
+def leave_one_model_out(
+    setups: Sequence[RunSetup], overlap: float = 1.0, hold_out: str = "model"
+) -> list[CheckReport]:
+    """Each run's step time predicted with a calibration of the hardware fitted on the runs of
+    every *other* model on the same hardware, whatever their number of processes (on a CPU
+    the peak of a rank follows the threads it computes with: `_cpu_threads`). A model is an
+    architecture at one size; `hold_out="family"` leaves out every size of the architecture
+    (gpt-tiny at 2 x 64 is then not calibrated with gpt-tiny at 4 x 128). Memory needs no
+    calibration."""
+    key = _model_key if hold_out == "model" else (lambda shape: (shape.name, 0))
     reports = []
     for s in setups:
         others = [
             o
             for o in setups
-            if o.model.name != s.model.name
+            if key(o.model) != key(s.model)
             and o.cluster.accelerator.key == s.cluster.accelerator.key
-            and (s.cluster.accelerator.key != "cpu" or o.cluster.devices == s.cluster.devices)
             and o.measured_step_s
         ]
         if not others:
@@ -375,7 +402,7 @@ def leave_one_model_out(setups: Sequence[RunSetup], overlap: float = 1.0) -> lis
             continue
         cal = calibrate_from(others, overlap)
         rep = check_run(s, calibration=cal, overlap=overlap)
-        names = sorted({o.model.name for o in others})
+        names = sorted({_model_label(o.model) for o in others})
         note = f"step time calibrated on {len(others)} runs of {', '.join(names)} (not this model)"
         reports.append(replace(rep, notes=(*rep.notes, note)))
     return reports

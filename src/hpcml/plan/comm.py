@@ -257,7 +257,9 @@ def step_communication(
             dp_g,
             "compute",
         )
-        add("ZeRO-3 gradient reduce-scatter", "reducescatter", grad_size / u, m * u, dp_g, "compute")
+        add(
+            "ZeRO-3 gradient reduce-scatter", "reducescatter", grad_size / u, m * u, dp_g, "compute"
+        )
 
     if model.is_transformer:
         layers = math.ceil(model.layers / layout.pp)

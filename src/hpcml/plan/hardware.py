@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -50,6 +50,18 @@ class Accelerator:
     purchase_usd_per_gpu: float | None = None
     purchase_as_of: str = ""
     source: str = ""
+    cores: int | None = None
+    """CPU entries: the cores the peak figures are for. A CPU "device" is one process, which
+    computes with the threads it is given: see `per_threads`."""
+
+    def per_threads(self, threads: int) -> Accelerator:
+        """A CPU process computing with `threads` threads: the peak scaled to that share of the
+        entry's cores. hpcml gives each of N ranks on one host cores // N threads, so one
+        rank of two on a 2-core machine has half the single process's peak."""
+        if not self.cores or threads < 1:
+            return self
+        share = threads / self.cores
+        return replace(self, peak_flops={k: v * share for k, v in self.peak_flops.items()})
 
     def peak(self, precision: str) -> float:
         """Dense peak FLOP/s at `precision`; tf32 falls back to fp32 where there is none (CPU)."""
@@ -217,6 +229,7 @@ def _build_accelerator(key: str, d: Mapping[str, Any], origin: str) -> Accelerat
             purchase_usd_per_gpu=float(purchase) if purchase is not None else None,
             purchase_as_of=str(d.get("purchase_as_of", "")),
             source=str(d.get("source", "")),
+            cores=int(d["cores"]) if d.get("cores") is not None else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(

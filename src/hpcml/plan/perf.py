@@ -1,9 +1,10 @@
 """Step time, throughput and MFU of a training layout, their scaling over device counts, and
 the calibration of the compute efficiency from measured step times.
 
-step = overhead + (m + (p-1)/v) x (compute + critical communication per micro-batch)
+step = (m + (p-1)/v) x (compute + critical communication per micro-batch)
        + exposed data-parallel communication + optimizer step
-       + collectives per step x software cost per collective,
+       + software time: a fixed overhead + collectives per step x cost per collective
+         + parameter tensors x micro-batches x cost per tensor (more under tensor parallelism),
 with the pipeline bubble of Narayanan et al. 2021 (Sec. 2.2) and MFU as PaLM defines it
 (Chowdhery et al. 2022, Appendix B).
 
@@ -13,6 +14,9 @@ redistribution, gloo's TCP round trips), which the link's alpha-beta model does 
 is zero unless fitted: calibrated from measured runs with different collective counts, and
 with ZeRO-3's collectives counted per gathered unit, it took hpcml's own CPU table from 10 to
 17 of 29 runs within 25%, out of sample, on the same measurements (benchmarks/plan_check.py).
+The cost per parameter tensor (the framework's dispatch of each layer's operations, and
+DTensor's sharding propagation on top under tensor parallelism), with a CPU rank's peak taken
+from the threads it computes with (`Accelerator.per_threads`), took that table to 25 of 29.
 """
 
 from __future__ import annotations
@@ -49,12 +53,19 @@ class Calibration:
     """measured / predicted of each calibration point after fitting."""
     collective_overhead_s: float = 0.0
     """software time per collective call, exposed (not hidden behind compute)."""
+    tensor_overhead_s: float = 0.0
+    """software time per parameter tensor and micro-batch: the dispatch and kernel launches of
+    the layer that owns it in forward and backward, and its share of the optimizer step."""
+    tp_tensor_overhead_s: float = 0.0
+    """the same, added under tensor parallelism (DTensor's sharding propagation per op)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "efficiency": self.efficiency,
             "overhead_s": self.overhead_s,
             "collective_overhead_s": self.collective_overhead_s,
+            "tensor_overhead_s": self.tensor_overhead_s,
+            "tp_tensor_overhead_s": self.tp_tensor_overhead_s,
             "source": self.source,
             "residuals": list(self.residuals),
         }
@@ -152,6 +163,16 @@ def optimizer_step_s(
     return n * traffic / cluster.accelerator.memory_bandwidth_bytes_per_s
 
 
+def tensor_dispatches(model: ModelShape, layout: Layout) -> float:
+    """Parameter tensors of a pipeline stage x micro-batches: what the per-tensor software
+    cost multiplies (0 for a model given by its parameter count alone)."""
+    return model.param_tensors / layout.pp * layout.grad_accum
+
+
+def tp_tensor_dispatches(model: ModelShape, layout: Layout) -> float:
+    return tensor_dispatches(model, layout) if layout.tp > 1 else 0.0
+
+
 def step_time(
     model: ModelShape,
     layout: Layout,
@@ -210,7 +231,13 @@ def step_time(
 
     opt = optimizer_step_s(model, layout, training, cluster, dp)
     calls = sum(c.calls_per_step for c in items)
-    step = cal.overhead_s + compute + bubble + exposed + opt + calls * cal.collective_overhead_s
+    software = (
+        cal.overhead_s
+        + calls * cal.collective_overhead_s
+        + tensor_dispatches(model, layout) * cal.tensor_overhead_s
+        + tp_tensor_dispatches(model, layout) * cal.tp_tensor_overhead_s
+    )
+    step = compute + bubble + exposed + opt + software
     samples = dp * b * m
     return StepEstimate(
         devices=cluster.devices,
@@ -225,7 +252,7 @@ def step_time(
         dp_comm_s=dp_comm,
         exposed_dp_comm_s=exposed - zero_gather,
         optimizer_s=opt,
-        overhead_s=cal.overhead_s + calls * cal.collective_overhead_s,
+        overhead_s=software,
         step_s=step,
         model_flops_per_step=model.model_flops_per_sample() * samples,
         hardware_flops_per_step=hw_per_sample * samples,
@@ -302,35 +329,47 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, iters: int = 
     return (a + b) / 2
 
 
-def _fixed_terms(
-    rel: Sequence[float], u: Sequence[float], v: Sequence[float], fit_o: bool, fit_c: bool
-) -> tuple[float, float]:
-    """Non-negative (overhead, per-collective cost) minimising sum (rel - o u - c v)^2: the
-    unconstrained 2x2 least squares, else the best of the one-term fits and zero."""
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when `a` is (nearly) singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max((abs(x) for row in a for x in row), default=0.0)
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) <= 1e-12 * scale:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
 
-    def one(x: Sequence[float]) -> float:
-        xx = sum(a * a for a in x)
-        return max(0.0, sum(a * r for a, r in zip(x, rel, strict=True)) / xx) if xx > 0 else 0.0
 
-    def sse(o: float, c: float) -> float:
-        return sum((r - o * a - c * b) ** 2 for r, a, b in zip(rel, u, v, strict=True))
+def _fixed_terms(rel: Sequence[float], cols: Sequence[Sequence[float]]) -> list[float]:
+    """Non-negative coefficients x minimising sum (rel - sum_j x_j cols_j)^2: the least
+    squares on every subset of the columns, kept where all coefficients are >= 0, the best of
+    those (exact non-negative least squares for the handful of terms here)."""
+    k = len(cols)
 
-    cands = [(0.0, 0.0)]
-    if fit_o:
-        cands.append((one(u), 0.0))
-    if fit_c:
-        cands.append((0.0, one(v)))
-    if fit_o and fit_c:
-        uu, vv = sum(a * a for a in u), sum(b * b for b in v)
-        uv = sum(a * b for a, b in zip(u, v, strict=True))
-        ur = sum(a * r for a, r in zip(u, rel, strict=True))
-        vr = sum(b * r for b, r in zip(v, rel, strict=True))
-        det = uu * vv - uv * uv
-        if det > 1e-12 * uu * vv:
-            o, c = (ur * vv - vr * uv) / det, (vr * uu - ur * uv) / det
-            if o >= 0 and c >= 0:
-                cands.append((o, c))
-    return min(cands, key=lambda oc: sse(*oc))
+    def sse(x: Sequence[float]) -> float:
+        return sum((r - sum(x[j] * cols[j][i] for j in range(k))) ** 2 for i, r in enumerate(rel))
+
+    best, best_sse = [0.0] * k, sse([0.0] * k)
+    for mask in range(1, 2**k):
+        idx = [j for j in range(k) if mask >> j & 1]
+        a = [[sum(x * y for x, y in zip(cols[p], cols[q], strict=True)) for q in idx] for p in idx]
+        b = [sum(x * r for x, r in zip(cols[p], rel, strict=True)) for p in idx]
+        sol = _solve(a, b)
+        if sol is None or min(sol) < 0:
+            continue
+        x = [0.0] * k
+        for j, v in zip(idx, sol, strict=True):
+            x[j] = v
+        e = sse(x)
+        if e < best_sse:
+            best, best_sse = x, e
+    return best
 
 
 def calibrate(
@@ -338,12 +377,20 @@ def calibrate(
     fit_overhead: bool | None = None,
     overlap: float = 1.0,
     fit_collectives: bool | None = None,
+    fit_tensors: bool | None = None,
 ) -> Calibration:
-    """Fit the compute efficiency and, from two or more points, a fixed per-step overhead and
-    (from three or more whose collective counts differ) a software cost per collective, that
-    make predicted step times match measured ones.
+    """Fit the compute efficiency and the software costs that make predicted step times match
+    measured ones: per collective call (from three or more points whose collective counts
+    differ), per parameter tensor (from three or more points whose tensor counts differ) and
+    per tensor under tensor parallelism (when some points use it and some do not), or, where
+    tensor counts are unknown or all equal, a fixed per-step overhead (from two or more).
 
-    For a given efficiency the two fixed terms enter linearly, so they are solved in closed
+    The per-tensor cost replaces the per-step overhead when both could be fitted: a step's
+    framework time grows with the operations it dispatches, and on hpcml's CPU table (29 runs,
+    5 models, benchmarks/plan_check.py) a constant beside it took the rows within 25% out of
+    sample from 25 to 22 (the mlp, with 6 tensors, got the constant as its software time).
+
+    For a given efficiency the software terms enter linearly, so they are solved in closed
     form (non-negative least squares on relative errors); the efficiency is then the golden-
     section minimum of the squared log-ratios over (1e-5, 4)."""
     if not points:
@@ -351,16 +398,29 @@ def calibrate(
     for p in points:
         if not p.measured_step_s > 0:
             raise PlanError(f"run {p.label or '?'} has no positive measured step time.")
-    fit_overhead = len(points) >= 2 if fit_overhead is None else fit_overhead
     calls = [
         sum(c.calls_per_step for c in step_communication(p.model, p.layout, p.training, p.cluster))
         for p in points
     ]
+    tensors = [tensor_dispatches(p.model, p.layout) for p in points]
+    tp_tensors = [tp_tensor_dispatches(p.model, p.layout) for p in points]
+    if fit_tensors is None:
+        fit_tensors = len(points) >= 3 and len(set(tensors)) > 1
+    fit_tp = fit_tensors and any(tp_tensors) and not all(tp_tensors)
+    if fit_overhead is None:
+        fit_overhead = len(points) >= 2 and not fit_tensors
     if fit_collectives is None:
         fit_collectives = len(points) >= 3 and len(set(calls)) > 1
     measured = [p.measured_step_s for p in points]
-    u = [1.0 / m for m in measured]
-    v = [n / m for n, m in zip(calls, measured, strict=True)]
+    counts = [
+        ("overhead", fit_overhead, [1.0] * len(points)),
+        ("collective", fit_collectives, calls),
+        ("tensor", fit_tensors, tensors),
+        ("tp_tensor", fit_tp, tp_tensors),
+    ]
+    fitted = [
+        (name, [n / m for n, m in zip(c, measured, strict=True)]) for name, on, c in counts if on
+    ]
 
     def solve(eff: float) -> tuple[Calibration, float]:
         base = [
@@ -368,18 +428,32 @@ def calibrate(
             for p in points
         ]
         rel = [1.0 - b / m for b, m in zip(base, measured, strict=True)]
-        o, c = _fixed_terms(rel, u, v, fit_overhead, fit_collectives)
-        loss = sum(
-            math.log(m / (b + o + c * n)) ** 2
-            for m, b, n in zip(measured, base, calls, strict=True)
+        x = dict(
+            zip([n for n, _ in fitted], _fixed_terms(rel, [c for _, c in fitted]), strict=True)
         )
-        return Calibration(eff, o, collective_overhead_s=c), loss
+        cal = Calibration(
+            eff,
+            x.get("overhead", 0.0),
+            collective_overhead_s=x.get("collective", 0.0),
+            tensor_overhead_s=x.get("tensor", 0.0),
+            tp_tensor_overhead_s=x.get("tp_tensor", 0.0),
+        )
+        extra = [
+            cal.overhead_s
+            + cal.collective_overhead_s * n
+            + cal.tensor_overhead_s * t
+            + cal.tp_tensor_overhead_s * tt
+            for n, t, tt in zip(calls, tensors, tp_tensors, strict=True)
+        ]
+        loss = sum(
+            math.log(m / (b + e)) ** 2 for m, b, e in zip(measured, base, extra, strict=True)
+        )
+        return cal, loss
 
     log_eff = _golden_min(lambda le: solve(math.exp(le))[1], math.log(1e-5), math.log(4.0))
     cal, _ = solve(math.exp(log_eff))
     residuals = tuple(
-        p.measured_step_s
-        / step_time(p.model, p.layout, p.training, p.cluster, cal, overlap).step_s
+        p.measured_step_s / step_time(p.model, p.layout, p.training, p.cluster, cal, overlap).step_s
         for p in points
     )
     labels = ", ".join(p.label for p in points if p.label) or f"{len(points)} run(s)"

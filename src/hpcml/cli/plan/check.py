@@ -159,7 +159,9 @@ def _print_report(report: Any, run_dir: Path) -> None:
     console.print(
         f"calibration: efficiency {cal_d.efficiency:.3g}, overhead "
         f"{cal_d.overhead_s * 1e3:.2f} ms/step, "
-        f"{cal_d.collective_overhead_s * 1e3:.2f} ms per collective ({cal_d.source})"
+        f"{cal_d.collective_overhead_s * 1e3:.2f} ms per collective, "
+        f"{cal_d.tensor_overhead_s * 1e3:.3f} ms per parameter tensor "
+        f"(+{cal_d.tp_tensor_overhead_s * 1e3:.3f} under TP) ({cal_d.source})"
     )
     for note in report.notes:
         console.print(f"note: {note}")
