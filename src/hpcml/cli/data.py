@@ -144,7 +144,7 @@ def _print_info(manifest: dict[str, Any], root: str | Path) -> None:
 
 @app.command("info")
 def info(
-    folder: Path = typer.Argument(..., help="A shard set folder."),
+    folder: str = typer.Argument(..., help="A shard set folder, or s3://BUCKET/PREFIX."),
     check: bool = typer.Option(
         False, "--verify", help="Also check every shard's sha256 against the manifest."
     ),
@@ -155,7 +155,7 @@ def info(
 
     manifest = read_manifest(folder)
     if check:
-        verify(folder, manifest)
+        verify(folder, manifest, deep=True)
     if json_out:
         print_json({**_info(manifest, folder), "verified": check})
         return
@@ -166,8 +166,8 @@ def info(
 
 @app.command("diff")
 def diff(
-    a: Path = typer.Argument(..., help="A shard set folder."),
-    b: Path = typer.Argument(..., help="Another shard set folder."),
+    a: str = typer.Argument(..., help="A shard set folder, or s3://BUCKET/PREFIX."),
+    b: str = typer.Argument(..., help="Another shard set folder, or s3://BUCKET/PREFIX."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """What differs between two shard sets: version, source, transform, samples, shards.

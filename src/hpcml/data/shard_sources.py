@@ -22,6 +22,7 @@ import numpy as np
 from hpcml import __version__
 from hpcml.config import DataConfig
 from hpcml.data import shards
+from hpcml.data.store import is_remote
 from hpcml.errors import DataError
 
 BUILTIN = ("digits", "cifar10", "synthetic", "tokens")
@@ -296,12 +297,13 @@ def load_shard_source(cfg: DataConfig) -> Any:
     )
 
 
-def check_shards(cfg: DataConfig) -> Path:
+def check_shards(cfg: DataConfig) -> str | Path:
+    """data.path of a shard set: a local folder, or an s3:// URL (`hpcml.data.store`)."""
     if cfg.path is None:
         raise DataError(
             "data source 'shards' needs data.path: a folder written by "
-            "`hpcml data shard SOURCE --out DIR`."
+            "`hpcml data shard SOURCE --out DIR`, or an s3://BUCKET/PREFIX holding one."
         )
-    root = Path(cfg.path).expanduser()
+    root: str | Path = cfg.path if is_remote(cfg.path) else Path(cfg.path).expanduser()
     shards.read_manifest(root)
     return root

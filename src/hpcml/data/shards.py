@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hpcml.data.store import Store
 from hpcml.errors import DataError
 
 FORMAT = "hpcml-shards/1"
@@ -64,19 +65,22 @@ def version_id(manifest: dict[str, Any]) -> str:
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:
-    root = Path(folder).expanduser()
-    path = root / MANIFEST
-    if not root.is_dir():
+    """The manifest of the shard set at `folder`: a local folder or an s3:// URL
+    (`hpcml.data.store`)."""
+    store = Store(folder)
+    path = store.describe(MANIFEST)
+    if not store.is_set():
         raise DataError(
-            f"shard folder {root} does not exist; write one with `hpcml data shard SOURCE --out {root}`."
+            f"shard folder {store.describe()} does not exist; write one with "
+            f"`hpcml data shard SOURCE --out {store.describe()}`."
         )
-    if not path.is_file():
+    if store.size(MANIFEST) is None:
         raise DataError(
-            f"{root} holds no {MANIFEST}, so it is not a shard set; write one with "
+            f"{store.describe()} holds no {MANIFEST}, so it is not a shard set; write one with "
             f"`hpcml data shard SOURCE --out DIR`."
         )
     try:
-        manifest: dict[str, Any] = json.loads(path.read_text())
+        manifest: dict[str, Any] = json.loads(store.read_bytes(MANIFEST).decode())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise DataError(f"{path} is not valid JSON; write the shard set again.") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -95,21 +99,32 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(folder: str | Path, manifest: dict[str, Any], splits: Iterable[str] = SPLITS) -> None:
-    """Every shard of `splits` exists with the size and sha256 the manifest records."""
-    root = Path(folder).expanduser()
+def verify(
+    folder: str | Path,
+    manifest: dict[str, Any],
+    splits: Iterable[str] = SPLITS,
+    deep: bool | None = None,
+) -> None:
+    """Every shard of `splits` exists with the size the manifest records and, when `deep`, the
+    sha256. By default deep for a local folder; for a remote set only sizes are checked here,
+    since every shard's sha256 is checked when it is read (`Store.open_shard`)."""
+    store = Store(folder)
+    deep = not store.remote if deep is None else deep
+    manifest_at = store.describe(MANIFEST)
     for split in splits:
         for shard in manifest["splits"].get(split, {}).get("shards", []):
-            path = root / shard["file"]
-            if not path.is_file():
+            name = shard["file"]
+            size = store.size(name)
+            if size is None:
                 raise DataError(
-                    f"shard {path} named in {root / MANIFEST} is missing; copy the whole shard "
-                    "set again or write it anew."
+                    f"shard {store.describe(name)} named in {manifest_at} is missing; copy the "
+                    "whole shard set again or write it anew."
                 )
-            if path.stat().st_size != shard["bytes"] or sha256_file(path) != shard["sha256"]:
+            if size != shard["bytes"] or (deep and store.sha256(name) != shard["sha256"]):
                 raise DataError(
-                    f"shard {path} does not match the sha256 in {root / MANIFEST} (corrupted or "
-                    "changed after writing); copy the shard set again or write it anew."
+                    f"shard {store.describe(name)} does not match the sha256 in {manifest_at} "
+                    "(corrupted or changed after writing); copy the shard set again or write "
+                    "it anew."
                 )
 
 
@@ -133,13 +148,15 @@ class ShardSet(Dataset[Any]):
         cache_shards: int = 4,
         with_ids: bool = False,
     ) -> None:
-        self.root = Path(folder).expanduser()
-        self.manifest = manifest or read_manifest(self.root)
+        self.store = Store(folder)
+        self.root = self.store.describe()
+        self.manifest = manifest or read_manifest(folder)
         entry = self.manifest["splits"].get(split)
         if entry is None or not entry["shards"]:
             raise DataError(f"shard set {self.root} has no {split!r} samples; write it again.")
         self.split = split
         self.files = [s["file"] for s in entry["shards"]]
+        self.sha256 = [s["sha256"] for s in entry["shards"]]
         counts = [int(s["samples"]) for s in entry["shards"]]
         self.starts = list(np.cumsum([0, *counts])[:-1].tolist())
         self.length = int(sum(counts))
@@ -157,8 +174,14 @@ class ShardSet(Dataset[Any]):
     def __len__(self) -> int:
         return self.length
 
-    def __getstate__(self) -> dict[str, Any]:  # workers open their own maps
-        return {**self.__dict__, "_open": OrderedDict(), "_batch": None}
+    def __getstate__(self) -> dict[str, Any]:  # workers open their own maps and clients
+        state = {**self.__dict__, "_open": OrderedDict(), "_batch": None}
+        state["store"] = self.store.location
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.store = Store(state["store"])
 
     def _reader(self, k: int) -> Any:
         import pyarrow as pa
@@ -171,9 +194,9 @@ class ShardSet(Dataset[Any]):
             old, _ = self._open.popitem(last=False)
             if self._batch is not None and self._batch[0] == old:
                 self._batch = None
-        path = self.root / self.files[k]
+        path = self.store.describe(self.files[k])
         try:
-            reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+            reader = self.store.open_shard(self.files[k], self.sha256[k])
         except (OSError, pa.ArrowInvalid) as exc:
             raise DataError(
                 f"shard {path} cannot be read ({exc}); check the shard set with "

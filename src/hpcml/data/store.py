@@ -1,0 +1,145 @@
+"""Where a shard set lives: a local folder, or a prefix in an S3-compatible bucket.
+
+S3 goes through pyarrow's own filesystem layer (`pyarrow.fs`, the AWS C++ SDK that pyarrow
+ships), already installed for the shard files themselves: no boto3, no second client.
+
+    s3://BUCKET/PREFIX[?endpoint_override=HOST:PORT&scheme=https&region=REGION]
+
+- Credentials come from the environment as the AWS SDK reads them (AWS_ACCESS_KEY_ID,
+  AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, instance roles), never from the URL:
+  a URL with credentials in it is refused, since URLs end up in logs, summaries and MLflow.
+- TLS (https, the SDK's certificate checks) unless the URL says `scheme=http`, which is meant
+  for an object store on the same host or a private network.
+- `endpoint_override` points at any S3-compatible service (MinIO, Ceph RGW, a cloud's S3 API).
+
+A remote shard is read whole into memory when first needed (at most `data.shard_cache` shards
+per reading process, as with the memory maps of a local folder) and its sha256 is checked
+against the manifest right there, so a corrupted or replaced object is refused before a sample
+of it is used, without a pass over the whole set before training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from hpcml.errors import DataError
+
+SCHEMES = ("s3://",)
+
+
+def is_remote(location: str | Path) -> bool:
+    return str(location).startswith(SCHEMES)
+
+
+class Store:
+    """Read access to the files of one shard set, local or remote."""
+
+    def __init__(self, location: str | Path) -> None:
+        self.location = str(location)
+        self.remote = is_remote(location)
+        if self.remote:
+            self.fs, self.prefix = _s3(self.location)
+            self.root = Path()
+        else:
+            self.root = Path(location).expanduser()
+            self.fs, self.prefix = None, ""
+
+    def describe(self, name: str = "") -> str:
+        if not name:
+            return self.location if self.remote else str(self.root)
+        if self.remote:
+            return f"{self.location.split('?')[0].rstrip('/')}/{name}"
+        return str(self.root / name)
+
+    def is_set(self) -> bool:
+        """The location exists (a folder, or a bucket prefix holding anything)."""
+        if not self.remote:
+            return self.root.is_dir()
+        return True  # a prefix is not an object; the manifest read says what is missing
+
+    def size(self, name: str) -> int | None:
+        """Bytes of `name`, None when it does not exist."""
+        if not self.remote:
+            p = self.root / name
+            return p.stat().st_size if p.is_file() else None
+        import pyarrow.fs as pafs
+
+        info = self._call(lambda: self.fs.get_file_info(self._key(name)), name)
+        return int(info.size) if info.type == pafs.FileType.File else None
+
+    def read_bytes(self, name: str) -> bytes:
+        if not self.remote:
+            return (self.root / name).read_bytes()
+        return bytes(self._read_buffer(name))
+
+    def open_shard(self, name: str, sha256: str | None) -> Any:
+        """An Arrow IPC file reader over shard `name`: memory-mapped when local; read whole and
+        checked against `sha256` when remote."""
+        import pyarrow as pa
+
+        if not self.remote:
+            return pa.ipc.open_file(pa.memory_map(str(self.root / name), "r"))
+        buf = self._read_buffer(name)
+        if sha256 is not None and hashlib.sha256(memoryview(buf)).hexdigest() != sha256:
+            raise DataError(
+                f"shard {self.describe(name)} does not match the sha256 in its manifest "
+                "(corrupted or replaced after writing); upload the shard set again."
+            )
+        return pa.ipc.open_file(pa.BufferReader(buf))
+
+    def sha256(self, name: str) -> str:
+        if not self.remote:
+            from hpcml.data.shards import sha256_file
+
+            return sha256_file(self.root / name)
+        return hashlib.sha256(memoryview(self._read_buffer(name))).hexdigest()
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix.rstrip('/')}/{name}" if self.prefix else name
+
+    def _read_buffer(self, name: str) -> Any:
+        def read() -> Any:
+            with self.fs.open_input_file(self._key(name)) as f:
+                return f.read_buffer()
+
+        return self._call(read, name)
+
+    def _call(self, fn: Any, name: str) -> Any:
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise DataError(
+                f"{self.describe(name)} does not exist; check data.path, or upload the shard "
+                "set there (every file of the folder `hpcml data shard` wrote)."
+            ) from None
+        except OSError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(
+                f"{self.describe(name)} cannot be read ({first[:200]}); check the endpoint, the "
+                "credentials in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and "
+                "the bucket's permissions."
+            ) from None
+
+
+def _s3(location: str) -> tuple[Any, str]:
+    parts = urlsplit(location)
+    if parts.username or parts.password:
+        raise DataError(
+            f"data.path {location.split('@')[-1]!r} carries credentials in the URL; remove them "
+            "and set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment instead."
+        )
+    if not parts.netloc:
+        raise DataError(f"data.path {location!r} names no bucket; write s3://BUCKET/PREFIX.")
+    import pyarrow.fs as pafs
+
+    try:
+        fs, path = pafs.FileSystem.from_uri(location)
+    except (ValueError, OSError, TypeError) as exc:
+        raise DataError(
+            f"data.path {location!r} is not a usable S3 URL ({str(exc)[:200]}); write "
+            "s3://BUCKET/PREFIX[?endpoint_override=HOST:PORT&scheme=https]."
+        ) from None
+    return fs, path
