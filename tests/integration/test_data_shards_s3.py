@@ -19,15 +19,14 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import moto.server as moto_server  # the dev extra's moto[server]: missing fails, never skips
+import pyarrow.fs as pafs
 import pytest
 from tests.conftest import hpcml_env, run_hpcml, step_losses
 from typer.testing import CliRunner
 
 from hpcml.cli.app import app
 from hpcml.data.shards import read_manifest, version_id
-
-moto_server = pytest.importorskip("moto.server")
-pafs = pytest.importorskip("pyarrow.fs")
 
 CONFIG = "examples/digits_cnn.yaml"
 COMMON = [
