@@ -1,8 +1,9 @@
-"""`hpcml model list|info`: the model zoo."""
+"""`hpcml model list|info|import-hf`: the model zoo, and GPT-2 weights from Hugging Face."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -103,3 +104,39 @@ def info_cmd(
         table.add_row("training FLOPs / token (6N + 12LHQT)", f"{info['train_flops_per_token']:,}")
     table.add_row("fp32 parameter bytes", f"{info['param_bytes_fp32']:,}")
     console.print(table)
+
+
+@app.command("import-hf")
+def import_hf_cmd(
+    folder: Path = typer.Argument(
+        ..., help="A local Hugging Face GPT-2 folder: config.json and model.safetensors."
+    ),
+    out: Path = typer.Option(..., "--out", help="Export folder to write (must not exist)."),
+) -> None:
+    """Import GPT-2-shaped Hugging Face weights as an hpcml export that `hpcml serve` loads."""
+    from hpcml.errors import ConfigError
+    from hpcml.models.export import save_export
+    from hpcml.models.hf_gpt2 import import_gpt2
+
+    if out.exists():
+        raise ConfigError(f"--out {out} already exists; give a new folder (nothing was written).")
+    model, args = import_gpt2(folder)
+    seq, vocab = args["max_seq_len"], args["vocab_size"]
+    # Registered zoo name of the GPT-2 family; the arguments give every field of its config.
+    try:
+        save_export(
+            out,
+            model,
+            "gpt2-small",
+            args,
+            (seq,),
+            (seq, vocab),
+            input_dtype="int64",
+            task="language_modeling",
+            metadata={"imported_from": str(folder), "format": "huggingface gpt2"},
+        )
+    except OSError as exc:
+        raise ConfigError(
+            f"--out {out} cannot be written ({exc.strerror or exc}); give a writable folder."
+        ) from None
+    console.print(f"wrote {out}: gpt {args['n_layer']} x {args['d_model']}, vocabulary {vocab}")
