@@ -251,8 +251,17 @@ def loadtest(
     out: Path | None = typer.Option(
         None, "--out", help="Write the result JSON (with the latency timeline) here."
     ),
+    llm: bool = typer.Option(
+        False, "--llm", help="Streaming /v1/completions: TTFT, inter-token latency, tokens/s."
+    ),
+    prompt_len: str = typer.Option("16:64", "--prompt-len", help="--llm: prompt length LO:HI."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="--llm: tokens per request."),
+    ttft_slo_ms: float = typer.Option(1000.0, "--ttft-slo-ms", help="--llm: goodput's TTFT."),
+    itl_slo_ms: float = typer.Option(100.0, "--itl-slo-ms", help="--llm: goodput's mean ITL."),
+    seed: int = typer.Option(0, "--seed", help="--llm: seed of arrivals and prompts."),
 ) -> None:
-    """Load-test an Open Inference Protocol server: open loop (--rate) or closed loop (--concurrency)."""
+    """Load-test an Open Inference Protocol server: open loop (--rate) or closed loop
+    (--concurrency); with --llm, streaming OpenAI completions (TTFT, inter-token latency)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from hpcml.errors import WorkFailed
@@ -261,6 +270,12 @@ def loadtest(
     from hpcml.serve.loadtest import plot_results
 
     check_url(url)
+    if llm:
+        from hpcml.cli.loadtest_llm import run_llm_mode
+
+        run_llm_mode(url, model, rate, duration, timeout, prompt_len, max_tokens, ttft_slo_ms,
+                     itl_slo_ms, seed, json_out)
+        return
     with Progress(
         TextColumn("[bold]loadtest"),
         BarColumn(),

@@ -1,0 +1,87 @@
+"""`hpcml loadtest URL --llm` (its own process, streaming clients) against `hpcml serve`'s
+`/v1/completions` on loopback: every request streams to the end, the output tokens it counts
+equal what the server's own counter saw, TTFT, inter-token latency and goodput are reported,
+an objective nothing can meet gives goodput 0, a wrong model name is counted as errors (exit
+1: the work failed), and bad options are one sentence with exit 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+from tests.conftest import run_hpcml
+
+from hpcml.models.export import save_export
+from hpcml.models.gpt import GPT, GPTConfig
+from hpcml.serve.app import build_app
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.testing import running_server
+
+ARGS = {"vocab_size": 256, "max_seq_len": 64, "n_layer": 1, "n_head": 2, "d_model": 32}
+TOKENS = re.compile(r'^hpcml_llm_output_tokens_total\{model="tiny"\} (\S+)$', re.M)
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    torch.manual_seed(0)
+    export = save_export(
+        tmp_path_factory.mktemp("llm") / "export",
+        GPT(GPTConfig(**ARGS)).eval(),
+        "gpt-tiny",
+        ARGS,
+        (64,),
+        (64, 256),
+        input_dtype="int64",
+        task="language_modeling",
+    )
+    cfg = ServeConfig.model_validate({"defaults": {"isolation": "thread"}})
+    with running_server(build_app(export, cfg, name="tiny")) as base:
+        yield base
+
+
+def served_tokens(url: str) -> float:
+    found = TOKENS.search(httpx.get(f"{url}/metrics", timeout=10).text)
+    return float(found.group(1)) if found else 0.0
+
+
+def loadtest(url: str, *extra: str, check: bool = True) -> dict:
+    proc = run_hpcml(
+        "loadtest", url, "--llm", "--model", "tiny", "--rate", "5", "--duration", "2",
+        "--prompt-len", "8:24", "--max-tokens", "8", "--json", *extra, check=check,
+    )
+    return {"rc": proc.returncode, "out": proc.stdout, "err": proc.stderr}
+
+
+def test_streams_count_the_tokens_the_server_generated(url: str) -> None:
+    before = served_tokens(url)
+    r = json.loads(loadtest(url)["out"])
+    after = served_tokens(url)
+    assert r["sent"] >= 3 and r["ok"] == r["sent"] and r["errors"] == {}
+    # Counted by the client from the streams, against the server's own counter.
+    assert r["output_tokens"] == after - before == 8 * r["ok"]
+    assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+    assert 0 < r["ttft_ms"]["p50"] <= r["latency_ms"]["p50"]
+    assert r["itl_ms"]["p50"] > 0
+    # A generous objective: every request is good.
+    assert r["goodput"] == pytest.approx(r["ok"] / r["duration_s"])
+    # The same seed sends the same number of requests (arrivals are seeded).
+    again = json.loads(loadtest(url, "--ttft-slo-ms", "0.001")["out"])
+    assert again["sent"] == r["sent"]
+    assert again["goodput"] == 0.0  # no first token comes within a microsecond
+
+
+def test_errors_are_counted_and_bad_options_refused(url: str) -> None:
+    wrong = loadtest(url, "--model", "nope", check=False)
+    assert wrong["rc"] == 1, wrong["err"][-2000:]
+    assert "no streaming request" in wrong["err"] and "404" in wrong["err"]
+    for extra, words in (
+        (["--prompt-len", "9:2"], "--prompt-len"),
+        (["--rate", "0"], "--rate"),
+        (["--max-tokens", "0"], "--max-tokens"),
+    ):
+        bad = loadtest(url, *extra, check=False)
+        assert bad["rc"] == 2 and words in bad["err"] and "Traceback" not in bad["err"]
