@@ -167,6 +167,14 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
         )
     if any(w < 0 for w in policy.weights.values()):
         raise PolicyError("traffic weights must not be negative.")
+    shadow = policy.shadow_version
+    if shadow is not None and all(v == shadow for v, w in policy.weights.items() if w > 0):
+        # The router never mirrors a request to the version that answers it.
+        raise PolicyError(
+            f"shadow version {shadow!r} of model '{model.name}' also takes all of its traffic, "
+            "so no request would be mirrored; send the traffic to another version or shadow "
+            "another one."
+        )
 
 
 def worker_restarts_counter(metrics: ServeMetrics) -> Any:
