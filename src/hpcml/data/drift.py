@@ -197,6 +197,22 @@ def build_profile(
     return profile
 
 
+REFERENCE_FILE = "reference_profile.json"
+REFERENCE_SAMPLES = 512
+
+
+def profile_dataset(dataset: Any, samples: int = REFERENCE_SAMPLES, seed: int = 0) -> Profile:
+    """A reference profile of `samples` inputs drawn without replacement (seeded) from a map-
+    style dataset of (input, target) pairs: what training writes beside its export."""
+    n = len(dataset)
+    if n == 0:
+        raise DataError("the training set is empty; a drift profile needs at least one sample.")
+    rng = np.random.default_rng(seed)
+    idx = np.sort(rng.choice(n, size=min(samples, n), replace=False))
+    x = np.stack([np.asarray(dataset[int(i)][0], dtype=np.float64) for i in idx])
+    return build_profile(x, seed=seed)
+
+
 def load_profile(path: str | Path) -> Profile:
     p = Path(path)
     if not p.is_file():
