@@ -97,6 +97,7 @@ def test_serve_watches_inputs_and_runs_the_command_once(
                 "psi_threshold": 0.2,
                 "min_samples": 64,
                 "every_s": 0.2,
+                "max_values_per_check": 10**8,  # every value: counts independent of timing
                 "command": [sys.executable, str(script), str(marker)],
             },
         }

@@ -142,9 +142,12 @@ class Profile:
     def samples(self) -> int:
         return self.features[0].seen if self.features else 0
 
-    def update(self, x: np.ndarray) -> None:
-        """Add a batch (N, *input_shape)."""
+    def update(self, x: np.ndarray, max_values: int | None = None) -> None:
+        """Add a batch (N, *input_shape); with `max_values`, each feature adds at most that many
+        of the batch's values, drawn uniformly (seeded, with replacement): a bounded cost."""
         for feat, values in zip(self.features, feature_values(x, self.input_shape), strict=True):
+            if max_values is not None and values.size > max_values:
+                values = values[self.rng.integers(0, values.size, max_values)]
             feat.update(values, self.rng, self.reservoir_size)
 
     def empty_like(self, seed: int = 0) -> Profile:

@@ -120,6 +120,9 @@ class DriftConfig(_Section):
     """Most rows of one request kept for the live profile."""
     max_pending_rows: int = Field(default=4096, gt=0)
     """Rows kept between two checks; more are dropped (and counted) until the next check."""
+    max_values_per_check: int = Field(default=65536, gt=0)
+    """Most values per feature folded into the live profile by one check (a uniform sample of
+    the pending rows' values when they hold more: an image channel has H*W values a row)."""
 
     @field_validator("command")
     @classmethod

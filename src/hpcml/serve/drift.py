@@ -6,7 +6,8 @@ Hot path cost: after a request is answered, the router hands its input array her
 `drift.sample_rows` rows of it are kept by reference (no copy, no statistics) in a bounded list
 of at most `drift.max_pending_rows` rows (rows arriving while the list is full are dropped and
 counted). The histogram and reservoir updates, PSI and the KS test run in the periodic check,
-in a worker thread, off the event loop.
+in a worker thread, off the event loop; a check folds at most `drift.max_values_per_check`
+values per feature (drawn uniformly from the pending rows' values), which bounds its cost.
 
 When a version's largest feature PSI first goes over `drift.psi_threshold` (with at least
 `drift.min_samples` rows seen), the crossing counter goes up and the operator's `drift.command`
@@ -103,12 +104,12 @@ class DriftMonitor:
         if not pending:
             return
         x = np.concatenate(pending)
+        cap = self.config.max_values_per_check
         with w.fold_lock:
-            if w.live is not None:
-                w.live.update(x)
-            elif w.reference is not None:
+            if w.live is None and w.reference is not None:
                 w.live = w.reference.empty_like(seed=1)
-                w.live.update(x)
+            if w.live is not None:
+                w.live.update(x, cap)
             else:  # no reference: bins from the first rows seen
                 w.live = build_profile(x, seed=1)
             w.rows += len(x)
