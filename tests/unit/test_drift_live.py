@@ -27,7 +27,10 @@ def test_request_path_keeps_bounded_rows_and_check_folds_bounded_values() -> Non
     m, w = monitor(True, sample_rows=4, max_pending_rows=40, max_values_per_check=500)
     rng = np.random.default_rng(1)
     for _ in range(12):  # 12 requests of 16 rows: 4 kept from each, until 40 are pending
-        m.observe("m", "1", rng.normal(size=(16, *SHAPE)))
+        request = rng.normal(size=(16, *SHAPE))
+        m.observe("m", "1", request)
+        if w.pending:  # kept rows are a copy: the request itself is not held
+            assert not np.shares_memory(w.pending[-1], request)
     assert (w.pending_rows, w.dropped) == (40, 8)
     assert m.check(w) is None  # 40 rows < min_samples (200): no comparison yet
     assert w.rows == 40 and w.pending_rows == 0

@@ -3,11 +3,12 @@ export's reference profile (`reference_profile.json`, written by `hpcml train`) 
 `drift.every_s` seconds.
 
 Hot path cost: after a request is answered, the router hands its input array here; at most
-`drift.sample_rows` rows of it are kept by reference (no copy, no statistics) in a bounded list
-of at most `drift.max_pending_rows` rows (rows arriving while the list is full are dropped and
-counted). The histogram and reservoir updates, PSI and the KS test run in the periodic check,
-in a worker thread, off the event loop; a check folds at most `drift.max_values_per_check`
-values per feature (drawn uniformly from the pending rows' values), which bounds its cost.
+`drift.sample_rows` rows of it are kept (by reference when the request has no more rows, else
+copied; no statistics) in a bounded list of at most `drift.max_pending_rows` rows (rows
+arriving while the list is full are dropped and counted). The histogram and reservoir updates,
+PSI and the KS test run in the periodic check, in a worker thread, off the event loop; a check
+folds at most `drift.max_values_per_check` values per feature (drawn uniformly from the pending
+rows' values), which bounds its cost.
 
 When a version's largest feature PSI first goes over `drift.psi_threshold` (with at least
 `drift.min_samples` rows seen), the crossing counter goes up and the operator's `drift.command`
@@ -90,7 +91,9 @@ class DriftMonitor:
         w = self.watched.get((model, version))
         if w is None or not self.config.enabled:
             return
-        rows = x[: self.config.sample_rows]
+        k = self.config.sample_rows
+        # A copy when the request has more rows: a view would keep the whole request alive.
+        rows = x[:k].copy() if len(x) > k else x
         with w.lock:
             if w.pending_rows + len(rows) > self.config.max_pending_rows:
                 w.dropped += len(rows)
