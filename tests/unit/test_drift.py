@@ -141,3 +141,24 @@ def test_cli_bad_input_exits_2_with_one_sentence(tmp_path: Path) -> None:
         assert sentence in " ".join(r.output.split()), r.output
         assert "Traceback" not in r.output
         assert Path(ref_path).read_bytes() == before
+
+
+def test_inputs_turning_nan_are_drift_and_the_comparison_stays_json() -> None:
+    """Non-finite inputs count in a bin of their own: a feature that turns NaN has drifted
+    (PSI of a share of 1 against the floor), and a feature with no finite value left reports
+    None rather than NaN, so the comparison is valid JSON (the server's drift endpoint
+    returned 500 on such traffic before)."""
+    rng = np.random.default_rng(5)
+    reference = build_profile(rng.normal(size=(N, 2)), seed=1)
+    current = reference.empty_like(seed=2)
+    x = rng.normal(size=(1000, 2))
+    x[:, 1] = np.nan
+    current.update(x)
+    result = compare(reference, current, psi_threshold=0.2)
+    by = {r["feature"]: r for r in result["features"]}
+    assert not by["x0"]["drifted"] and by["x0"]["current_nonfinite"] == 0
+    # All of x1 in the non-finite bin: (1 - 1e-4) * ln(1 / 1e-4) plus the emptied bins' share.
+    assert by["x1"]["drifted"] and by["x1"]["psi"] > 9.0
+    assert by["x1"]["current_nonfinite"] == 1000 and by["x1"]["current_mean"] is None
+    assert result["drifted"] == ["x1"]
+    json.dumps(result, allow_nan=False)  # raises on NaN

@@ -251,6 +251,10 @@ def drift(
         raise typer.Exit(1)
 
 
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def _print_drift(result: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -260,10 +264,10 @@ def _print_drift(result: dict[str, Any]) -> None:
     for r in result["features"]:
         table.add_row(
             r["feature"],
-            f"{r['psi']:.4f}",
-            f"{r['ks_pvalue']:.3g}",
-            f"{r['reference_mean']:.4g}",
-            f"{r['current_mean']:.4g}",
+            _num(r["psi"], ".4f"),
+            _num(r["ks_pvalue"], ".3g"),
+            _num(r["reference_mean"], ".4g"),
+            _num(r["current_mean"], ".4g"),
             f"{r['current_samples']:,}",
             "DRIFT" if r["drifted"] else "",
         )

@@ -71,9 +71,14 @@ class Feature:
     seen: int = 0
     total: float = 0.0
     total_sq: float = 0.0
+    nonfinite: int = 0
+    """NaN and infinite values: counted in a bin of their own (PSI sees inputs turning NaN),
+    kept out of the histogram, the moments and the reservoir."""
 
     def update(self, values: np.ndarray, rng: np.random.Generator, capacity: int) -> None:
-        values = values[np.isfinite(values)]
+        finite = np.isfinite(values)
+        self.nonfinite += int(values.size - np.count_nonzero(finite))
+        values = values[finite]
         if values.size == 0:
             return
         # searchsorted 'right' puts v == edges[0] in bin 1, v < edges[0] in bin 0 (underflow),
@@ -119,6 +124,7 @@ class Feature:
             "std": self.std if self.seen else None,
             "sum": self.total,
             "sum_sq": self.total_sq,
+            "nonfinite": self.nonfinite,
             "reservoir": self.reservoir.tolist(),
         }
 
@@ -246,6 +252,7 @@ def profile_from_json(doc: Any, where: str) -> Profile:
                     int(f["seen"]),
                     float(f["sum"]),
                     float(f["sum_sq"]),
+                    int(f.get("nonfinite", 0)),
                 )
             )
         shape = tuple(int(s) for s in doc["input_shape"])
@@ -259,6 +266,11 @@ def psi(expected: np.ndarray, actual: np.ndarray, floor: float = PSI_FLOOR) -> f
     e = np.maximum(expected / max(expected.sum(), 1), floor)
     a = np.maximum(actual / max(actual.sum(), 1), floor)
     return float(np.sum((a - e) * np.log(a / e)))
+
+
+def _finite(x: float) -> float | None:
+    """A number for JSON: None where there is none (no samples), never NaN."""
+    return x if math.isfinite(x) else None
 
 
 def _counts_on(ref: Feature, cur: Feature) -> tuple[np.ndarray, str]:
@@ -292,7 +304,12 @@ def compare(
     values: list[float] = []
     for ref, cur in zip(reference.features, current.features, strict=True):
         counts, binned = _counts_on(ref, cur)
-        value = psi(ref.counts, counts) if cur.seen and ref.seen else float("nan")
+        # The non-finite values as one more bin on both sides.
+        value = (
+            psi(np.append(ref.counts, ref.nonfinite), np.append(counts, cur.nonfinite))
+            if (cur.seen or cur.nonfinite) and ref.seen
+            else float("nan")
+        )
         values.append(value)
         if ref.reservoir.size and cur.reservoir.size:
             ks = ks_2samp(ref.reservoir, cur.reservoir)
@@ -302,14 +319,15 @@ def compare(
         rows.append(
             {
                 "feature": ref.name,
-                "psi": value,
+                "psi": _finite(value),
                 "drifted": bool(value > psi_threshold),
-                "ks_statistic": stat,
-                "ks_pvalue": p,
+                "ks_statistic": _finite(stat),
+                "ks_pvalue": _finite(p),
                 "ks_reject": bool(p < ks_alpha),
-                "reference_mean": ref.mean,
-                "current_mean": cur.mean,
+                "reference_mean": _finite(ref.mean),
+                "current_mean": _finite(cur.mean),
                 "current_samples": cur.seen,
+                "current_nonfinite": cur.nonfinite,
                 "binned_from": binned,
             }
         )

@@ -135,7 +135,9 @@ class DriftMonitor:
                 continue
             w.checks += 1
             for row in result["features"]:
-                self.metrics.drift_psi.labels(w.model, w.version, row["feature"]).set(row["psi"])
+                if row["psi"] is not None:
+                    gauge = self.metrics.drift_psi.labels(w.model, w.version, row["feature"])
+                    gauge.set(row["psi"])
             over = result["max_psi"] > self.config.psi_threshold
             if over and not w.over:
                 self.metrics.drift_crossings.labels(w.model, w.version).inc()
