@@ -118,9 +118,11 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     app.state.grpc_port = None
     app.state.generators = generators
     if generators:
+        from hpcml.serve.generate.chat_api import mount_chat_and_generate
         from hpcml.serve.generate.openai_api import mount_openai
 
         mount_openai(app, generators)
+        mount_chat_and_generate(app, generators)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> Response:

@@ -52,5 +52,5 @@ def text_services(
             )
             continue
         metrics = metrics or GenerationMetrics(registry)
-        services[name] = GenerationService(name, model, engine_config, metrics)
+        services[name] = GenerationService(name, model, engine_config, metrics, mv.version)
     return services

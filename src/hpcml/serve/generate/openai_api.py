@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Any
 
@@ -134,6 +134,52 @@ def _chunk(
     return body
 
 
+class Aborted(Exception):
+    """The engine stopped generating (the server is shutting down)."""
+
+
+async def complete(
+    service: GenerationService, prompt: list[int], params: SamplingParams
+) -> tuple[str, int, str | None]:
+    """The whole text of one request, its token count and finish reason ("stop", "length")."""
+    text, n, finish = "", 0, None
+    stream = TextStream(params.stop)
+    async with aclosing(service.generate(prompt, params)) as events:
+        async for ev in events:
+            if ev.token is not None:
+                n += 1
+                text += stream.push(ev.token)
+            if ev.finish_reason is not None:
+                finish = ev.finish_reason
+                text += stream.finish(ev.stopped_by)
+    if finish == "abort":
+        raise Aborted
+    return text, n, finish
+
+
+async def text_deltas(
+    service: GenerationService, prompt: list[int], params: SamplingParams
+) -> AsyncGenerator[tuple[str, str | None], None]:
+    """(text, None) for every non-empty text delta, then (rest, finish reason) once; raises
+    Aborted when the engine stops. Callers close it explicitly (`aclosing`), not leaving it to
+    garbage collection, so the engine drops the sequence at once when a client goes away."""
+    stream = TextStream(params.stop)
+    async with aclosing(service.generate(prompt, params)) as events:
+        async for ev in events:
+            text = stream.push(ev.token) if ev.token is not None else ""
+            if ev.finish_reason is None:
+                if text:
+                    yield text, None
+                continue
+            if ev.finish_reason == "abort":
+                raise Aborted
+            yield text + stream.finish(ev.stopped_by), ev.finish_reason
+            return
+
+
+ABORTED = "the server stopped generating (shutting down); retry."
+
+
 def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
     tokenizer = ByteTokenizer()
 
@@ -168,17 +214,9 @@ def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        text, n, finish = "", 0, None
-        stream = TextStream(params.stop)
-        async with aclosing(service.generate(prompt, params)) as events:
-            async for ev in events:
-                if ev.token is not None:
-                    n += 1
-                    text += stream.push(ev.token)
-                if ev.finish_reason is not None:
-                    finish = ev.finish_reason
-                    text += stream.finish(ev.stopped_by)
-        if finish == "abort":
+        try:
+            text, n, finish = await complete(service, prompt, params)
+        except Aborted:
             return error(503, "the server is shutting down; retry on another replica.")
         usage = {
             "prompt_tokens": len(prompt),
@@ -204,24 +242,13 @@ async def _sse(
     created: int,
     model: str,
 ) -> AsyncIterator[bytes]:
-    stream = TextStream(params.stop)
-
     def event(body: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
-    # Closed explicitly (not left to garbage collection) when the client goes away, so the
-    # engine drops the sequence at once.
-    async with aclosing(service.generate(prompt, params)) as events:
-        async for ev in events:
-            text = stream.push(ev.token) if ev.token is not None else ""
-            if ev.finish_reason is None:
-                if text:
-                    yield event(_chunk(cid, created, model, text, None))
-                continue
-            if ev.finish_reason == "abort":
-                message = "the server stopped generating (shutting down); retry."
-                yield event({"error": {"message": message, "type": "server_error", "param": None}})
-                break
-            text += stream.finish(ev.stopped_by)
-            yield event(_chunk(cid, created, model, text, ev.finish_reason))
+    try:
+        async with aclosing(text_deltas(service, prompt, params)) as deltas:
+            async for text, finish in deltas:
+                yield event(_chunk(cid, created, model, text, finish))
+    except Aborted:
+        yield event({"error": {"message": ABORTED, "type": "server_error", "param": None}})
     yield b"data: [DONE]\n\n"

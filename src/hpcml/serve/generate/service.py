@@ -90,8 +90,11 @@ class GenerationService:
         model: GPT,
         config: EngineConfig,
         metrics: GenerationMetrics | None = None,
+        version: str = "1",
     ) -> None:
         self.name = name
+        self.version = version
+        """The model version it serves (the newest when the server started)."""
         self.engine = Engine(model, config)
         self.metrics = metrics
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
