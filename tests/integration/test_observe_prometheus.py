@@ -157,7 +157,7 @@ def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path)
     prom, url = start_prometheus(tmp_path, targets)
     with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as resp:
         loaded = [r["name"] for g in json.load(resp)["data"]["groups"] for r in g["rules"]]
-    assert len(loaded) == 12 and "HpcmlTrainingDown" in loaded
+    assert len(loaded) == 13 and "HpcmlTrainingDown" in loaded
     server, server_url = start_server(tmp_path, targets)
     try:
         # A token model (gpt-tiny on standard-library bytes), so the tokens/s panel has data.

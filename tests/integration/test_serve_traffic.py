@@ -108,11 +108,17 @@ def test_shadow_mirrors_without_changing_answers_and_counts_disagreements(
         assert stats["disagreements"] == expected_disagreements
         text = c.get("/metrics").text
     assert 'hpcml_shadow_samples_total{model="digits",version="2"} 40.0' in text
-    if expected_disagreements:
-        assert (
-            f'hpcml_shadow_disagreements_total{{model="digits",version="2"}} {float(expected_disagreements)}'
-            in text
-        )
+    # Counted at 0 too: a dashboard tells "compared, none differ" from "no shadow".
+    assert (
+        f'hpcml_shadow_disagreements_total{{model="digits",version="2"}} {float(expected_disagreements)}'
+        in text
+    )
+    with httpx.Client(base_url=url, headers=AUTH) as c:
+        # A shadow of the version that takes all the traffic would mirror nothing: refused,
+        # the policy unchanged.
+        r = c.post("/admin/models/digits/shadow", json={"version": "1"})
+        assert r.status_code == 400 and "also takes all of its traffic" in r.json()["error"]
+        assert c.get("/admin/models/digits").json()["shadow"] == {"version": "2", "fraction": 1.0}
 
 
 def test_admin_endpoints_need_the_token_and_check_their_input(

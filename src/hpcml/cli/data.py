@@ -221,3 +221,61 @@ def diff(
             markup=False,
         )
     raise typer.Exit(1)
+
+
+@app.command("drift")
+def drift(
+    reference: Path = typer.Argument(..., help="The reference profile (reference_profile.json)."),
+    current: Path = typer.Argument(..., help="The current profile (e.g. saved by hpcml serve)."),
+    psi_threshold: float = typer.Option(
+        0.2, "--psi-threshold", help="A feature whose PSI is over this has drifted."
+    ),
+    ks_alpha: float = typer.Option(
+        0.01, "--ks-alpha", help="KS test level: p below it is reported as a rejection."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """PSI and the two-sample KS test per feature between two drift profiles.
+
+    Exits 1 when any feature's PSI is over the threshold (drift found, as `data diff` exits 1
+    on a difference), 0 when none is, 2 on bad input."""
+    from hpcml.data.drift import compare, load_profile
+
+    result = compare(load_profile(reference), load_profile(current), psi_threshold, ks_alpha)
+    result = {"reference": str(reference), "current": str(current), **result}
+    if json_out:
+        print_json(result)
+    else:
+        _print_drift(result)
+    if result["drifted"]:
+        raise typer.Exit(1)
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _print_drift(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"drift {result['reference']} -> {result['current']}")
+    for col in ("feature", "psi", "ks p", "ref mean", "cur mean", "samples", "drifted"):
+        table.add_column(col, justify="left" if col == "feature" else "right")
+    for r in result["features"]:
+        table.add_row(
+            r["feature"],
+            _num(r["psi"], ".4f"),
+            _num(r["ks_pvalue"], ".3g"),
+            _num(r["reference_mean"], ".4g"),
+            _num(r["current_mean"], ".4g"),
+            f"{r['current_samples']:,}",
+            "DRIFT" if r["drifted"] else "",
+        )
+    console.print(table)
+    if result["drifted"]:
+        console.print(
+            f"drifted (PSI > {result['psi_threshold']}): {', '.join(result['drifted'])}",
+            highlight=False,
+        )
+    else:
+        console.print(f"no feature over PSI {result['psi_threshold']}", highlight=False)

@@ -329,47 +329,16 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, iters: int = 
     return (a + b) / 2
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when `a` is (nearly) singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    scale = max((abs(x) for row in a for x in row), default=0.0)
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) <= 1e-12 * scale:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
 def _fixed_terms(rel: Sequence[float], cols: Sequence[Sequence[float]]) -> list[float]:
-    """Non-negative coefficients x minimising sum (rel - sum_j x_j cols_j)^2: the least
-    squares on every subset of the columns, kept where all coefficients are >= 0, the best of
-    those (exact non-negative least squares for the handful of terms here)."""
-    k = len(cols)
+    """Non-negative coefficients x minimising sum (rel - sum_j x_j cols_j)^2 (scipy's
+    Lawson-Hanson NNLS; scipy comes with scikit-learn, a dependency)."""
+    if not cols:
+        return []
+    import numpy as np
+    from scipy.optimize import nnls
 
-    def sse(x: Sequence[float]) -> float:
-        return sum((r - sum(x[j] * cols[j][i] for j in range(k))) ** 2 for i, r in enumerate(rel))
-
-    best, best_sse = [0.0] * k, sse([0.0] * k)
-    for mask in range(1, 2**k):
-        idx = [j for j in range(k) if mask >> j & 1]
-        a = [[sum(x * y for x, y in zip(cols[p], cols[q], strict=True)) for q in idx] for p in idx]
-        b = [sum(x * r for x, r in zip(cols[p], rel, strict=True)) for p in idx]
-        sol = _solve(a, b)
-        if sol is None or min(sol) < 0:
-            continue
-        x = [0.0] * k
-        for j, v in zip(idx, sol, strict=True):
-            x[j] = v
-        e = sse(x)
-        if e < best_sse:
-            best, best_sse = x, e
-    return best
+    x, _ = nnls(np.asarray(cols, dtype=float).T, np.asarray(rel, dtype=float))
+    return [float(v) for v in x]
 
 
 def calibrate(

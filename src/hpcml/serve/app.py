@@ -31,6 +31,7 @@ import hpcml
 from hpcml.serve import protocol as oip
 from hpcml.serve import schemas
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.drift import add_drift_routes
 from hpcml.serve.inference import (
     EXTENSIONS,
     InferFailure,
@@ -113,6 +114,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     )
     app.state.router = router
     app.state.metrics = metrics
+    add_drift_routes(app, router.drift)
     app.state.grpc_port = None
     app.state.generators = generators
     if generators:

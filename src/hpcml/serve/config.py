@@ -103,6 +103,35 @@ class GenerationConfig(_Section):
     """Most new tokens in one step: long prompts are prefilled in chunks of at most this."""
 
 
+class DriftConfig(_Section):
+    """Input drift watch (hpcml.serve.drift): live profile vs the export's reference profile."""
+
+    enabled: bool = True
+    psi_threshold: float = Field(default=0.2, gt=0.0)
+    """A version whose largest feature PSI is over this has drifted."""
+    min_samples: int = Field(default=200, gt=0)
+    """Input rows seen before a version's PSI is computed and exported."""
+    every_s: float = Field(default=60.0, gt=0.0)
+    """Seconds between checks; also the least time between two runs of `command`."""
+    command: list[str] | None = None
+    """argv run (no shell) when a version first crosses the threshold, with HPCML_MODEL,
+    HPCML_VERSION and HPCML_PSI in its environment. From this file only, never a model file."""
+    sample_rows: int = Field(default=8, gt=0)
+    """Most rows of one request kept for the live profile."""
+    max_pending_rows: int = Field(default=4096, gt=0)
+    """Rows kept between two checks; more are dropped (and counted) until the next check."""
+    max_values_per_check: int = Field(default=65536, gt=0)
+    """Most values per feature folded into the live profile by one check (a uniform sample of
+    the pending rows' values when they hold more: an image channel has H*W values a row)."""
+
+    @field_validator("command")
+    @classmethod
+    def _argv(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not v[0]):
+            raise ValueError("the drift command must be a non-empty argv list")
+        return v
+
+
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, lt=65536)
@@ -130,6 +159,7 @@ class ServeConfig(_Section):
     defaults: ModelServeConfig = Field(default_factory=ModelServeConfig)
     """Settings for models that `models` does not list."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    drift: DriftConfig = Field(default_factory=DriftConfig)
     models: dict[str, ModelServeConfig] = Field(default_factory=dict)
 
     def for_model(self, name: str) -> ModelServeConfig:

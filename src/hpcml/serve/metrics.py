@@ -145,6 +145,20 @@ class ServeMetrics:
             registry=r,
         )
 
+        self.drift_psi = Gauge(
+            "hpcml_input_drift_psi",
+            "Population stability index of a feature's live inputs against the export's "
+            "reference profile (hpcml.serve.drift).",
+            ["model", "version", "feature"],
+            registry=r,
+        )
+        self.drift_crossings = Counter(
+            "hpcml_input_drift_crossings_total",
+            "Times a version's largest feature PSI went from under to over drift.psi_threshold.",
+            ["model", "version"],
+            registry=r,
+        )
+
     def for_batcher(self, model: str, version: str) -> BatcherMetrics:
         # Series that exist from the start, at 0: rate() and alerts then see the first restart.
         self.worker_restarts.labels(model, version)

@@ -25,6 +25,7 @@ import numpy as np
 from hpcml.serve.backends import Backend, make_backend
 from hpcml.serve.batcher import DynamicBatcher, InferResult
 from hpcml.serve.config import ModelServeConfig, ServeConfig
+from hpcml.serve.drift import DriftMonitor
 from hpcml.serve.metrics import ServeMetrics
 from hpcml.serve.protocol import TensorSpec
 from hpcml.serve.repository import ModelSource, sorted_versions
@@ -167,6 +168,14 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
         )
     if any(w < 0 for w in policy.weights.values()):
         raise PolicyError("traffic weights must not be negative.")
+    shadow = policy.shadow_version
+    if shadow is not None and all(v == shadow for v, w in policy.weights.items() if w > 0):
+        # The router never mirrors a request to the version that answers it.
+        raise PolicyError(
+            f"shadow version {shadow!r} of model '{model.name}' also takes all of its traffic, "
+            "so no request would be mirrored; send the traffic to another version or shadow "
+            "another one."
+        )
 
 
 def worker_restarts_counter(metrics: ServeMetrics) -> Any:
@@ -208,6 +217,9 @@ class Router:
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         """Coroutines run while the server runs (an alias follower); cancelled on close."""
         self._background_tasks: list[asyncio.Task[None]] = []
+        self.drift = DriftMonitor(config.drift, metrics)
+        if config.drift.enabled:
+            self.background.append(self.drift.run)
 
     @property
     def ready(self) -> bool:
@@ -279,6 +291,7 @@ class Router:
         mcfg: ModelServeConfig,
     ) -> ModelVersion:
         first = instances[0]
+        self.drift.add(name, version, Path(path))
         batcher = DynamicBatcher(
             instances,
             max_batch_size=mcfg.max_batch_size,
@@ -344,6 +357,7 @@ class Router:
         await asyncio.gather(*(mv.batcher.close() for mv in self.all_versions()))
         if self._shadow_tasks:
             await asyncio.gather(*self._shadow_tasks, return_exceptions=True)
+        await self.drift.close()
         for mv in self.all_versions():
             for backend in mv.batcher.instances:
                 await asyncio.to_thread(backend.close)
@@ -392,6 +406,7 @@ class Router:
             if shadow_task is not None:
                 self._keep(asyncio.create_task(self._forget(shadow_task)))
             raise
+        self.drift.observe(mv.model, mv.version, x)
         if shadow_task is not None:
             assert shadow_version is not None
             self._keep(

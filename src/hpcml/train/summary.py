@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hpcml import __version__
+from hpcml.data.drift import REFERENCE_FILE, profile_dataset
 from hpcml.distributed.parallel import full_state_dict, local_state_bytes, unwrap
 from hpcml.distributed.runtime import all_gather_object, device_info
 from hpcml.models.export import save_export
@@ -91,7 +92,7 @@ def build_summary(t: Any) -> dict[str, Any]:
         "config": cfg.model_dump(mode="json"),
         "provenance": t.provenance,
     }
-    save_export(
+    export = save_export(
         t.out_dir / "export",
         unwrap(t.model),
         cfg.model.name,
@@ -108,4 +109,6 @@ def build_summary(t: Any) -> dict[str, Any]:
             "step": t.step,
         },
     )
+    # The drift reference: 512 seeded training inputs (one pass of __getitem__ over them).
+    profile_dataset(splits.train, seed=cfg.train.seed).save(export / REFERENCE_FILE)
     return summary
