@@ -51,6 +51,14 @@ class DataConfig(_Section):
     synthetic_classes: int = Field(10, gt=1)
     augment: bool = False
     """Random crop + horizontal flip on image training data."""
+    augment_on: Literal["cpu", "device"] = "cpu"
+    """Where data.augment runs: `cpu` (per sample, in the loader) or `device` (the whole batch
+    after its transfer to the training device, `hpcml.data.device_augment`)."""
+    mixup_alpha: float = Field(0.0, ge=0)
+    """With augment_on: device, mixup with lambda ~ Beta(alpha, alpha); 0 turns it off."""
+    cutmix_alpha: float = Field(0.0, ge=0)
+    """With augment_on: device, cutmix with lambda ~ Beta(alpha, alpha); 0 turns it off. With
+    both alphas set, each batch gets one of the two, evenly."""
     limit_train: int | None = Field(None, gt=0)
     """Use only the first N training samples (smoke tests)."""
     seq_len: int = Field(256, gt=0)

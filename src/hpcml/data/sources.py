@@ -272,6 +272,8 @@ def load_source(cfg: DataConfig) -> Splits:
     splits = loader(cfg)
     if cfg.limit_train is not None and cfg.limit_train < len(splits.train):  # type: ignore[arg-type]
         splits.train = torch.utils.data.Subset(splits.train, range(cfg.limit_train))
-    if cfg.augment:  # outermost, so it sees the loader's (seed, epoch, index) keys
+    # Outermost, so it sees the loader's (seed, epoch, index) keys; augment_on: device runs in
+    # the trainer instead (hpcml.data.device_augment).
+    if cfg.augment and cfg.augment_on == "cpu":
         splits.train = AugmentedImages(splits.train)
     return splits

@@ -1,6 +1,8 @@
 """Training losses. One cross-entropy serves every task in the zoo: logits (..., C) against
 integer targets (...), so (B, C) vs (B,) for classification and (B, T, V) vs (B, T) for
-next-token prediction, averaged over every predicted position.
+next-token prediction, averaged over every predicted position; or against class probabilities
+of the logits' shape (mixup / cutmix's mixed targets, `data.mixup_alpha`), which a custom loss
+then also receives.
 
 `train.loss` picks the loss: `cross_entropy` or an import path `pkg.mod:fn` to a callable
 `fn(logits, target) -> scalar tensor` (a mean over the micro-batch). The user opts in by
@@ -23,9 +25,12 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean"
 ) -> torch.Tensor:
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction=reduction
-    )
+    classes = logits.shape[-1]
+    if target.is_floating_point():  # class probabilities (B, C), e.g. mixup's mixed targets
+        return F.cross_entropy(
+            logits.reshape(-1, classes), target.reshape(-1, classes), reduction=reduction
+        )
+    return F.cross_entropy(logits.reshape(-1, classes), target.reshape(-1), reduction=reduction)
 
 
 LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy}

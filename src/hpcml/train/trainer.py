@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hpcml.config import RunConfig, dump_config
+from hpcml.data.device_augment import device_augment
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
 from hpcml.distributed.parallel import (
     clip_grad_norm,
@@ -202,6 +203,7 @@ class Trainer:
             shard_for_eval(splits.val, rt.dp_rank, rt.dp_size), cfg.data.batch_size * 2, pin
         )
         self.global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.dp_size
+        self.device_augment = device_augment(cfg, rt.dp_rank, splits.num_classes)
 
     def restore(self, path: Path) -> int:
         """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG."""
@@ -328,6 +330,8 @@ class Trainer:
                 x, y = self.train_data.next()
             data_wait += time.perf_counter() - td
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            if self.device_augment is not None:  # data.augment_on: device
+                x, y = self.device_augment.apply(x, y, self.step, micro)
             if self.cfg.train.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             with loss_context(self.model):  # loss-parallel TP: loss and backward inside

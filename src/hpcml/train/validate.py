@@ -162,6 +162,17 @@ def check_augment(cfg: RunConfig) -> None:
             f"data.augment applies to the image sources ({', '.join(AUGMENTED_SOURCES)}), not to "
             f"data.source '{cfg.data.source}'; remove data.augment."
         )
+    d = cfg.data
+    if d.augment_on == "device" and not d.augment:
+        raise ConfigError(
+            "data.augment_on: device says where data.augment runs, but data.augment is off; "
+            "set data.augment=true or remove data.augment_on."
+        )
+    if (d.mixup_alpha > 0 or d.cutmix_alpha > 0) and d.augment_on != "device":
+        raise ConfigError(
+            "data.mixup_alpha and data.cutmix_alpha run on the device only; set "
+            "data.augment=true and data.augment_on=device, or set both alphas to 0."
+        )
 
 
 def check_loss(cfg: RunConfig) -> None:
