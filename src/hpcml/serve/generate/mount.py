@@ -51,6 +51,10 @@ def text_services(
                 model.cfg.vocab_size,
             )
             continue
+        if g.quantize == "int8":
+            from hpcml.serve.generate.quantize import quantize_int8
+
+            quantize_int8(model)
         metrics = metrics or GenerationMetrics(registry)
         services[name] = GenerationService(name, model, engine_config, metrics, mv.version)
     return services
