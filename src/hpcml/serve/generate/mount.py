@@ -2,7 +2,7 @@
 
 A model whose newest version is a zoo `gpt` export over bytes (`task: language_modeling`,
 vocabulary 256: what `hpcml train` makes from byte-level token data) also answers
-`/v1/completions`. Its weights are loaded a second time, in the server process, for the
+`/v1/completions`, `/v1/chat/completions` and the OIP generate extension. Its weights are loaded a second time, in the server process, for the
 engine; the OIP endpoint keeps its own copy.
 """
 
