@@ -101,6 +101,8 @@ class GenerationConfig(_Section):
     """Most sequences decoded together in one step."""
     max_batched_tokens: int = Field(default=256, gt=0)
     """Most new tokens in one step: long prompts are prefilled in chunks of at most this."""
+    prefix_sharing: bool = True
+    """Sequences whose prompts start with the same full KV blocks share them."""
     quantize: Literal["none", "int8"] = "none"
     """int8: weight-only int8 Linear layers (torchao) for the generation engine."""
 

@@ -44,6 +44,8 @@ class EngineConfig:
     max_batched_tokens: int = 256
     """Most new tokens in one step (prefill chunks plus one per decoding sequence)."""
     static_batching: bool = False
+    prefix_sharing: bool = True
+    """Sequences whose prompts start with the same full blocks share those blocks' KV."""
 
 
 @dataclass(eq=False)  # compared by identity: `running.remove(seq)` removes that sequence
@@ -100,6 +102,10 @@ class Engine:
         self._ghosts: list[Sequence] = []  # static batching: finished, still padding the batch
         self._ids = itertools.count()
         self.preemptions = 0
+        # Prefix sharing (see kv_cache): off under static batching, whose finished sequences
+        # rewrite their last slot every step ("ghosts") and so could touch an indexed block.
+        self.sharing = config.prefix_sharing and not config.static_batching
+        self.prefix_tokens_shared = 0
 
     def submit(self, prompt: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
         """Queue a request; its id. Raises RequestRefused if it can never be served."""
@@ -182,8 +188,15 @@ class Engine:
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.sharing and not seq.table:
+                seq.computed = self.cache.share_prefix(seq.table, seq.tokens)
+                self.prefix_tokens_shared += seq.computed
             n = min(len(seq.tokens) - seq.computed, budget)
             if not self.cache.grow(seq.table, seq.computed + n):
+                if self.sharing:  # hold no shared blocks while waiting
+                    self.prefix_tokens_shared -= seq.computed
+                    self.cache.allocator.release(seq.table)
+                    seq.computed = 0
                 break  # admitting never preempts; it waits for blocks
             self.waiting.popleft()
             self.running.append(seq)
@@ -217,6 +230,8 @@ class Engine:
         end = 0
         for seq, n in plan:
             end += n
+            if self.sharing:
+                self.cache.register(seq.table, seq.tokens, seq.computed, seq.computed + n)
             seq.computed += n
             if seq.computed < len(seq.tokens):
                 continue  # prefill (or recompute) not done yet

@@ -4,7 +4,11 @@ Keys and values of every layer live in one preallocated tensor each, `(layers, b
 block_size, heads, head_dim)`: memory is bounded by `kv_cache_blocks` from the start. A
 sequence owns a block table (a list of block ids); token position p of a sequence lives in slot
 `table[p // block_size] * block_size + p % block_size`. Blocks come from a free list and go back
-to it when a sequence finishes or is preempted.
+to it when a sequence finishes or is preempted. Full blocks of computed tokens are indexed by
+their content and their parent block (so by the whole prefix they end): a new sequence whose
+prompt starts with the same full blocks shares them (reference counts) instead of computing
+and storing them again (prefix sharing); shared blocks are never written, since a sequence only
+writes positions past what it has computed.
 
 `StepAttention` is what the model's attention calls for one engine step (`GPT.forward(...,
 cache=)`): the step's new tokens of all sequences come packed in one row (the linear layers see
@@ -27,11 +31,16 @@ import torch.nn.functional as F
 
 
 class BlockAllocator:
-    """Block ids 0..num_blocks-1 on a free list; `allocate` returns None when none is left."""
+    """Block ids 0..num_blocks-1 on a free list, with reference counts: a block shared by the
+    prompts of several sequences (prefix sharing) returns to the free list when the last of
+    them releases it. `allocate` returns None when none is left."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.on_free: list[int] = []
+        """Blocks freed since the owner last looked (the prefix index drops them)."""
 
     @property
     def free(self) -> int:
@@ -42,10 +51,22 @@ class BlockAllocator:
         return self.num_blocks - len(self._free)
 
     def allocate(self) -> int | None:
-        return self._free.popleft() if self._free else None
+        if not self._free:
+            return None
+        block = self._free.popleft()
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        assert self.refs[block] > 0, "only a block in use can be shared"
+        self.refs[block] += 1
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self._free.append(block)
+                self.on_free.append(block)
         blocks.clear()
 
 
@@ -65,6 +86,43 @@ class PagedKVCache:
         shape = (n_layer, num_blocks * block_size, n_head, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+        self.prefix: dict[tuple[int, tuple[int, ...]], int] = {}
+        """(parent block or -1, the block's tokens) -> block, for full computed blocks."""
+        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def _forget_freed(self) -> None:
+        for block in self.allocator.on_free:
+            key = self._key_of.pop(block, None)
+            if key is not None and self.prefix.get(key) == block:
+                del self.prefix[key]
+        self.allocator.on_free.clear()
+
+    def share_prefix(self, table: list[int], tokens: list[int]) -> int:
+        """Fill an empty `table` with indexed blocks matching the start of `tokens` (always
+        leaving the last token to compute, whose logits the next step needs); tokens covered."""
+        assert not table
+        self._forget_freed()
+        bs, parent = self.block_size, -1
+        for i in range((len(tokens) - 1) // bs):
+            block = self.prefix.get((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            if block is None:
+                break
+            self.allocator.share(block)
+            table.append(block)
+            parent = block
+        return len(table) * bs
+
+    def register(self, table: list[int], tokens: list[int], start: int, stop: int) -> None:
+        """Index the blocks that became full while positions start..stop-1 were computed."""
+        self._forget_freed()
+        bs = self.block_size
+        for i in range(start // bs, stop // bs):
+            parent = table[i - 1] if i else -1
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            if key not in self.prefix and table[i] not in self._key_of:
+                self.prefix[key] = table[i]
+                self._key_of[table[i]] = key
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

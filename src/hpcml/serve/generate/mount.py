@@ -32,6 +32,7 @@ def text_services(
         block_size=g.block_size,
         max_num_seqs=g.max_num_seqs,
         max_batched_tokens=g.max_batched_tokens,
+        prefix_sharing=g.prefix_sharing,
     )
     services: dict[str, GenerationService] = {}
     metrics: GenerationMetrics | None = None
