@@ -164,7 +164,12 @@ def shard_optimizer(
         }
         for g in optimizer.param_groups
     ]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **settings)
+    # Bucket views: each rank's parameters live in one flat buffer, so the step ends with one
+    # broadcast per rank instead of one per parameter tensor (gpt-tiny, 36 tensors, on 2 gloo
+    # processes: 40 ms a step with per-tensor broadcasts, 16 ms as DDP; see plan/comm.py).
+    return ZeroRedundancyOptimizer(
+        groups, optimizer_class=type(optimizer), parameters_as_bucket_view=True, **settings
+    )
 
 
 def grad_scaler(precision: Precision, cfg: ParallelConfig, rt: Runtime) -> torch.amp.GradScaler:

@@ -221,8 +221,9 @@ def step_communication(
     DP and ZeRO volumes follow the ZeRO paper, Sec. 7: DDP all-reduces gradients (2 Psi);
     ZeRO-1/2 reduce-scatter gradients and all-gather parameters (2 Psi); ZeRO-3 all-gathers
     parameters in forward and backward and reduce-scatters gradients (3 Psi), once per
-    micro-batch. TP: two all-reduces in forward and two in backward per block (Shoeybi et al.
-    2019, Sec. 3), each replaced by an all-gather + reduce-scatter pair under SP (Korthikanti et
+    micro-batch. torch's ZeroRedundancyOptimizer (hpcml's zero1, `zero1_whole_tensors`) instead
+    all-reduces gradients as DDP does and broadcasts each rank's parameters as one bucket. TP:
+    two all-reduces in forward and two in backward per block (Shoeybi et al. 2019, Sec. 3), each replaced by an all-gather + reduce-scatter pair under SP (Korthikanti et
     al. 2022, Sec. 4.2.2); full recomputation repeats the forward pair. PP: one activation
     send forward and one gradient send backward per micro-batch and stage boundary.
     """
@@ -241,6 +242,12 @@ def step_communication(
     param_size = n_params * training.param_bytes
     if layout.zero == 0:
         add("DP gradient all-reduce", "allreduce", grad_size, 1, dp_g, "backward")
+    elif layout.zero == 1 and layout.zero1_whole_tensors:
+        # torch's ZeroRedundancyOptimizer (hpcml's zero1) sits on DDP: gradients are
+        # all-reduced whole, each rank steps the tensors it owns, and then each rank's
+        # parameters are broadcast from it as one bucket (`parameters_as_bucket_view`).
+        add("DP gradient all-reduce", "allreduce", grad_size, 1, dp_g, "backward")
+        add("ZeRO-1 parameter broadcast", "broadcast", param_size / dp, dp, dp_g, "none")
     elif layout.zero in (1, 2):
         calls = 1 if layout.zero == 1 else m
         add("ZeRO gradient reduce-scatter", "reducescatter", grad_size, calls, dp_g, "backward")
