@@ -1,6 +1,14 @@
-"""Image augmentation on the training device (`data.augment_on: device`): random crop with
-reflect padding 4 and horizontal flip over the whole batch after it reached the device, and
-optional mixup (`data.mixup_alpha`) / cutmix (`data.cutmix_alpha`) with soft targets.
+"""Image augmentation on the training device (`data.augment_on: device`): normalization,
+random crop with reflect padding 4 and horizontal flip over the whole batch after it reached
+the device, and optional mixup (`data.mixup_alpha`) / cutmix (`data.cutmix_alpha`) with soft
+targets.
+
+Normalization moves with them where the source stores 8-bit pixels (cifar10, image shard
+sets): the loader then hands over uint8 batches, a quarter of float32's bytes through workers,
+pinned memory and the host-to-device copy, and `DeviceNormalize` turns every batch, training
+and evaluation alike, into the float inputs the CPU path gives (the same `normalize_pixels`),
+so what the model sees, its exports and serving are unchanged. Reflect padding, flips, crops
+and convex mixes commute with a per-channel affine map, so normalizing first changes nothing.
 
 Same transforms as the CPU path (`hpcml.data.sources.AugmentedImages`: offsets 0..8 in each
 axis, one flip in two), but as a handful of batched tensor ops (one gather, one `where`) instead
@@ -31,6 +39,29 @@ import torch.nn.functional as F
 from hpcml.config import RunConfig
 
 PAD = 4
+
+
+def normalize_pixels(
+    x: torch.Tensor, scale: float, mean: tuple[float, ...], std: tuple[float, ...]
+) -> torch.Tensor:
+    """(x * scale - mean) / std per channel (dim -3) of uint8 pixels (C, H, W) or (B, C, H, W),
+    in float32 on x's device. The one implementation both paths use."""
+    shape = (-1, 1, 1)
+    m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(shape)
+    s = torch.tensor(std, dtype=torch.float32, device=x.device).view(shape)
+    return (x.to(torch.float32) * scale - m) / s
+
+
+@dataclass(frozen=True)
+class DeviceNormalize:
+    """A source's normalization, left to the device (`data.augment_on: device`)."""
+
+    scale: float
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return normalize_pixels(x, self.scale, self.mean, self.std)
 
 
 def batch_seed(seed: int, rank: int, step: int, micro: int) -> int:

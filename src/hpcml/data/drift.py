@@ -210,15 +210,19 @@ REFERENCE_FILE = "reference_profile.json"
 REFERENCE_SAMPLES = 512
 
 
-def profile_dataset(dataset: Any, samples: int = REFERENCE_SAMPLES, seed: int = 0) -> Profile:
+def profile_dataset(
+    dataset: Any, samples: int = REFERENCE_SAMPLES, seed: int = 0, prepare: Any = None
+) -> Profile:
     """A reference profile of `samples` inputs drawn without replacement (seeded) from a map-
-    style dataset of (input, target) pairs: what training writes beside its export."""
+    style dataset of (input, target) pairs: what training writes beside its export. `prepare`
+    turns a stored input into the model's (a source's normalization left to the device)."""
     n = len(dataset)
     if n == 0:
         raise DataError("the training set is empty; a drift profile needs at least one sample.")
     rng = np.random.default_rng(seed)
     idx = np.sort(rng.choice(n, size=min(samples, n), replace=False))
-    x = np.stack([np.asarray(dataset[int(i)][0], dtype=np.float64) for i in idx])
+    first = (lambda v: v) if prepare is None else prepare
+    x = np.stack([np.asarray(first(dataset[int(i)][0]), dtype=np.float64) for i in idx])
     return build_profile(x, seed=seed)
 
 

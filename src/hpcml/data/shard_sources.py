@@ -271,8 +271,10 @@ def load_shard_source(cfg: DataConfig) -> Any:
     root = check_shards(cfg)
     manifest = shards.read_manifest(root)
     shards.verify(root, manifest)
-    train = shards.ShardSet(root, "train", manifest, cache_shards=cfg.shard_cache)
-    val = shards.ShardSet(root, "val", manifest, cache_shards=cfg.shard_cache)
+    normalize = device_normalize(cfg, manifest)
+    raw = normalize is not None
+    train = shards.ShardSet(root, "train", manifest, cache_shards=cfg.shard_cache, raw=raw)
+    val = shards.ShardSet(root, "val", manifest, cache_shards=cfg.shard_cache, raw=raw)
     sample = manifest["sample"]
     version = shards.version_id(manifest)
     if sample["layout"] == "tokens":
@@ -294,7 +296,29 @@ def load_shard_source(cfg: DataConfig) -> Any:
         int(manifest["num_classes"]),
         version,
         version=version,
+        device_normalize=normalize,
     )
+
+
+def is_image_set(manifest: dict[str, Any]) -> bool:
+    """Samples are (C, H, W) images, which crop, flip, mixup and cutmix apply to."""
+    sample = manifest["sample"]
+    return sample["layout"] == "tensor" and len(sample["x"]["shape"]) == 3
+
+
+def device_normalize(cfg: DataConfig, manifest: dict[str, Any]) -> Any:
+    """With data.augment_on: device, an image set stored as uint8 pixels is read as stored and
+    normalized on the device (`hpcml.data.device_augment`); None where the reader normalizes."""
+    from hpcml.data.device_augment import DeviceNormalize
+    from hpcml.data.sources import pixels_on_device
+
+    t = manifest.get("transform", {}).get("read", {})
+    x = manifest["sample"]["x"]
+    if not (pixels_on_device(cfg) and is_image_set(manifest) and np.dtype(x["dtype"]) == np.uint8):
+        return None
+    if not shards.is_pixel_transform(t):
+        return None
+    return DeviceNormalize(float(t["scale"]), tuple(t["mean"]), tuple(t["std"]))
 
 
 def check_shards(cfg: DataConfig) -> str | Path:

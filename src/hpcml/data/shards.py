@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hpcml.data.device_augment import normalize_pixels
 from hpcml.data.store import Store
 from hpcml.errors import DataError
 
@@ -147,6 +148,7 @@ class ShardSet(Dataset[Any]):
         manifest: dict[str, Any] | None = None,
         cache_shards: int = 4,
         with_ids: bool = False,
+        raw: bool = False,
     ) -> None:
         self.store = Store(folder)
         self.root = self.store.describe()
@@ -168,6 +170,8 @@ class ShardSet(Dataset[Any]):
         self.transform = self.manifest.get("transform", {}).get("read", {})
         self.cache_shards = cache_shards
         self.with_ids = with_ids
+        self.raw = raw
+        """Inputs as stored (uint8 pixels), the read transform left to the device."""
         self._open: OrderedDict[int, Any] = OrderedDict()
         self._batch: tuple[int, int, Any] | None = None
 
@@ -232,17 +236,27 @@ class ShardSet(Dataset[Any]):
         if self.layout == "tokens":  # one stored window of seq_len + 1 tokens
             w = torch.from_numpy(x.astype(np.int64))
             return w[:-1], w[1:]
-        xt = torch.from_numpy(x.astype(np.float32) if x.dtype != np.float32 else x.copy())
         t = self.transform
-        if "scale" in t:
-            xt = xt * float(t["scale"])
-        if "mean" in t:
-            shape = (-1,) + (1,) * (xt.dim() - 1)
-            mean = torch.tensor(t["mean"], dtype=torch.float32).view(shape)
-            std = torch.tensor(t["std"], dtype=torch.float32).view(shape)
-            xt = (xt - mean) / std
+        if self.raw or (x.dtype == np.uint8 and is_pixel_transform(t)):
+            xt = torch.from_numpy(x.copy())
+            if not self.raw:
+                xt = normalize_pixels(xt, float(t["scale"]), tuple(t["mean"]), tuple(t["std"]))
+        else:
+            xt = torch.from_numpy(x.astype(np.float32) if x.dtype != np.float32 else x.copy())
+            if "scale" in t:
+                xt = xt * float(t["scale"])
+            if "mean" in t:
+                shape = (-1,) + (1,) * (xt.dim() - 1)
+                mean = torch.tensor(t["mean"], dtype=torch.float32).view(shape)
+                std = torch.tensor(t["std"], dtype=torch.float32).view(shape)
+                xt = (xt - mean) / std
         yt = torch.from_numpy(y.astype(np.int64))
         return xt, (yt.reshape(()) if self.y_shape in ((), (1,)) else yt)
+
+
+def is_pixel_transform(t: dict[str, Any]) -> bool:
+    """A read transform that is a per-channel normalization of 8-bit image pixels."""
+    return {"scale", "mean", "std"} <= set(t)
 
 
 def _cell(arr: Any, j: int) -> memoryview:

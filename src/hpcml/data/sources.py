@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from hpcml.config import DataConfig
+from hpcml.data.device_augment import DeviceNormalize
 from hpcml.errors import DataError
 
 # The validation split must not move when the training seed changes: fixed split seed.
@@ -45,6 +46,9 @@ class Splits:
     """Per-sample target shape: () for one class per sample, (seq_len,) for next tokens."""
     version: str | None = None
     """A shard set's version id (sha256 of its manifest); None for other sources."""
+    device_normalize: DeviceNormalize | None = None
+    """Set where the source hands over uint8 pixels and leaves normalization to the training
+    device (`data.augment_on: device`); every batch, train and eval, goes through it."""
 
 
 def _split(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +116,9 @@ class AugmentedImages(Dataset):
         img, label = self.inner[i]
         rng = np.random.default_rng([seed, epoch, i])
         dx, dy = (int(v) for v in rng.integers(0, 9, size=2))
+        h, w = img.shape[-2:]
         padded = F.pad(img, (4, 4, 4, 4), mode="reflect")
-        img = padded[:, dy : dy + 32, dx : dx + 32]
+        img = padded[:, dy : dy + h, dx : dx + w]
         if rng.random() < 0.5:
             img = img.flip(-1)
         return img, label
@@ -191,11 +196,12 @@ def load_cifar10(cfg: DataConfig) -> Splits:
     xtr = np.concatenate([p[0] for p in parts])
     ytr = np.concatenate([p[1] for p in parts])
     xte, yte = _read_cifar_batch(root / "test_batch")
-    mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+    on_device = pixels_on_device(cfg)
+    normalize = DeviceNormalize(1 / 255, CIFAR_MEAN, CIFAR_STD)
 
     def norm(a: np.ndarray) -> torch.Tensor:
-        return (torch.from_numpy(a).float() / 255.0 - mean) / std
+        # uint8 as stored where the device normalizes (a quarter of the bytes in memory too)
+        return torch.from_numpy(a) if on_device else normalize(torch.from_numpy(a))
 
     xt, yt = norm(xtr), torch.from_numpy(ytr)
     train: Dataset = TensorDataset(xt, yt)
@@ -205,7 +211,13 @@ def load_cifar10(cfg: DataConfig) -> Splits:
         (3, 32, 32),
         10,
         _hash_arrays(xtr, ytr, xte, yte),
+        device_normalize=normalize if on_device else None,
     )
+
+
+def pixels_on_device(cfg: DataConfig) -> bool:
+    """The source hands over uint8 pixels and the device normalizes them."""
+    return cfg.augment and cfg.augment_on == "device"
 
 
 def load_synthetic(cfg: DataConfig) -> Splits:

@@ -20,14 +20,22 @@ from hpcml.distributed.runtime import Runtime, all_reduce_sum
 
 @torch.no_grad()
 def evaluate_model(
-    model: nn.Module, loader: Any, rt: Runtime, precision: Any, channels_last: bool
+    model: nn.Module,
+    loader: Any,
+    rt: Runtime,
+    precision: Any,
+    channels_last: bool,
+    normalize: Any = None,
 ) -> dict[str, float]:
+    """`normalize`: the source's normalization left to the device (uint8 pixels in)."""
     was_training = model.training
     model.eval()
     # loss, correct, positions (a token model scores each position), samples, batches
     totals = torch.zeros(5, dtype=torch.float64, device=rt.device)
     for x, y, valid in loader:
         x = x.to(rt.device, non_blocking=True)
+        if normalize is not None:
+            x = normalize(x)
         y = y.to(rt.device, non_blocking=True)
         valid = valid.to(rt.device, non_blocking=True)
         if channels_last and x.dim() == 4:

@@ -17,6 +17,7 @@ from hpcml import __version__
 from hpcml.data.drift import REFERENCE_FILE, profile_dataset
 from hpcml.distributed.parallel import full_state_dict, local_state_bytes, unwrap
 from hpcml.distributed.runtime import all_gather_object, device_info
+from hpcml.errors import Preempted
 from hpcml.models.export import save_export
 
 
@@ -110,5 +111,24 @@ def build_summary(t: Any) -> dict[str, Any]:
         },
     )
     # The drift reference: 512 seeded training inputs (one pass of __getitem__ over them).
-    profile_dataset(splits.train, seed=cfg.train.seed).save(export / REFERENCE_FILE)
+    profile_dataset(splits.train, seed=cfg.train.seed, prepare=splits.device_normalize).save(
+        export / REFERENCE_FILE
+    )
     return summary
+
+
+def failure_kind(exc: BaseException) -> str:
+    """"preempted" only with the checkpoint saved for it; Ctrl-C is "interrupted" (exit 130)."""
+    if isinstance(exc, Preempted):
+        return "preempted"
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+
+
+def failure_summary(kind: str, exc: BaseException, out_dir: Any) -> dict[str, Any]:
+    """What summary.json says of a run that had started writing and then ended early."""
+    return {
+        "status": kind,
+        "error": f"{type(exc).__name__}: {exc}"[:500],
+        "run_dir": str(out_dir),
+        "checkpoint": getattr(exc, "checkpoint", None),
+    }

@@ -37,7 +37,7 @@ from hpcml.distributed.runtime import (
     report_worker_error,
     shutdown,
 )
-from hpcml.errors import HpcmlError, Preempted
+from hpcml.errors import HpcmlError
 from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
@@ -52,7 +52,7 @@ from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
 from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon, param_groups
-from hpcml.train.summary import build_summary, seed_everything
+from hpcml.train.summary import build_summary, failure_kind, failure_summary, seed_everything
 from hpcml.train.validate import resolve
 
 
@@ -204,6 +204,7 @@ class Trainer:
         )
         self.global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.dp_size
         self.device_augment = device_augment(cfg, rt.dp_rank, splits.num_classes)
+        self.device_normalize = splits.device_normalize
 
     def restore(self, path: Path) -> int:
         """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG."""
@@ -330,6 +331,8 @@ class Trainer:
                 x, y = self.train_data.next()
             data_wait += time.perf_counter() - td
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            if self.device_normalize is not None:  # uint8 pixels from the source
+                x = self.device_normalize(x)
             if self.device_augment is not None:  # data.augment_on: device
                 x, y = self.device_augment.apply(x, y, self.step, micro)
             if self.cfg.train.channels_last and x.dim() == 4:
@@ -408,7 +411,12 @@ class Trainer:
         """Validation loss and accuracy; every rank runs the same number of batches."""
         with self.phase("hpcml.eval", step=self.step):
             self.last_eval = evaluate_model(
-                self.model, self.val_data, self.rt, self.precision, self.cfg.train.channels_last
+                self.model,
+                self.val_data,
+                self.rt,
+                self.precision,
+                self.cfg.train.channels_last,
+                self.device_normalize,
             )
         if self.rt.is_main:
             rec = {"kind": "eval", "step": self.step, **self.last_eval}
@@ -470,24 +478,9 @@ class Trainer:
         """A run that had started writing records how it ended; a refused start writes nothing."""
         if not (self.rt.is_main and self.writing and self.out_dir is not None):
             return
-        # "preempted" only with the checkpoint saved for it; Ctrl-C is "interrupted" (exit 130).
-        kind = (
-            "preempted"
-            if isinstance(exc, Preempted)
-            else "interrupted"
-            if isinstance(exc, KeyboardInterrupt)
-            else "failed"
-        )
+        kind = failure_kind(exc)
         self.hooks.fail(kind, exc)
-        write_json_atomic(
-            self.out_dir / "summary.json",
-            {
-                "status": kind,
-                "error": f"{type(exc).__name__}: {exc}"[:500],
-                "run_dir": str(self.out_dir),
-                "checkpoint": getattr(exc, "checkpoint", None),
-            },
-        )
+        write_json_atomic(self.out_dir / "summary.json", failure_summary(kind, exc, self.out_dir))
 
 
 def run(

@@ -151,16 +151,30 @@ def check_batch(cfg: RunConfig, splits: Splits, dp_size: int) -> None:
         )
 
 
-AUGMENTED_SOURCES = ("digits", "cifar10")
+AUGMENTED_SOURCES = ("digits", "cifar10", "shards of images")
+
+
+def _is_image_source(cfg: RunConfig) -> bool:
+    if cfg.data.source in ("digits", "cifar10"):
+        return True
+    if cfg.data.source != "shards":
+        return False
+    from hpcml.data.shard_sources import check_shards, is_image_set
+    from hpcml.data.shards import read_manifest
+
+    return is_image_set(read_manifest(check_shards(cfg.data)))
 
 
 def check_augment(cfg: RunConfig) -> None:
     """`data.augment` (random crop + flip) exists for the image sources only; elsewhere it would
     silently do nothing."""
-    if cfg.data.augment and cfg.data.source not in AUGMENTED_SOURCES:
+    if cfg.data.augment and not _is_image_source(cfg):
         raise ConfigError(
             f"data.augment applies to the image sources ({', '.join(AUGMENTED_SOURCES)}), not to "
-            f"data.source '{cfg.data.source}'; remove data.augment."
+            f"data.source '{cfg.data.source}' at {cfg.data.path}; remove data.augment."
+            if cfg.data.source == "shards"
+            else f"data.augment applies to the image sources ({', '.join(AUGMENTED_SOURCES)}), "
+            f"not to data.source '{cfg.data.source}'; remove data.augment."
         )
     d = cfg.data
     if d.augment_on == "device" and not d.augment:
