@@ -109,19 +109,27 @@ def info_cmd(
 @app.command("import-hf")
 def import_hf_cmd(
     folder: Path = typer.Argument(
-        ..., help="A local Hugging Face GPT-2 folder: config.json and model.safetensors."
+        ...,
+        help="A local Hugging Face GPT-2 folder: config.json and model.safetensors "
+        "(and tokenizer.json, copied into the export for text serving).",
     ),
     out: Path = typer.Option(..., "--out", help="Export folder to write (must not exist)."),
 ) -> None:
     """Import GPT-2-shaped Hugging Face weights as an hpcml export that `hpcml serve` loads."""
     from hpcml.errors import ConfigError
     from hpcml.models.export import save_export
-    from hpcml.models.hf_gpt2 import import_gpt2
+    from hpcml.models.hf_gpt2 import import_gpt2, import_tokenizer
+    from hpcml.models.tokenizer import FILE
 
     if out.exists():
         raise ConfigError(f"--out {out} already exists; give a new folder (nothing was written).")
     model, args = import_gpt2(folder)
     seq, vocab = args["max_seq_len"], args["vocab_size"]
+    # Checked before anything is written: a refused tokenizer leaves no half export.
+    tokenizer = import_tokenizer(folder, vocab)
+    metadata: dict[str, Any] = {"imported_from": str(folder), "format": "huggingface gpt2"}
+    if tokenizer is not None:
+        metadata["tokenizer"] = tokenizer[1]
     # Registered zoo name of the GPT-2 family; the arguments give every field of its config.
     try:
         save_export(
@@ -133,10 +141,15 @@ def import_hf_cmd(
             (seq, vocab),
             input_dtype="int64",
             task="language_modeling",
-            metadata={"imported_from": str(folder), "format": "huggingface gpt2"},
+            metadata=metadata,
         )
+        if tokenizer is not None:
+            (out / FILE).write_bytes(tokenizer[0])
     except OSError as exc:
         raise ConfigError(
             f"--out {out} cannot be written ({exc.strerror or exc}); give a writable folder."
         ) from None
-    console.print(f"wrote {out}: gpt {args['n_layer']} x {args['d_model']}, vocabulary {vocab}")
+    with_tok = f", {FILE} copied" if tokenizer is not None else " (no tokenizer.json: token ids)"
+    console.print(
+        f"wrote {out}: gpt {args['n_layer']} x {args['d_model']}, vocabulary {vocab}{with_tok}"
+    )

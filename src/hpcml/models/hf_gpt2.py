@@ -165,3 +165,26 @@ def import_gpt2(folder: str | Path) -> tuple[Any, dict[str, Any]]:
     converted = convert(state, args, config_of(args).padded_vocab)
     model.load_state_dict(converted, strict=True)
     return model.eval(), args
+
+
+def import_tokenizer(folder: str | Path, model_vocab: int) -> tuple[bytes, dict[str, Any]] | None:
+    """The bytes of `folder`'s tokenizer.json and the record model.json keeps of it (end token:
+    config.json's eos_token_id when the tokenizer has it), or None when there is no such file.
+    Refused in one sentence: a file that is not byte-level BPE, or a vocabulary larger than the
+    model's."""
+    from hpcml.models.tokenizer import FILE, read_hf_tokenizer, tokenizer_record
+
+    root = Path(folder).expanduser()
+    path = root / FILE
+    if not path.is_file():
+        return None
+    eos = read_config(root).get("eos_token_id")
+    tok, data = read_hf_tokenizer(path)
+    if isinstance(eos, int) and 0 <= eos < tok.vocab_size:
+        tok.end_token = eos
+    if tok.vocab_size > model_vocab:
+        raise ConfigError(
+            f"{path} has {tok.vocab_size} tokens, more than the model's vocab_size of "
+            f"{model_vocab} in {CONFIG}; give the tokenizer the model was trained with."
+        )
+    return data, tokenizer_record(tok, data)

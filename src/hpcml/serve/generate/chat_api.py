@@ -41,7 +41,7 @@ from hpcml.serve.generate.openai_api import (
     error,
     text_deltas,
 )
-from hpcml.serve.generate.sampling import ByteTokenizer, SamplingParams
+from hpcml.serve.generate.sampling import SamplingParams
 from hpcml.serve.generate.service import GenerationService
 
 
@@ -177,8 +177,6 @@ def parse_chat(body: bytes) -> tuple[ChatRequest, str, SamplingParams]:
 
 
 def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]) -> None:
-    tokenizer = ByteTokenizer()
-
     def service_of(name: str) -> GenerationService:
         found = services.get(name)
         if found is None:
@@ -192,7 +190,7 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
         try:
             req, text, params = parse_chat(await request.body())
             service = service_of(req.model)
-            prompt = tokenizer.encode(text)
+            prompt = service.tokenizer.encode(text)
             service.check(prompt, params)
         except BadRequest as exc:
             return error(exc.status, exc.message, exc.param)
@@ -236,7 +234,7 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
             req: GenerateRequest = _validated(GenerateRequest, await request.body())
             p = req.parameters
             params = _sampling(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop)
-            prompt = tokenizer.encode(req.text_input)
+            prompt = service.tokenizer.encode(req.text_input)
             service.check(prompt, params)
         except BadRequest as exc:
             return JSONResponse({"error": exc.message}, status_code=exc.status)

@@ -28,7 +28,7 @@ import torch
 
 from hpcml.models.gpt import GPT
 from hpcml.serve.generate.kv_cache import PagedKVCache, StepAttention, StepItem
-from hpcml.serve.generate.sampling import SamplingParams, sample
+from hpcml.serve.generate.sampling import ByteTokenizer, SamplingParams, Tokenizer, sample
 
 
 class RequestRefused(ValueError):
@@ -80,10 +80,17 @@ class TokenEvent:
 
 
 class Engine:
-    def __init__(self, model: GPT, config: EngineConfig) -> None:
+    def __init__(
+        self, model: GPT, config: EngineConfig, tokenizer: Tokenizer | None = None
+    ) -> None:
+        """`tokenizer` gives the bytes stop sequences are matched on and the end token (bytes,
+        no end token, when None); tokens without bytes in it (a model vocabulary padded beyond
+        the tokenizer's) are never sampled."""
         cfg = model.cfg
         self.model = model.eval()
         self.config = config
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self.vocab_limit = min(int(cfg.vocab_size), self.tokenizer.vocab_size)
         self.max_seq_len = int(cfg.max_seq_len)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
@@ -235,7 +242,7 @@ class Engine:
             seq.computed += n
             if seq.computed < len(seq.tokens):
                 continue  # prefill (or recompute) not done yet
-            token = sample(logits[end - 1], seq.params, seq.generator)
+            token = sample(logits[end - 1, : self.vocab_limit], seq.params, seq.generator)
             seq.tokens.append(token)
             self._check_finished(seq)
             events.append(TokenEvent(seq.id, token, seq.finish_reason, seq.stopped_by))
@@ -251,15 +258,30 @@ class Engine:
             self._ghosts = []
 
     def _check_finished(self, seq: Sequence) -> None:
-        out = seq.output
+        token = seq.tokens[-1]
+        if token == self.tokenizer.end_token:
+            seq.finish_reason = "stop"
+            return
         if seq.params.stop:
-            tail = bytes(out[-max(len(s) for s in seq.params.stop) :])
-            for stop in seq.params.stop:
-                if tail.endswith(stop):
-                    seq.finish_reason, seq.stopped_by = "stop", stop
-                    return
-        if len(out) >= seq.params.max_tokens:
+            stop = self._stop_in(seq.output, seq.params.stop)
+            if stop is not None:
+                seq.finish_reason, seq.stopped_by = "stop", stop
+                return
+        if len(seq.output) >= seq.params.max_tokens:
             seq.finish_reason = "length"
+
+    def _stop_in(self, output: list[int], stops: tuple[bytes, ...]) -> bytes | None:
+        """The stop sequence that starts first among those the newest token completes: one
+        that ends inside it or at its end, and may start in earlier tokens (a stop sequence
+        need not end on a token boundary). Older ones were found by earlier calls."""
+        new = self.tokenizer.token_bytes(output[-1])
+        need, before, i = max(len(s) for s in stops) - 1, b"", len(output) - 1
+        while len(before) < need and i > 0:
+            i -= 1
+            before = self.tokenizer.token_bytes(output[i]) + before
+        window = before[len(before) - need :] + new if need else new
+        found = [(at, s) for s in stops if (at := window.find(s)) >= 0]
+        return min(found, key=lambda f: f[0])[1] if found else None
 
     def _retire(self, seq: Sequence) -> None:
         self.running.remove(seq)

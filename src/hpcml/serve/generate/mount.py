@@ -1,19 +1,26 @@
 """Which served models generate text, and their generation services.
 
-A model whose newest version is a zoo `gpt` export over bytes (`task: language_modeling`,
-vocabulary 256: what `hpcml train` makes from byte-level token data) also answers
-`/v1/completions`, `/v1/chat/completions` and the OIP generate extension. Its weights are loaded a second time, in the server process, for the
+A model whose newest version is a zoo `gpt` export (`task: language_modeling`) also answers
+`/v1/completions`, `/v1/chat/completions` and the OIP generate extension when its text has a
+tokenizer: the one its model.json records (a GPT-2 `tokenizer.json` copied by `hpcml model
+import-hf`; its vocabulary must not exceed the model's), else UTF-8 bytes for a vocabulary of
+256 (what `hpcml train` makes from byte-level token data). Any other vocabulary is served over
+OIP token ids only. Its weights are loaded a second time, in the server process, for the
 engine; the OIP endpoint keeps its own copy.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from hpcml.errors import ModelError
 from hpcml.models.export import load_export, read_export_meta
 from hpcml.models.gpt import GPT
+from hpcml.models.tokenizer import FILE, Tokenizer, export_tokenizer
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.generate.engine import EngineConfig
 from hpcml.serve.generate.sampling import ByteTokenizer
@@ -44,18 +51,36 @@ def text_services(
         model, _ = load_export(mv.export_dir, trust_code=router.trust_code)
         if not isinstance(model, GPT):
             continue
-        if model.cfg.vocab_size != ByteTokenizer.vocab_size:
-            log.warning(
-                "model %r is a language model over %d tokens, not bytes (256): it is served "
-                "over OIP only, without /v1/completions.",
-                name,
-                model.cfg.vocab_size,
-            )
+        tokenizer = tokenizer_of(name, mv.export_dir, meta, int(model.cfg.vocab_size))
+        if tokenizer is None:
             continue
         if g.quantize == "int8":
             from hpcml.serve.generate.quantize import quantize_int8
 
             quantize_int8(model)
         metrics = metrics or GenerationMetrics(registry)
-        services[name] = GenerationService(name, model, engine_config, metrics, mv.version)
+        services[name] = GenerationService(
+            name, model, engine_config, metrics, mv.version, tokenizer
+        )
     return services
+
+
+def tokenizer_of(name: str, export_dir: Path, meta: dict[str, Any], vocab: int) -> Tokenizer | None:
+    """The tokenizer of a served language model; None (with a warning) when it has none."""
+    tokenizer = export_tokenizer(export_dir, meta)
+    if tokenizer is not None:
+        if tokenizer.vocab_size > vocab:
+            raise ModelError(
+                f"{export_dir / FILE} has {tokenizer.vocab_size} tokens, more than model "
+                f"{name!r}'s vocabulary of {vocab}; give the tokenizer saved with the model."
+            )
+        return tokenizer
+    if vocab == ByteTokenizer.vocab_size:
+        return ByteTokenizer()
+    log.warning(
+        "model %r is a language model over %d tokens, not bytes (256), and its export records "
+        "no tokenizer: it is served over OIP only, without /v1/completions.",
+        name,
+        vocab,
+    )
+    return None

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hpcml.serve.generate.engine import RequestRefused
-from hpcml.serve.generate.sampling import ByteTokenizer, SamplingParams, TextStream
+from hpcml.serve.generate.sampling import SamplingParams, TextStream
 from hpcml.serve.generate.service import GenerationService
 
 Stop = Annotated[str, Field(min_length=1)]
@@ -143,7 +143,7 @@ async def complete(
 ) -> tuple[str, int, str | None]:
     """The whole text of one request, its token count and finish reason ("stop", "length")."""
     text, n, finish = "", 0, None
-    stream = TextStream(params.stop)
+    stream = TextStream(params.stop, service.tokenizer)
     async with aclosing(service.generate(prompt, params)) as events:
         async for ev in events:
             if ev.token is not None:
@@ -163,7 +163,7 @@ async def text_deltas(
     """(text, None) for every non-empty text delta, then (rest, finish reason) once; raises
     Aborted when the engine stops. Callers close it explicitly (`aclosing`), not leaving it to
     garbage collection, so the engine drops the sequence at once when a client goes away."""
-    stream = TextStream(params.stop)
+    stream = TextStream(params.stop, service.tokenizer)
     async with aclosing(service.generate(prompt, params)) as events:
         async for ev in events:
             text = stream.push(ev.token) if ev.token is not None else ""
@@ -181,8 +181,6 @@ ABORTED = "the server stopped generating (shutting down); retry."
 
 
 def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
-    tokenizer = ByteTokenizer()
-
     def service_of(name: str) -> GenerationService:
         found = services.get(name)
         if found is None:
@@ -199,7 +197,7 @@ def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
             req = parse_request(await request.body())
             service = service_of(req.model)
             prompt_text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-            prompt = tokenizer.encode(prompt_text)
+            prompt = service.tokenizer.encode(prompt_text)
             params = sampling_of(req)
             service.check(prompt, params)
         except BadRequest as exc:

@@ -2,9 +2,10 @@
 
 `sample` does greedy (temperature 0), temperature, top-k and top-p (nucleus; Holtzman et al.
 2020) with a per-request `torch.Generator`, so a seeded request draws the same tokens whatever
-else is batched with it (as long as the logits are the same). The zoo `gpt` is trained on
-bytes (`hpcml.data.tokens`), so `ByteTokenizer` is UTF-8 itself; `TextStream` holds back the
-bytes that may still turn out to be a stop sequence or half of a multi-byte character.
+else is batched with it (as long as the logits are the same). `TextStream` turns tokens into
+text through their raw bytes (`hpcml.models.tokenizer`: UTF-8 bytes for the zoo `gpt`, a
+byte-level BPE for imported GPT-2s) and holds back the bytes that may still turn out to be a
+stop sequence or half of a multi-byte character.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import codecs
 from dataclasses import dataclass, field
 
 import torch
+
+from hpcml.models.tokenizer import ByteTokenizer, Tokenizer
+
+__all__ = ["ByteTokenizer", "SamplingParams", "TextStream", "Tokenizer", "sample"]
 
 
 @dataclass(frozen=True)
@@ -60,42 +65,42 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, the zoo gpt's vocabulary."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, tokens: list[int]) -> str:
-        return bytes(tokens).decode("utf-8", errors="replace")
-
-
 class TextStream:
-    """Text deltas of a growing byte stream: never emits bytes that could still start a stop
-    sequence, nor half a UTF-8 character (invalid bytes become U+FFFD, as in `decode`)."""
+    """Text deltas of a growing token stream: never emits bytes that could still start a stop
+    sequence, nor half a UTF-8 character (invalid bytes become U+FFFD, as in `decode`). The
+    tokenizer's end token adds no text."""
 
-    def __init__(self, stop: tuple[bytes, ...] = ()) -> None:
+    def __init__(self, stop: tuple[bytes, ...] = (), tokenizer: Tokenizer | None = None) -> None:
         self.stop = stop
-        # The last max-stop-length bytes stay back: a stop sequence completed by the newest
-        # token then lies wholly in `pending`, never partly sent.
-        self.hold = max((len(s) for s in stop), default=0)
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        # The last max-stop-length - 1 bytes stay back (they may begin a stop sequence the next
+        # tokens complete), and so does everything from a completed stop sequence on: a token
+        # may carry bytes past the end of one.
+        self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = b""
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
-        self.pending += bytes([token])
+        if token == self.tokenizer.end_token:
+            return ""
+        self.pending += self.tokenizer.token_bytes(token)
         cut = len(self.pending) - self.hold
+        for s in self.stop:
+            at = self.pending.find(s)
+            cut = min(cut, at) if at >= 0 else cut
         if cut <= 0:
             return ""
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return self.decoder.decode(out)
 
     def finish(self, stopped_by: bytes | None) -> str:
-        """The rest of the text; `stopped_by` (the stop sequence that ended it) is cut off."""
+        """The rest of the text; `stopped_by` (the stop sequence that ended it) is cut off with
+        whatever followed it in its last token. Its first occurrence in `pending` is the one:
+        the engine stops at the first token that completes any stop sequence, and `push` never
+        emits the bytes of a completed one."""
         rest = self.pending
         if stopped_by:
-            rest = rest[: len(rest) - len(stopped_by)]
+            at = rest.find(stopped_by)
+            rest = rest[:at] if at >= 0 else rest
         self.pending = b""
         return self.decoder.decode(rest, final=True)

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hpcml.models.gpt import GPT
 from hpcml.serve.generate.engine import Engine, EngineConfig, TokenEvent
-from hpcml.serve.generate.sampling import SamplingParams
+from hpcml.serve.generate.sampling import ByteTokenizer, SamplingParams, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +91,14 @@ class GenerationService:
         config: EngineConfig,
         metrics: GenerationMetrics | None = None,
         version: str = "1",
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.name = name
         self.version = version
         """The model version it serves (the newest when the server started)."""
-        self.engine = Engine(model, config)
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        """Text <-> tokens for every text endpoint of this model (UTF-8 bytes by default)."""
+        self.engine = Engine(model, config, self.tokenizer)
         self.metrics = metrics
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}
