@@ -113,9 +113,13 @@ class MotoServer:
         self.context = ssl.create_default_context(cafile=str(tls[2])) if tls else None
         for _ in range(600):  # until it answers (moto's start is seconds on a busy machine)
             if self.proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(
+                    f"moto_server exited {self.proc.returncode}; see {self.log.name}"
+                )
             try:
-                urllib.request.urlopen(f"{self.url}/moto-api/data.json", context=self.context, timeout=2)
+                urllib.request.urlopen(
+                    f"{self.url}/moto-api/data.json", context=self.context, timeout=2
+                )
                 return
             except OSError:
                 time.sleep(0.1)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import ROOT, hpcml_env, run_hpcml
+from tests.conftest import ROOT, hpcml_env, run_hpcml, step_losses
 from tests.integration.s3_server import CREDENTIALS, MotoServer, make_ca_and_server_cert
 from typer.testing import CliRunner
 
@@ -190,3 +190,25 @@ def test_readahead_fetches_the_next_shards_before_use_in_the_same_order(
     fetched = {k: thread for what, k, thread in events if what == "fetch"}
     assert fetched[0] == "MainThread"
     assert all(t.startswith("hpcml-readahead") for k, t in fetched.items() if k > 0)
+
+
+def test_a_second_training_run_reads_every_shard_from_the_cache(
+    tls: dict[str, object], tmp_path: Path
+) -> None:
+    """`hpcml train` with data.cache_dir and 2 loader workers (each its own client, cache and
+    read-ahead thread): the second run GETs no shard and has the first run's losses."""
+    server: MotoServer = tls["server"]  # type: ignore[assignment]
+    env = {**hpcml_env(), **CREDENTIALS, "AWS_CA_BUNDLE": str(tls["ca"])}
+    args = [
+        "train", "examples/digits_cnn.yaml", "model.name=mlp", "model.args={hidden: 16}",
+        "data.source=shards", f"data.path={tls['url']}", f"data.cache_dir={tmp_path / 'c'}",
+        "data.num_workers=2", "data.batch_size=16", "train.max_steps=6", "train.eval_every=0",
+        "train.log_every=1", "train.checkpoint_every=0", "train.deterministic=true", "--quiet",
+    ]  # fmt: skip
+    mark = len(server.requests())
+    run_hpcml(*args, "--run-dir", str(tmp_path / "one"), env=env)
+    assert server.shard_gets(mark)
+    mark = len(server.requests())
+    run_hpcml(*args, "--run-dir", str(tmp_path / "two"), env=env)
+    assert server.shard_gets(mark) == []
+    assert step_losses(tmp_path / "two") == step_losses(tmp_path / "one")

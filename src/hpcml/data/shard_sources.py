@@ -271,14 +271,18 @@ def load_shard_source(cfg: DataConfig) -> Any:
     root = check_shards(cfg)
     manifest = shards.read_manifest(root)
     shards.verify(root, manifest)
-    reading = {
-        "cache_shards": cfg.shard_cache,
-        "cache_dir": cfg.cache_dir,
-        "cache_limit_bytes": int(cfg.cache_limit_gb * 10**9),
-        "readahead": cfg.readahead,
-    }
-    train = shards.ShardSet(root, "train", manifest, **reading)
-    val = shards.ShardSet(root, "val", manifest, **reading)
+    train, val = (
+        shards.ShardSet(
+            root,
+            split,
+            manifest,
+            cache_shards=cfg.shard_cache,
+            cache_dir=cfg.cache_dir,
+            cache_limit_bytes=int(cfg.cache_limit_gb * 10**9),
+            readahead=cfg.readahead,
+        )
+        for split in ("train", "val")
+    )
     sample = manifest["sample"]
     version = shards.version_id(manifest)
     if sample["layout"] == "tokens":
