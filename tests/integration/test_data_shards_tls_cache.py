@@ -75,6 +75,21 @@ def read_all(ds: ShardSet, batch: int = 16, shuffle: bool = True) -> list[tuple[
     return out
 
 
+def one_by_one(ds: ShardSet, batch: int = 16) -> list[tuple[int, bytes]]:
+    """read_all's samples in read_all's order, read through __getitem__ one at a time: the
+    indices come from the same loader over range(len(ds)) with the same seeded generator."""
+    g = torch.Generator().manual_seed(SEED)
+    indices = torch.utils.data.DataLoader(
+        range(len(ds)), batch_size=batch, shuffle=True, generator=g
+    )
+    out = []
+    for batch_indices in indices:
+        for i in batch_indices.tolist():
+            x, _, sid = ds[i]
+            out.append((int(sid), x.numpy().tobytes()))
+    return out
+
+
 def test_reads_over_tls_with_the_ca_in_the_url_or_the_environment(
     tls: dict[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -113,7 +128,7 @@ def test_the_disk_cache_serves_a_second_pass_without_a_get(
     server: MotoServer = tls["server"]  # type: ignore[assignment]
     cache = tmp_path / "cache"
     local = ShardSet(tls["local"], "train", with_ids=True)  # type: ignore[arg-type]
-    expected = read_all(local)
+    expected = one_by_one(local)
     mark = len(server.requests())
     first = ShardSet(with_ca(tls), "train", with_ids=True, cache_dir=cache, cache_shards=2)
     assert read_all(first) == expected
@@ -163,7 +178,8 @@ def test_readahead_fetches_the_next_shards_before_use_in_the_same_order(
     tls: dict[str, object],
 ) -> None:
     plain = ShardSet(with_ca(tls), "train", with_ids=True, cache_shards=3, readahead=0)
-    expected = read_all(plain)
+    expected = one_by_one(ShardSet(tls["local"], "train", with_ids=True))  # type: ignore[arg-type]
+    assert read_all(plain) == expected
     ahead = ShardSet(with_ca(tls), "train", with_ids=True, cache_shards=3, readahead=2)
     ahead.slots.events = events = []
     g = torch.Generator().manual_seed(SEED)
@@ -212,3 +228,21 @@ def test_a_second_training_run_reads_every_shard_from_the_cache(
     run_hpcml(*args, "--run-dir", str(tmp_path / "two"), env=env)
     assert server.shard_gets(mark) == []
     assert step_losses(tmp_path / "two") == step_losses(tmp_path / "one")
+
+
+def test_a_changed_shard_set_never_reads_a_stale_cached_file(
+    tls: dict[str, object], tmp_path: Path
+) -> None:
+    """Another version of the set, same file names and sizes, other bytes, through one cache."""
+    server: MotoServer = tls["server"]  # type: ignore[assignment]
+    other = tmp_path / "syn-v2"
+    shard("synthetic", other, shard_size="120KB", synthetic_samples=320, val_fraction=0.2)
+    url2 = f"{server.upload(other, 'hpcml', 'syn-v2')}&tls_ca_file_path={tls['ca']}"
+    cache = tmp_path / "cache"
+    first = ShardSet(with_ca(tls), "train", with_ids=True, cache_dir=cache)
+    second = ShardSet(url2, "train", with_ids=True, cache_dir=cache)
+    assert first.files[0] == second.files[0] and first.sizes[0] == second.sizes[0]
+    assert first.sha256[0] != second.sha256[0]
+    x1, x2 = first[0][0], second[0][0]
+    assert not torch.equal(x1, x2)
+    assert torch.equal(x2, ShardSet(other, "train")[0][0])
