@@ -31,7 +31,7 @@ import hashlib
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit
 
 from hpcml.data.shard_cache import DiskCache
 from hpcml.errors import DataError
@@ -176,8 +176,8 @@ def _with_ca(location: str) -> str:
     where = "tls_ca_file_path in data.path"
     if ca is None and os.environ.get("AWS_CA_BUNDLE"):
         ca, where = os.environ["AWS_CA_BUNDLE"], "AWS_CA_BUNDLE"
-        location += ("&" if "?" in location else "?") + f"tls_ca_file_path={ca}"
-    if ca is not None and not os.access(ca, os.R_OK):
+        location += ("&" if "?" in location else "?") + f"tls_ca_file_path={quote(ca, safe='/')}"
+    if ca is not None and not (os.path.isfile(ca) and os.access(ca, os.R_OK)):
         raise DataError(
             f"{where} names {ca!r}, which is not a readable file; give the path of the PEM "
             "file of the CA that signed the object store's certificate."
