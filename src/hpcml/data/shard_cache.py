@@ -16,6 +16,7 @@ local disk like a shard of a local folder (the page cache holds it, not the proc
 - Above `data.cache_limit_gb` the least recently used files (by modification time, refreshed on
   each use) are deleted after each write; a shard larger than the whole limit is not cached.
   Deleting a file another process has mapped is safe on POSIX: its mapping stays valid.
+  Temporary files older than an hour (a writer that died) are deleted then too.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ import contextlib
 import hashlib
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from hpcml.errors import DataError
 
 TMP_PREFIX = ".partial-"
+STALE_TMP_S = 3600
+"""A temporary file older than this was left by a writer that died; it is deleted."""
 _verified: set[tuple[str, int]] = set()
 """(path, inode) of cached files this process has hashed or written (a replaced file is a new
 inode; a truncated one fails the size check)."""
@@ -100,8 +104,14 @@ class DiskCache:
     def evict(self, keep: Path | None = None) -> None:
         """Delete least recently used files until the cached bytes fit the limit."""
         files = []
+        now = time.time()
         for entry in os.scandir(self.folder):
-            if entry.name.startswith(TMP_PREFIX) or not entry.is_file():
+            if entry.name.startswith(TMP_PREFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    if now - entry.stat().st_mtime > STALE_TMP_S:
+                        self.discard(Path(entry.path))
+                continue
+            if not entry.is_file():
                 continue
             with contextlib.suppress(FileNotFoundError):
                 st = entry.stat()
