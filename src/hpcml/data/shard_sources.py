@@ -272,9 +272,19 @@ def load_shard_source(cfg: DataConfig) -> Any:
     manifest = shards.read_manifest(root)
     shards.verify(root, manifest)
     normalize = device_normalize(cfg, manifest)
-    raw = normalize is not None
-    train = shards.ShardSet(root, "train", manifest, cache_shards=cfg.shard_cache, raw=raw)
-    val = shards.ShardSet(root, "val", manifest, cache_shards=cfg.shard_cache, raw=raw)
+    train, val = (
+        shards.ShardSet(
+            root,
+            split,
+            manifest,
+            cache_shards=cfg.shard_cache,
+            cache_dir=cfg.cache_dir,
+            cache_limit_bytes=int(cfg.cache_limit_gb * 10**9),
+            readahead=cfg.readahead,
+            raw=normalize is not None,
+        )
+        for split in ("train", "val")
+    )
     sample = manifest["sample"]
     version = shards.version_id(manifest)
     if sample["layout"] == "tokens":

@@ -34,7 +34,6 @@ import bisect
 import hashlib
 import json
 import os
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,9 @@ import torch
 from torch.utils.data import Dataset
 
 from hpcml.data.device_augment import normalize_pixels
-from hpcml.data.store import Store
+from hpcml.data.readahead import ShardSlots
+from hpcml.data.shard_cache import DiskCache
+from hpcml.data.store import Store, is_remote
 from hpcml.errors import DataError
 
 FORMAT = "hpcml-shards/1"
@@ -139,6 +140,13 @@ class ShardSet(Dataset[Any]):
     recently used one is closed when another is needed, so the address space and resident
     memory the reader holds are bounded by about `cache_shards` shards whatever the data size.
     With `with_ids` items carry the stored sample id as a third element (tests, lineage).
+
+    Remote sets: `cache_dir` keeps downloaded shards on local disk (`hpcml.data.shard_cache`);
+    `readahead` shards (default 1 remote, 0 local) are fetched in a background thread while the
+    current one is read (`hpcml.data.readahead`): within a batch (`__getitems__`, what the
+    DataLoader calls), the batch's next shards in the order it reads them, a batch read shard
+    by shard and returned in its own order; one sample at a time (`__getitem__`), the shards
+    after a newly opened one in file order, which is the reading order of an unshuffled pass.
     """
 
     def __init__(
@@ -149,8 +157,12 @@ class ShardSet(Dataset[Any]):
         cache_shards: int = 4,
         with_ids: bool = False,
         raw: bool = False,
+        cache_dir: str | Path | None = None,
+        cache_limit_bytes: int = 10 * 10**9,
+        readahead: int | None = None,
     ) -> None:
-        self.store = Store(folder)
+        self._store_args = (str(folder), cache_dir, cache_limit_bytes)
+        self.store = _store(*self._store_args)
         self.root = self.store.describe()
         self.manifest = manifest or read_manifest(folder)
         entry = self.manifest["splits"].get(split)
@@ -159,6 +171,7 @@ class ShardSet(Dataset[Any]):
         self.split = split
         self.files = [s["file"] for s in entry["shards"]]
         self.sha256 = [s["sha256"] for s in entry["shards"]]
+        self.sizes = [int(s["bytes"]) for s in entry["shards"]]
         counts = [int(s["samples"]) for s in entry["shards"]]
         self.starts = list(np.cumsum([0, *counts])[:-1].tolist())
         self.length = int(sum(counts))
@@ -169,49 +182,75 @@ class ShardSet(Dataset[Any]):
         self.y_dtype, self.y_shape = np.dtype(sample["y"]["dtype"]), tuple(sample["y"]["shape"])
         self.transform = self.manifest.get("transform", {}).get("read", {})
         self.cache_shards = cache_shards
+        self.readahead = (1 if self.store.remote else 0) if readahead is None else readahead
         self.with_ids = with_ids
         self.raw = raw
         """Inputs as stored (uint8 pixels), the read transform left to the device."""
-        self._open: OrderedDict[int, Any] = OrderedDict()
         self._batch: tuple[int, int, Any] | None = None
+        self.slots = self._slots()
+
+    def _slots(self) -> ShardSlots:
+        return ShardSlots(self._open_shard, self.cache_shards, self.readahead, self._evicted)
+
+    def _evicted(self, k: int) -> None:
+        if self._batch is not None and self._batch[0] == k:
+            self._batch = None
 
     def __len__(self) -> int:
         return self.length
 
     def __getstate__(self) -> dict[str, Any]:  # workers open their own maps and clients
-        state = {**self.__dict__, "_open": OrderedDict(), "_batch": None}
-        state["store"] = self.store.location
+        state = {**self.__dict__, "_batch": None}
+        del state["store"], state["slots"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.store = Store(state["store"])
+        self.store = _store(*self._store_args)
+        self.slots = self._slots()
 
-    def _reader(self, k: int) -> Any:
+    def _open_shard(self, k: int) -> Any:
         import pyarrow as pa
 
-        reader = self._open.get(k)
-        if reader is not None:
-            self._open.move_to_end(k)
-            return reader
-        while len(self._open) >= self.cache_shards:
-            old, _ = self._open.popitem(last=False)
-            if self._batch is not None and self._batch[0] == old:
-                self._batch = None
         path = self.store.describe(self.files[k])
         try:
-            reader = self.store.open_shard(self.files[k], self.sha256[k])
+            return self.store.open_shard(self.files[k], self.sha256[k], self.sizes[k])
         except (OSError, pa.ArrowInvalid) as exc:
             raise DataError(
                 f"shard {path} cannot be read ({exc}); check the shard set with "
                 f"`hpcml data info {self.root} --verify`, or lower data.shard_cache if memory "
                 "is short."
             ) from None
-        self._open[k] = reader
+
+    def _reader(self, k: int, ahead: bool = True) -> Any:
+        first_use = not self.slots.is_open(k)
+        reader = self.slots.get(k)
+        if first_use and ahead:  # one sample at a time: guess the file order
+            self.slots.prefetch(range(k + 1, min(k + 1 + self.readahead, len(self.files))), k)
         return reader
 
+    def shard_of(self, i: int) -> int:
+        return bisect.bisect_right(self.starts, i) - 1
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """Samples `indices`, in that order, read shard by shard: while one shard's samples are
+        read the batch's next shards are fetched ahead."""
+        by_shard: dict[int, list[int]] = {}
+        for pos, i in enumerate(indices):
+            if not 0 <= int(i) < self.length:
+                raise IndexError(i)
+            by_shard.setdefault(self.shard_of(int(i)), []).append(pos)
+        order = list(by_shard)
+        out: list[Any] = [None] * len(indices)
+        for n, k in enumerate(order):
+            self._reader(k, ahead=False)
+            self.slots.prefetch(order[n + 1 :], k)
+            for pos in by_shard[k]:
+                out[pos] = self[indices[pos]]
+        return out
+
     def _row(self, i: int) -> tuple[memoryview, memoryview, int]:
-        k = bisect.bisect_right(self.starts, i) - 1
+        k = self.shard_of(i)
         row = i - self.starts[k]
         b, j = divmod(row, self.rows_per_batch)
         if self._batch is not None and self._batch[:2] == (k, b):
@@ -257,6 +296,11 @@ class ShardSet(Dataset[Any]):
 def is_pixel_transform(t: dict[str, Any]) -> bool:
     """A read transform that is a per-channel normalization of 8-bit image pixels."""
     return {"scale", "mean", "std"} <= set(t)
+
+
+def _store(location: str, cache_dir: str | Path | None, cache_limit_bytes: int) -> Store:
+    cache = DiskCache(cache_dir, cache_limit_bytes) if cache_dir and is_remote(location) else None
+    return Store(location, cache)
 
 
 def _cell(arr: Any, j: int) -> memoryview:
