@@ -54,3 +54,18 @@ def test_a_dead_writers_temporary_file_is_removed_a_live_ones_kept(tmp_path: Pat
     a, sa = blob(100, 1)
     cache.put("a.arrow", sa, a)
     assert not dead.exists() and live.exists()
+
+
+def test_a_manifest_cannot_name_a_file_outside_the_cache(tmp_path: Path) -> None:
+    """A manifest's sha256 is part of the cached file's name; a hostile one ("../victim") made
+    `lookup` find a file outside the cache, see it was not intact and delete it."""
+    import pytest
+
+    from hpcml.errors import DataError
+
+    victim = tmp_path / "victim-x.arrow"
+    victim.write_bytes(b"keep me")
+    cache = DiskCache(tmp_path / "cache", limit_bytes=10_000)
+    with pytest.raises(DataError, match="is not 64 hex digits"):
+        cache.lookup("x.arrow", "../victim", 7)
+    assert victim.read_bytes() == b"keep me"

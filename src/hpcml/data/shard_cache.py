@@ -24,12 +24,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from hpcml.errors import DataError
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 TMP_PREFIX = ".partial-"
 STALE_TMP_S = 3600
@@ -54,6 +57,13 @@ class DiskCache:
             ) from None
 
     def path(self, name: str, sha256: str) -> Path:
+        # Both come from a manifest someone else may have written: only a hex digest and a
+        # base name go into the path, so no manifest can name (and so delete) a file elsewhere.
+        if not _HEX64.fullmatch(sha256):
+            raise DataError(
+                f"the manifest gives shard {name!r} the sha256 {sha256[:80]!r}, which is not 64 "
+                "hex digits; write the shard set again with `hpcml data shard`."
+            )
         return self.folder / f"{sha256}-{Path(name).name}"
 
     def lookup(self, name: str, sha256: str, size: int) -> Path | None:
