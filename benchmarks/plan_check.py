@@ -94,6 +94,26 @@ def _train(cfg: Path, run_dir: Path, world: int, overrides: list[str]) -> str | 
     return None
 
 
+def _rep_name(name: str, rep: int, repeats: int) -> str:
+    return name if repeats == 1 else f"{name}-r{rep}"
+
+
+def _median_run(root: Path, name: str, repeats: int) -> tuple[dict[str, Any], list[float]]:
+    """The summary of the repetition with the median step time (an odd count picks a real
+    run, so its memory figures are that run's), and every repetition's step time."""
+    runs = [
+        json.loads((root / _rep_name(name, r, repeats) / "summary.json").read_text())
+        for r in range(repeats)
+    ]
+    # As plan check compares them: a step's time without its data wait.
+    times = [
+        float(r["throughput"]["step_time_s"]) - float(r["throughput"].get("data_wait_s") or 0.0)
+        for r in runs
+    ]
+    order = sorted(range(repeats), key=lambda i: times[i])
+    return runs[order[(repeats - 1) // 2]], times
+
+
 def _jobs(models: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, int, list[str]]]:
     jobs = []
     for spec in models:
@@ -142,8 +162,8 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         "| run | world | "
         + " | ".join(q.replace("_bytes", "") for q in QUANTITIES)
-        + " | step_time_s, family out |",
-        "|---|---|" + "---|" * (len(QUANTITIES) + 1),
+        + " | step_time_s, family out | measured step ms (no data wait), median [min .. max] |",
+        "|---|---|" + "---|" * (len(QUANTITIES) + 2),
     ]
     for r in result["rows"]:
         cells = []
@@ -151,6 +171,12 @@ def _markdown(result: dict[str, Any]) -> str:
             c = r.get(q) or {}
             ratio = c.get("ratio")
             cells.append("-" if ratio is None else f"{ratio:.3f}" + ("" if c["ok"] else " miss"))
+        times = sorted(1000 * t for t in r.get("measured_step_times_s") or [])
+        cells.append(
+            f"{times[(len(times) - 1) // 2]:.1f} [{times[0]:.1f} .. {times[-1]:.1f}]"
+            if times
+            else "-"
+        )
         lines.append(f"| {r['run']} | {r['world']} | " + " | ".join(cells) + " |")
     for f in result["failed"]:
         lines.append(f"| {f['run']} | failed: {f['error']} |")
@@ -227,6 +253,13 @@ def main() -> None:
         help="with --keep: predict runs already in that folder instead of training them again "
         "(a change to the planner re-checked against the same measurements)",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="train every run this many times (order rotated) and predict the one with the "
+        "median step time; the table lists every repetition's step time",
+    )
     ap.add_argument("--models", nargs="+", help="only these model keys (e.g. mlp resnet18)")
     ap.add_argument("--strategies", nargs="+", help="only these (single ddp zero1 ... tp tp+sp)")
     ap.add_argument(
@@ -257,17 +290,30 @@ def main() -> None:
         for j in _jobs(models)
         if (not a.models or j[0]["key"] in a.models) and (not a.strategies or j[1] in a.strategies)
     ]
-    for spec, strategy, world, overrides in jobs:
+    errors: dict[str, str] = {}
+    for rep in range(a.repeats):
+        # Every run once per repetition, the order rotated, so slow spells of a shared machine
+        # fall on different runs in each repetition.
+        shift = rep * len(jobs) // a.repeats
+        for spec, strategy, world, overrides in jobs[shift:] + jobs[:shift]:
+            name = f"{spec['key']}-{strategy}".replace("+", "")
+            cfg = root / f"{name}.yaml"
+            cfg.write_text(_config(spec, a.steps))
+            folder = root / _rep_name(name, rep, a.repeats)
+            reused = a.reuse and (folder / "summary.json").exists()
+            err = None if reused else _train(cfg, folder, world, overrides)
+            print(
+                f"{folder.name}: {'reused' if reused else 'ok' if err is None else err}", flush=True
+            )
+            if err is not None:
+                errors[name] = err
+    spreads: dict[str, list[float]] = {}
+    for spec, strategy, world, _ in jobs:
         name = f"{spec['key']}-{strategy}".replace("+", "")
-        cfg = root / f"{name}.yaml"
-        cfg.write_text(_config(spec, a.steps))
-        reused = a.reuse and (root / name / "summary.json").exists()
-        err = None if reused else _train(cfg, root / name, world, overrides)
-        print(f"{name}: {'reused' if reused else 'ok' if err is None else err}", flush=True)
-        if err is not None:
-            failed.append({"run": name, "error": err})
+        if name in errors:
+            failed.append({"run": name, "error": errors[name]})
             continue
-        summary = json.loads((root / name / "summary.json").read_text())
+        summary, spreads[name] = _median_run(root, name, a.repeats)
         setups.append(setup_from_summary(summary, catalog, name))
         labels[name] = (spec["key"], strategy, world)
     if a.memory_only:
@@ -285,11 +331,16 @@ def main() -> None:
                 "world": world,
                 **_cells(rep.rows),
                 "step_time_family_out": _cells(family_out[rep.setup.label].rows).get("step_time_s"),
+                "measured_step_times_s": spreads[rep.setup.label],
                 "calibration": rep.calibration.to_dict(),
                 "notes": list(rep.notes),
             }
         )
-    stamps = sorted(_when(root / n / "summary.json") for n in labels)
+    stamps = sorted(
+        _when(root / _rep_name(n, r, a.repeats) / "summary.json")
+        for n in labels
+        for r in range(a.repeats)
+    )
     result = {
         "question": "plan vs measured CPU runs; step time out of sample (leave-one-model-out)",
         "command": "PYTHONPATH=src python benchmarks/plan_check.py " + " ".join(a.argv),

@@ -48,6 +48,10 @@ def test_every_zoo_model_counts_as_built(name: str) -> None:
     in_units = sum(p.numel() for parent, n in found for p in getattr(parent, n).parameters())
     root = 1 if in_units < planned.params else 0
     assert planned.gather_units == len(found) + root
+    # DDP broadcasts buffers (BatchNorm statistics) in one call per dtype before each forward.
+    buffers = list(model.buffers())
+    assert planned.buffer_groups == len({b.dtype for b in buffers})
+    assert planned.buffer_bytes == sum(b.numel() * b.element_size() for b in buffers)
 
 
 @pytest.mark.parametrize(

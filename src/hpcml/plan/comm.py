@@ -18,6 +18,8 @@ from hpcml.plan.hardware import Cluster
 from hpcml.plan.memory import Layout, Training, params_per_device
 from hpcml.plan.shapes import ModelShape
 
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb (hpcml passes 25 explicitly)
+
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "reduce", "alltoall", "sendrecv")
 ALGORITHMS = ("auto", "ring", "tree")
 
@@ -240,33 +242,42 @@ def step_communication(
     n_params = params_per_device(model, layout)
     grad_size = n_params * training.grad_bytes
     param_size = n_params * training.param_bytes
-    if layout.zero == 0:
-        add("DP gradient all-reduce", "allreduce", grad_size, 1, dp_g, "backward")
-    elif layout.zero == 1 and layout.zero1_whole_tensors:
-        # torch's ZeroRedundancyOptimizer (hpcml's zero1) sits on DDP: gradients are
-        # all-reduced whole, each rank steps the tensors it owns, and then each rank's
-        # parameters are broadcast from it as one bucket (`parameters_as_bucket_view`).
-        add("DP gradient all-reduce", "allreduce", grad_size, 1, dp_g, "backward")
-        add("ZeRO-1 parameter broadcast", "broadcast", param_size / dp, dp, dp_g, "none")
-    elif layout.zero in (1, 2):
-        calls = 1 if layout.zero == 1 else m
-        add("ZeRO gradient reduce-scatter", "reducescatter", grad_size, calls, dp_g, "backward")
+    # gloo (CPU processes) has no reduce-scatter of its own: it all-reduces the whole buffer
+    # and keeps a shard, so a gradient reduce-scatter costs an all-reduce there.
+    reduce_op = "allreduce" if cluster.accelerator.cores is not None else "reducescatter"
+    if layout.zero == 0 or (layout.zero == 1 and layout.zero1_whole_tensors):
+        # DDP: one all-reduce per gradient bucket (bucket_cap_mb), and its buffers (BatchNorm
+        # statistics) broadcast from rank 0 in the first forward after a gradient sync (once
+        # per step when earlier micro-batches skip the sync), one call per dtype.
+        buckets = max(1, math.ceil(grad_size / DDP_BUCKET_BYTES))
+        add("DP gradient all-reduce", "allreduce", grad_size / buckets, buckets, dp_g, "backward")
+        groups_ = model.buffer_groups
+        if groups_:
+            add(
+                "DDP buffer broadcast",
+                "broadcast",
+                model.buffer_bytes / groups_,
+                groups_,
+                dp_g,
+                "none",
+            )
+        if layout.zero == 1:
+            # torch's ZeroRedundancyOptimizer (hpcml's zero1) sits on DDP: each rank steps the
+            # tensors it owns, then broadcasts them as one bucket (`parameters_as_bucket_view`).
+            add("ZeRO-1 parameter broadcast", "broadcast", param_size / dp, dp, dp_g, "none")
+    elif layout.zero == 1:
+        add("ZeRO gradient reduce-scatter", reduce_op, grad_size, 1, dp_g, "backward")
         add("ZeRO parameter all-gather", "allgather", param_size, 1, dp_g, "none")
     else:
-        # One all-gather and one reduce-scatter per unit (FSDP's wrapped blocks), so a deep
-        # model pays the collectives' latency once per unit, not once per pass.
+        # FSDP2 (hpcml's zero2 and zero3, torchtitan's): one all-gather and one reduce-scatter
+        # per unit (wrapped block), so a deep model pays the collectives' latency per unit.
+        # zero3 gathers every unit in forward and all but the last again in backward (the
+        # last is kept for the backward that starts with it); zero2 keeps what forward
+        # gathered. Gradients are reduced once per step (no sync on earlier micro-batches).
         u = model.gather_units
-        add(
-            "ZeRO-3 parameter all-gather (fwd+bwd)",
-            "allgather",
-            param_size / u,
-            2 * m * u,
-            dp_g,
-            "compute",
-        )
-        add(
-            "ZeRO-3 gradient reduce-scatter", "reducescatter", grad_size / u, m * u, dp_g, "compute"
-        )
+        gathers = u if layout.zero == 2 else 2 * u - 1
+        add("FSDP parameter all-gather", "allgather", param_size / u, m * gathers, dp_g, "compute")
+        add("FSDP gradient reduce-scatter", reduce_op, grad_size / u, u, dp_g, "compute")
 
     if model.is_transformer:
         layers = math.ceil(model.layers / layout.pp)

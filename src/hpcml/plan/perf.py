@@ -26,7 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hpcml.plan.comm import CommItem, Group, collective_time, groups, step_communication
+from hpcml.plan.comm import (
+    DDP_BUCKET_BYTES,
+    CommItem,
+    Group,
+    collective_time,
+    groups,
+    step_communication,
+)
 from hpcml.plan.common import PlanError
 from hpcml.plan.hardware import Cluster
 from hpcml.plan.memory import (
@@ -37,7 +44,6 @@ from hpcml.plan.memory import (
 )
 from hpcml.plan.shapes import ModelShape
 
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 HOST_MEMORY_BANDWIDTH = 50e9  # a two-socket server's practical DRAM bandwidth, for offload
 HOST_LINK_BANDWIDTH = 25e9  # PCIe 4.0 x16 in practice, for offload transfers
 

@@ -57,6 +57,11 @@ class ModelShape:
     units: int = 0
     """Units ZeRO-3 gathers one at a time (hpcml.distributed.wrapping.units); 0: a
     transformer's layers, else 1."""
+    buffer_groups: int = 0
+    """Dtypes among the model's buffers (BatchNorm: float statistics and an int64 counter): DDP
+    broadcasts buffers once per step, one call per dtype; 0 without buffers."""
+    buffer_bytes: int = 0
+    """Bytes of those buffers."""
 
     @property
     def gather_units(self) -> int:
@@ -395,6 +400,8 @@ _CNN_TABLE: dict[str, ModelShape] = {
         source="hpcml zoo, 3x32x32",
         largest_layer_params=2_102_794,
         units=4,
+        buffer_groups=2,  # BatchNorm running statistics (float32) and counters (int64)
+        buffer_bytes=3608,
     ),
     "resnet18": ModelShape(
         "resnet18",
@@ -410,6 +417,8 @@ _CNN_TABLE: dict[str, ModelShape] = {
         source="hpcml zoo, CIFAR stem, 3x32x32",
         largest_layer_params=4_720_640,
         units=10,
+        buffer_groups=2,
+        buffer_bytes=38560,
     ),
 }
 
