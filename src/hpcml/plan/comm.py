@@ -220,12 +220,16 @@ def step_communication(
 ) -> list[CommItem]:
     """The collectives one optimizer step issues on the busiest device.
 
-    DP and ZeRO volumes follow the ZeRO paper, Sec. 7: DDP all-reduces gradients (2 Psi);
-    ZeRO-1/2 reduce-scatter gradients and all-gather parameters (2 Psi); ZeRO-3 all-gathers
-    parameters in forward and backward and reduce-scatters gradients (3 Psi), once per
-    micro-batch. torch's ZeroRedundancyOptimizer (hpcml's zero1, `zero1_whole_tensors`) instead
-    all-reduces gradients as DDP does and broadcasts each rank's parameters as one bucket. TP:
-    two all-reduces in forward and two in backward per block (Shoeybi et al. 2019, Sec. 3), each replaced by an all-gather + reduce-scatter pair under SP (Korthikanti et
+    Volumes follow the ZeRO paper, Sec. 7: DDP all-reduces gradients (2 Psi); ZeRO-1/2
+    reduce-scatter gradients and all-gather parameters (2 Psi); ZeRO-3 also gathers again in
+    backward (3 Psi). Calls are counted as the implementations hpcml runs issue them (checked
+    against the torch profiler by tests/integration/test_planned_collectives.py): DDP one
+    all-reduce per 25 MiB bucket and one buffer broadcast per dtype per step; torch's
+    ZeroRedundancyOptimizer (hpcml's zero1, `zero1_whole_tensors`) DDP's all-reduce plus one
+    parameter broadcast per rank; FSDP2 (zero2, zero3) one all-gather per unit and micro-batch
+    in forward, zero3 again for all but the last unit in backward, and one reduce-scatter per
+    unit and step. TP: two all-reduces in forward and two in backward per block (Shoeybi et al.
+    2019, Sec. 3), each replaced by an all-gather + reduce-scatter pair under SP (Korthikanti et
     al. 2022, Sec. 4.2.2); full recomputation repeats the forward pair. PP: one activation
     send forward and one gradient send backward per micro-batch and stage boundary.
     """
