@@ -18,14 +18,16 @@ SUMMARY = "summary.json"
 CONFIG = "config.yaml"
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON so that a reader sees the old file or the new one, never half of one."""
+def write_bytes_atomic(path: Path, data: Any, tmp_prefix: str | None = None) -> None:
+    """Write `data` (bytes-like) so that a reader sees the old file or the new one, never half
+    of one: a temporary file beside it (named `tmp_prefix`..., by default `.NAME.`...),
+    flushed to disk, then renamed over it. The temporary file is removed on any failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    prefix = f".{path.name}." if tmp_prefix is None else tmp_prefix
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=str)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -33,21 +35,15 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never half of one."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 class RunLog:

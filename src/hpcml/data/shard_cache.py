@@ -25,12 +25,12 @@ import contextlib
 import hashlib
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from hpcml.errors import DataError
+from hpcml.records import write_bytes_atomic
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -89,16 +89,9 @@ class DiskCache:
         if view.nbytes > self.limit_bytes:
             return None
         final = self.path(name, sha256)
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=self.folder)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(view)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            write_bytes_atomic(final, view, tmp_prefix=TMP_PREFIX)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             raise DataError(
                 f"shard {name} cannot be written to data.cache_dir {self.folder} "
                 f"({exc.strerror or exc}); free space there, or leave data.cache_dir unset."
