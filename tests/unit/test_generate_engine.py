@@ -144,6 +144,20 @@ def test_static_batching_gives_the_same_tokens_later() -> None:
     assert static.cache.allocator.free == 64
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_positions_computed_count_prompts_decodes_and_static_padding(static: bool) -> None:
+    """What the benchmark's work ratio rests on, counted by hand: prompts of 3 and 4 tokens
+    (7 positions in the first step), then one decode for the 2-token request and four for the
+    5-token one (a request's last token is never fed back): 12. Static batching also runs the
+    finished request as padding beside each of the long one's last three decodes: 15."""
+    engine = Engine(MODEL, EngineConfig(kv_cache_blocks=64, block_size=4, static_batching=static))
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    engine.submit([4, 5, 6, 7], SamplingParams(max_tokens=5, temperature=0))
+    while engine.has_work:
+        engine.step()
+    assert engine.rows_computed == (15 if static else 12)
+
+
 def test_requests_that_can_never_fit_are_refused_at_submit() -> None:
     engine = Engine(MODEL, EngineConfig(kv_cache_blocks=4, block_size=4))
     with pytest.raises(RequestRefused, match="context of 40"):

@@ -109,6 +109,8 @@ class Engine:
         self._ghosts: list[Sequence] = []  # static batching: finished, still padding the batch
         self._ids = itertools.count()
         self.preemptions = 0
+        self.rows_computed = 0
+        """Token positions run through the model so far, padding (static batching) included."""
         # Prefix sharing (see kv_cache): off under static batching, whose finished sequences
         # rewrite their last slot every step ("ghosts") and so could touch an indexed block.
         self.sharing = config.prefix_sharing and not config.static_batching
@@ -224,6 +226,7 @@ class Engine:
         idx = [t for s, n in plan for t in s.tokens[s.computed : s.computed + n]]
         idx += [g.tokens[g.computed - 1] for g, _ in ghosts]
         pos = [p for it in items for p in range(it.start, it.start + it.n)]
+        self.rows_computed += len(idx)
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor([idx], device=self.device),
