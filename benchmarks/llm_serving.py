@@ -5,18 +5,22 @@ every request runs to its max_tokens), one Poisson stream of requests (prompt an
 lengths drawn uniformly), replayed in real time against the generation engine of
 `hpcml.serve.generate` twice per repetition:
 
-  continuous   iteration-level batching: sequences join and leave at every step
-  continuous-chunk32  the same with prefill chunked to 32 new tokens per step (decodes first)
+  continuous   iteration-level batching: sequences join and leave at every step, prefill
+               chunked to 32 new tokens per step beside the decodes (decodes first), which
+               bounds how much a step's arrivals lengthen it
   static       a batch starts only when the previous one has ended; finished sequences stay
                in it (padding: one recomputed position per step) until its longest ends
 
-Both use the same engine, KV cache, kernels and limits (`--max-seqs` sequences per step), so
-the difference is the scheduling alone. The engine is driven in-process (no HTTP). Arrivals
+Both use the same engine, KV cache (sized so that a static batch of the largest `--max-seqs`
+fits at its longest: no preemption), kernels and limits, so the difference is the scheduling
+alone. Each runs at every `--max-seqs` (sequences per step), and the comparison the goal asks
+for, at equal p99 inter-token latency, takes for each p99 objective in `--itl-objectives` the
+best output tokens/s each scheduler reaches with its median p99 ITL within the objective. The engine is driven in-process (no HTTP). Arrivals
 are submitted when their time comes; a request's time to first token is measured from its
 arrival, its inter-token latencies between its consecutive tokens; output tokens/s is all
 output tokens over the time from the first arrival to the last token. Modes alternate within a
 repetition (order swapped every repetition); the report gives the median and [min .. max] over
-`--repeats` repetitions and the ratio of medians.
+`--repeats` repetitions.
 
     python benchmarks/llm_serving.py                # writes benchmarks/results/llm_serving.*
     python benchmarks/llm_serving.py --quick        # fewer requests, for a smoke run
@@ -93,6 +97,7 @@ def replay(
         "ttft_p99_ms": 1000 * percentile(ttft, 99),
         "steps": steps,
         "preemptions": engine.preemptions,
+        "rows_computed": engine.rows_computed,
         "wall_s": end,
     }
 
@@ -105,19 +110,46 @@ def percentile(values: list[float], q: float) -> float:
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
-    for key in ("output_tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+    keys = ("output_tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+    for key in (*keys, "rows_computed"):
         values = [r[key] for r in runs]
         out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return out
 
 
+def equal_itl(summaries: dict[str, Any], objectives: list[float]) -> list[dict[str, Any]]:
+    """For each p99 ITL objective, each scheduler's best configuration whose median p99 ITL
+    meets it, and the ratio of their median output tokens/s."""
+    rows = []
+    for objective in objectives:
+        row: dict[str, Any] = {"itl_p99_objective_ms": objective}
+        for mode in ("continuous", "static"):
+            ok = [
+                (s["output_tokens_per_s"]["median"], name)
+                for name, s in summaries.items()
+                if name.startswith(mode + "-") and s["itl_p99_ms"]["median"] <= objective
+            ]
+            best = max(ok, default=None)
+            row[mode] = (
+                None if best is None else {"config": best[1], "output_tokens_per_s": best[0]}
+            )
+        c, st = row["continuous"], row["static"]
+        row["ratio"] = c["output_tokens_per_s"] / st["output_tokens_per_s"] if c and st else None
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--requests", type=int, default=192)
     ap.add_argument("--rate", type=float, default=12.0, help="Poisson arrivals per second")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 96))
     ap.add_argument("--output-len", type=int, nargs=2, default=(8, 128))
-    ap.add_argument("--max-seqs", type=int, default=16)
+    ap.add_argument("--max-seqs", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument(
+        "--itl-objectives", type=float, nargs="+", default=[15.0, 25.0, 50.0], help="p99 ms"
+    )
+    ap.add_argument("--chunk", type=int, default=32, help="continuous: prefill tokens per step")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -126,30 +158,29 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.repeats = 24, 3
+        args.requests, args.repeats, args.max_seqs = 32, 1, [8, 16]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, max_seq_len=256, n_layer=4, n_head=4, d_model=256)
     model = GPT(cfg).eval()
     requests = workload(args)
-    # Cache for every sequence of a full batch at its longest: no preemption in either mode.
+    # Cache for every sequence of the largest static batch at its longest: no preemption.
     longest = args.prompt_len[1] + args.output_len[1]
-    blocks = args.max_seqs * -(-longest // 16)
+    blocks = max(args.max_seqs) * -(-longest // 16)
     configs = {
-        mode: EngineConfig(
+        f"{mode}-{n}": EngineConfig(
             kv_cache_blocks=blocks,
             block_size=16,
-            max_num_seqs=args.max_seqs,
-            max_batched_tokens=32
-            if mode == "continuous-chunk32"
-            else args.max_seqs * args.prompt_len[1],
+            max_num_seqs=n,
+            max_batched_tokens=n + args.chunk if mode == "continuous" else n * args.prompt_len[1],
             static_batching=mode == "static",
         )
-        for mode in ("continuous", "continuous-chunk32", "static")
+        for n in args.max_seqs
+        for mode in ("continuous", "static")
     }
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in configs}
     load_before = os.getloadavg()
-    replay(model, configs["continuous"], requests[:4])  # warm-up: allocator, kernels
+    replay(model, configs[next(iter(configs))], requests[:4])  # warm-up: allocator, kernels
     for rep in range(args.repeats):
         modes = list(configs)
         order = modes[rep % len(modes) :] + modes[: rep % len(modes)]  # rotate per repetition
@@ -157,11 +188,12 @@ def main() -> None:
             r = replay(model, configs[mode], requests)
             runs[mode].append(r)
             print(
-                f"rep {rep} {mode:10s} {r['output_tokens_per_s']:8.1f} tok/s  "
+                f"rep {rep} {mode:14s} {r['output_tokens_per_s']:8.1f} tok/s  "
                 f"ITL p99 {r['itl_p99_ms']:7.1f} ms  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
                 f"steps {r['steps']}",
                 flush=True,
             )
+    summaries = {mode: summary(r) for mode, r in runs.items()}
     result = {
         "benchmark": "llm_serving",
         "model": {"args": asdict(cfg), "init": "random (seed 0)", "dtype": "float32"},
@@ -175,12 +207,9 @@ def main() -> None:
         "engine": {k: asdict(v) for k, v in configs.items()},
         "threads": args.threads,
         "repeats": args.repeats,
-        "summary": {mode: summary(r) for mode, r in runs.items()},
+        "summary": summaries,
         "runs": runs,
-        "ratio_output_tokens_per_s": statistics.median(
-            r["output_tokens_per_s"] for r in runs["continuous"]
-        )
-        / statistics.median(r["output_tokens_per_s"] for r in runs["static"]),
+        "equal_itl": equal_itl(summaries, args.itl_objectives),
         "note": args.note,
         "load_average_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
         "machine": {
@@ -197,13 +226,18 @@ def main() -> None:
     print(markdown(result))
 
 
+def _cell(s: dict[str, Any], key: str) -> str:
+    return f"{s[key]['median']:.1f} [{s[key]['min']:.1f} .. {s[key]['max']:.1f}]"
+
+
 def markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
+    seqs = sorted({c["max_num_seqs"] for c in result["engine"].values()})
     lines = [
         f"Continuous vs static batching, {w['requests']} requests, Poisson {w['rate_per_s']:g}/s, "
         f"prompt {w['prompt_len'][0]}-{w['prompt_len'][1]} bytes, output "
         f"{w['output_len'][0]}-{w['output_len'][1]} tokens, at most "
-        f"{result['engine']['static']['max_num_seqs']} sequences per step; gpt {result['model']['args']['n_layer']} "
+        f"{', '.join(map(str, seqs))} sequences per step; gpt {result['model']['args']['n_layer']} "
         f"layers d_model {result['model']['args']['d_model']}, float32, {result['threads']} torch "
         f"thread(s); median [min .. max] of {result['repeats']} repetitions.",
         "",
@@ -213,25 +247,43 @@ def markdown(result: dict[str, Any]) -> str:
     note += f"1-minute load average {load['start']:.1f} at the start, {load['end']:.1f} at the end."
     lines += [f"Note: {note}", ""]
     lines += [
-        "| scheduling | output tokens/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms | TTFT p99 ms |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| scheduling, sequences per step | output tokens/s | ITL p50 ms | ITL p99 ms "
+        "| TTFT p50 ms | TTFT p99 ms | positions computed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    keys = ("output_tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
     for mode, s in result["summary"].items():
-        cells = [
-            f"{s[k]['median']:.1f} [{s[k]['min']:.1f} .. {s[k]['max']:.1f}]"
-            for k in (
-                "output_tokens_per_s",
-                "itl_p50_ms",
-                "itl_p99_ms",
-                "ttft_p50_ms",
-                "ttft_p99_ms",
-            )
-        ]
-        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        rows = f"{s['rows_computed']['median']:,.0f}"
+        lines.append(f"| {mode} | " + " | ".join(_cell(s, k) for k in keys) + f" | {rows} |")
     lines += [
         "",
-        f"continuous / static output tokens/s: {result['ratio_output_tokens_per_s']:.2f}x "
-        "(ratio of medians)",
+        "At equal p99 inter-token latency: each scheduler's best configuration whose median p99 "
+        "ITL meets the objective.",
+        "",
+        "| p99 ITL objective ms | continuous | static | continuous / static "
+        "| static / continuous positions computed |",
+        "|---:|---|---|---:|---:|",
+    ]
+    for row in result["equal_itl"]:
+        cells = [
+            "none meets it"
+            if row[m] is None
+            else f"{row[m]['output_tokens_per_s']:.1f} tok/s ({row[m]['config']})"
+            for m in ("continuous", "static")
+        ]
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        work = "-"
+        if row["ratio"] is not None:
+            c, st = (result["summary"][row[m]["config"]] for m in ("continuous", "static"))
+            work = f"{st['rows_computed']['median'] / c['rows_computed']['median']:.2f}x"
+        lines.append(
+            f"| {row['itl_p99_objective_ms']:g} | {cells[0]} | {cells[1]} | {ratio} | {work} |"
+        )
+    lines += [
+        "",
+        "Positions computed: token positions run through the model (prompts, outputs and, under "
+        "static batching, the padding of finished sequences). Where a step's cost grows with "
+        "its positions (a CPU), their ratio bounds the throughput ratio scheduling can give.",
         "",
         f"Command: `{result['command']}`",
         "",
