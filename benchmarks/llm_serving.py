@@ -1,25 +1,30 @@
-"""Continuous batching vs static batching: output tokens/s and inter-token latency.
+"""Continuous batching vs static batching vs transformers' `generate`: output tokens/s and
+inter-token latency at equal p99 inter-token latency.
 
-One model (a randomly initialised `gpt`, bytes, float32: the weights do not change the work,
-every request runs to its max_tokens), one Poisson stream of requests (prompt and output
-lengths drawn uniformly), replayed in real time against the generation engine of
-`hpcml.serve.generate` twice per repetition:
+One model (a randomly initialised GPT-2 made by `transformers`, bytes, float32, imported into
+hpcml's `gpt`: the same weights for all; the weights do not change the work, every request
+runs to its max_tokens), one Poisson stream of requests (prompt and output lengths drawn
+uniformly), replayed in real time against:
 
-  continuous   iteration-level batching: sequences join and leave at every step, prefill
-               chunked to 32 new tokens per step beside the decodes (decodes first), which
-               bounds how much a step's arrivals lengthen it
-  static       a batch starts only when the previous one has ended; finished sequences stay
-               in it (padding: one recomputed position per step) until its longest ends
+  continuous   hpcml's engine, iteration-level batching: sequences join and leave at every
+               step, prefill chunked to 32 new tokens per step beside the decodes (decodes
+               first), which bounds how much a step's arrivals lengthen it
+  static       hpcml's engine, static batching: a batch starts only when the previous one has
+               ended; finished sequences stay in it (padding: one recomputed position per
+               step) until its longest ends
+  hf-generate  `transformers` `generate` with its KV cache, in static batches: prompts left-
+               padded to the batch's longest, every row run until the longest has its tokens
 
-Both use the same engine, KV cache (sized so that a static batch of the largest `--max-seqs`
-fits at its longest: no preemption), kernels and limits, so the difference is the scheduling
-alone. Each runs at every `--max-seqs` (sequences per step), and the comparison the goal asks
-for, at equal p99 inter-token latency, takes for each p99 objective in `--itl-objectives` the
-best output tokens/s each scheduler reaches with its median p99 ITL within the objective. The engine is driven in-process (no HTTP). Arrivals
-are submitted when their time comes; a request's time to first token is measured from its
-arrival, its inter-token latencies between its consecutive tokens; output tokens/s is all
-output tokens over the time from the first arrival to the last token. Modes alternate within a
-repetition (order swapped every repetition); the report gives the median and [min .. max] over
+The two engine modes use the same engine, KV cache (sized so that a static batch of the
+largest `--max-seqs` fits at its longest: no preemption), kernels and limits, so the difference
+between them is the scheduling alone. Every mode runs at every `--max-seqs` (sequences per
+step), and the comparison the goal asks for, at equal p99 inter-token latency, takes for each
+p99 objective in `--itl-objectives` the best output tokens/s each mode reaches with its median
+p99 ITL within the objective. Everything runs in-process (no HTTP). Arrivals are submitted
+when their time comes; a request's time to first token is measured from its arrival, its
+inter-token latencies between its consecutive tokens; output tokens/s is all output tokens over
+the time from the first arrival to the last token. Configurations alternate within a
+repetition (order rotated every repetition); the report gives the median and [min .. max] over
 `--repeats` repetitions.
 
     python benchmarks/llm_serving.py                # writes benchmarks/results/llm_serving.*
@@ -29,6 +34,7 @@ repetition (order swapped every repetition); the report gives the median and [mi
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -36,6 +42,7 @@ import random
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -43,7 +50,7 @@ from typing import Any
 
 import torch
 
-from hpcml.models.gpt import GPT, GPTConfig
+from hpcml.models.gpt import GPT
 from hpcml.serve.generate.engine import Engine, EngineConfig
 from hpcml.serve.generate.sampling import SamplingParams
 
@@ -84,6 +91,22 @@ def replay(
         done = time.perf_counter() - start
         for ev in events:
             stamps.setdefault(ev.seq_id, []).append(done)
+    return metrics(
+        requests,
+        arrival,
+        stamps,
+        steps=steps,
+        preemptions=engine.preemptions,
+        rows_computed=engine.rows_computed,
+    )
+
+
+def metrics(
+    requests: list[tuple[float, list[int], int]],
+    arrival: dict[int, float],
+    stamps: dict[int, list[float]],
+    **extra: int,
+) -> dict[str, Any]:
     tokens = sum(len(s) for s in stamps.values())
     end = max(s[-1] for s in stamps.values())
     gaps = [b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False)]
@@ -95,11 +118,94 @@ def replay(
         "itl_p99_ms": 1000 * percentile(gaps, 99),
         "ttft_p50_ms": 1000 * percentile(ttft, 50),
         "ttft_p99_ms": 1000 * percentile(ttft, 99),
-        "steps": steps,
-        "preemptions": engine.preemptions,
-        "rows_computed": engine.rows_computed,
+        **extra,
         "wall_s": end,
     }
+
+
+def replay_hf(hf: Any, batch: int, requests: list[tuple[float, list[int], int]]) -> dict[str, Any]:
+    """Static batches through transformers' `generate` (its KV cache, left padding): when the
+    previous batch has ended, up to `batch` waiting requests start together and run until the
+    longest has its tokens. A logits processor stamps the time of every decoding step; a
+    request's tokens are the first max_tokens steps of its row."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __init__(self, times: list[float]) -> None:
+            self.times = times
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter() - start)
+            return scores
+
+    queue: list[int] = []
+    arrival: dict[int, float] = {}
+    stamps: dict[int, list[float]] = {}
+    steps = rows = 0
+    nxt = 0
+    start = time.perf_counter()
+    while nxt < len(requests) or queue:
+        now = time.perf_counter() - start
+        while nxt < len(requests) and requests[nxt][0] <= now:
+            arrival[nxt] = requests[nxt][0]
+            queue.append(nxt)
+            nxt += 1
+        if not queue:
+            time.sleep(max(0.0, requests[nxt][0] - now))
+            continue
+        chunk, queue = queue[:batch], queue[batch:]
+        width = max(len(requests[i][1]) for i in chunk)
+        longest = max(requests[i][2] for i in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for j, i in enumerate(chunk):  # left padding, as decoder-only generation needs
+            prompt = requests[i][1]
+            ids[j, width - len(prompt) :] = torch.tensor(prompt)
+            mask[j, width - len(prompt) :] = 1
+        times: list[float] = []
+        with torch.no_grad():
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([Stamp(times)]),
+            )
+        assert len(times) == longest
+        for i in chunk:
+            stamps[i] = times[: requests[i][2]]
+        steps += longest
+        rows += len(chunk) * (width + longest - 1)
+    return metrics(requests, arrival, stamps, steps=steps, preemptions=0, rows_computed=rows)
+
+
+def make_models(seed: int, folder: Path) -> tuple[Any, GPT, dict[str, Any]]:
+    """A randomly initialised GPT-2 (4 x 256, byte vocabulary) made and saved by transformers,
+    and the same weights imported into hpcml's gpt."""
+    import transformers
+
+    from hpcml.models.hf_gpt2 import import_gpt2
+
+    cfg = transformers.GPT2Config(
+        vocab_size=256,
+        n_positions=256,
+        n_embd=256,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    ours, args = import_gpt2(folder)
+    return hf, ours, args
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -117,24 +223,30 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+MODES = ("continuous", "static", "hf-generate")
+
+
 def equal_itl(summaries: dict[str, Any], objectives: list[float]) -> list[dict[str, Any]]:
     """For each p99 ITL objective, each scheduler's best configuration whose median p99 ITL
-    meets it, and the ratio of their median output tokens/s."""
+    meets it, and continuous batching's output tokens/s over each other's (ratio of medians)."""
     rows = []
     for objective in objectives:
         row: dict[str, Any] = {"itl_p99_objective_ms": objective}
-        for mode in ("continuous", "static"):
+        for mode in MODES:
             ok = [
                 (s["output_tokens_per_s"]["median"], name)
                 for name, s in summaries.items()
-                if name.startswith(mode + "-") and s["itl_p99_ms"]["median"] <= objective
+                if name.rsplit("-", 1)[0] == mode and s["itl_p99_ms"]["median"] <= objective
             ]
             best = max(ok, default=None)
             row[mode] = (
                 None if best is None else {"config": best[1], "output_tokens_per_s": best[0]}
             )
-        c, st = row["continuous"], row["static"]
-        row["ratio"] = c["output_tokens_per_s"] / st["output_tokens_per_s"] if c and st else None
+        c = row["continuous"]
+        row["ratio"] = {
+            m: c["output_tokens_per_s"] / row[m]["output_tokens_per_s"] if c and row[m] else None
+            for m in MODES[1:]
+        }
         rows.append(row)
     return rows
 
@@ -160,32 +272,44 @@ def main() -> None:
     if args.quick:
         args.requests, args.repeats, args.max_seqs = 32, 1, [8, 16]
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=256, max_seq_len=256, n_layer=4, n_head=4, d_model=256)
-    model = GPT(cfg).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, model, model_args = make_models(args.seed, Path(tmp) / "gpt2")
     requests = workload(args)
     # Cache for every sequence of the largest static batch at its longest: no preemption.
     longest = args.prompt_len[1] + args.output_len[1]
     blocks = max(args.max_seqs) * -(-longest // 16)
-    configs = {
-        f"{mode}-{n}": EngineConfig(
-            kv_cache_blocks=blocks,
-            block_size=16,
-            max_num_seqs=n,
-            max_batched_tokens=n + args.chunk if mode == "continuous" else n * args.prompt_len[1],
-            static_batching=mode == "static",
-        )
-        for n in args.max_seqs
-        for mode in ("continuous", "static")
-    }
+    configs: dict[str, EngineConfig | None] = {}
+    for n in args.max_seqs:
+        for mode in MODES:
+            configs[f"{mode}-{n}"] = (
+                None
+                if mode == "hf-generate"
+                else EngineConfig(
+                    kv_cache_blocks=blocks,
+                    block_size=16,
+                    max_num_seqs=n,
+                    max_batched_tokens=n + args.chunk
+                    if mode == "continuous"
+                    else n * args.prompt_len[1],
+                    static_batching=mode == "static",
+                )
+            )
+
+    def run(name: str, reqs: list[tuple[float, list[int], int]]) -> dict[str, Any]:
+        config = configs[name]
+        if config is None:
+            return replay_hf(hf, int(name.rsplit("-", 1)[1]), reqs)
+        return replay(model, config, reqs)
+
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in configs}
     load_before = os.getloadavg()
-    replay(model, configs[next(iter(configs))], requests[:4])  # warm-up: allocator, kernels
+    for name in configs:  # warm-up: allocator, kernels
+        run(name, requests[:4])
     for rep in range(args.repeats):
         modes = list(configs)
         order = modes[rep % len(modes) :] + modes[: rep % len(modes)]  # rotate per repetition
         for mode in order:
-            r = replay(model, configs[mode], requests)
+            r = run(mode, requests)
             runs[mode].append(r)
             print(
                 f"rep {rep} {mode:14s} {r['output_tokens_per_s']:8.1f} tok/s  "
@@ -196,7 +320,11 @@ def main() -> None:
     summaries = {mode: summary(r) for mode, r in runs.items()}
     result = {
         "benchmark": "llm_serving",
-        "model": {"args": asdict(cfg), "init": "random (seed 0)", "dtype": "float32"},
+        "model": {
+            "args": model_args,
+            "init": f"random GPT2LMHeadModel (seed {args.seed}), imported into hpcml's gpt",
+            "dtype": "float32",
+        },
         "workload": {
             "requests": args.requests,
             "rate_per_s": args.rate,
@@ -204,7 +332,10 @@ def main() -> None:
             "output_len": list(args.output_len),
             "seed": args.seed,
         },
-        "engine": {k: asdict(v) for k, v in configs.items()},
+        "engine": {k: asdict(v) for k, v in configs.items() if v is not None},
+        "hf_generate": {
+            k: {"max_batch": int(k.rsplit("-", 1)[1])} for k, v in configs.items() if v is None
+        },
         "threads": args.threads,
         "repeats": args.repeats,
         "summary": summaries,
@@ -216,6 +347,7 @@ def main() -> None:
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
+            "transformers": importlib.metadata.version("transformers"),
         },
         "command": shlex.join(["python", "benchmarks/llm_serving.py", *sys.argv[1:]]),
     }
@@ -233,12 +365,13 @@ def _cell(s: dict[str, Any], key: str) -> str:
 def markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
     seqs = sorted({c["max_num_seqs"] for c in result["engine"].values()})
+    m = result["model"]["args"]
     lines = [
-        f"Continuous vs static batching, {w['requests']} requests, Poisson {w['rate_per_s']:g}/s, "
-        f"prompt {w['prompt_len'][0]}-{w['prompt_len'][1]} bytes, output "
-        f"{w['output_len'][0]}-{w['output_len'][1]} tokens, at most "
-        f"{', '.join(map(str, seqs))} sequences per step; gpt {result['model']['args']['n_layer']} "
-        f"layers d_model {result['model']['args']['d_model']}, float32, {result['threads']} torch "
+        f"Continuous batching vs static batching vs transformers' generate, {w['requests']} "
+        f"requests, Poisson {w['rate_per_s']:g}/s, prompt {w['prompt_len'][0]}-"
+        f"{w['prompt_len'][1]} bytes, output {w['output_len'][0]}-{w['output_len'][1]} tokens, "
+        f"at most {', '.join(map(str, seqs))} sequences per step; one GPT-2 ({m['n_layer']} "
+        f"layers, d_model {m['d_model']}, float32) for all, {result['threads']} torch "
         f"thread(s); median [min .. max] of {result['repeats']} repetitions.",
         "",
     ]
@@ -258,32 +391,34 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "At equal p99 inter-token latency: each scheduler's best configuration whose median p99 "
-        "ITL meets the objective.",
+        "ITL meets the objective; ratios of continuous batching's output tokens/s to the "
+        "others', and of the others' token positions computed to continuous batching's.",
         "",
-        "| p99 ITL objective ms | continuous | static | continuous / static "
-        "| static / continuous positions computed |",
-        "|---:|---|---|---:|---:|",
+        "| p99 ITL objective ms | continuous | static | hf-generate | continuous / static "
+        "| continuous / hf-generate | positions, static / continuous |",
+        "|---:|---|---|---|---:|---:|---:|",
     ]
     for row in result["equal_itl"]:
         cells = [
             "none meets it"
-            if row[m] is None
-            else f"{row[m]['output_tokens_per_s']:.1f} tok/s ({row[m]['config']})"
-            for m in ("continuous", "static")
+            if row[mode] is None
+            else f"{row[mode]['output_tokens_per_s']:.1f} tok/s ({row[mode]['config']})"
+            for mode in MODES
         ]
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        for other in MODES[1:]:
+            r = row["ratio"][other]
+            cells.append("-" if r is None else f"{r:.2f}x")
         work = "-"
-        if row["ratio"] is not None:
-            c, st = (result["summary"][row[m]["config"]] for m in ("continuous", "static"))
+        if row["ratio"]["static"] is not None:
+            c, st = (result["summary"][row[mode]["config"]] for mode in ("continuous", "static"))
             work = f"{st['rows_computed']['median'] / c['rows_computed']['median']:.2f}x"
-        lines.append(
-            f"| {row['itl_p99_objective_ms']:g} | {cells[0]} | {cells[1]} | {ratio} | {work} |"
-        )
+        lines.append(f"| {row['itl_p99_objective_ms']:g} | " + " | ".join(cells) + f" | {work} |")
     lines += [
         "",
-        "Positions computed: token positions run through the model (prompts, outputs and, under "
-        "static batching, the padding of finished sequences). Where a step's cost grows with "
-        "its positions (a CPU), their ratio bounds the throughput ratio scheduling can give.",
+        "Positions computed: token positions run through the model (prompts, outputs and, in "
+        "static batches, the padding of finished sequences; transformers' generate also pads "
+        "prompts to the batch's longest). Where a step's cost grows with its positions (a "
+        "CPU), their ratio bounds the throughput ratio scheduling can give.",
         "",
         f"Command: `{result['command']}`",
         "",
