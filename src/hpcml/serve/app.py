@@ -81,7 +81,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
         for generator in generators.values():
-            generator.start()
+            await generator.start()
         grpc_server = None
         if config.grpc_port is not None:
             from hpcml.serve.grpc import start_grpc_server

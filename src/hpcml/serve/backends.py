@@ -170,13 +170,13 @@ class OnnxBackend:
         self._session = None
 
 
-def _write_frame(fd: int, data: bytes) -> None:
+def write_frame(fd: int, data: bytes) -> None:
     view = memoryview(struct.pack("!Q", len(data)) + data)
     while view:
         view = view[os.write(fd, view) :]
 
 
-def _read_exact(fd: int, n: int) -> bytes:
+def read_exact(fd: int, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = os.read(fd, n - len(buf))
@@ -206,7 +206,7 @@ def _serve_in_child(
     out = answers.fileno()
 
     def answer(obj: object) -> None:
-        _write_frame(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        write_frame(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
         backend = make_backend(kind, Path(export_dir), threads, device, trust_code=trust_code)
@@ -351,8 +351,8 @@ class ProcessBackend:
     def _read_blocking(self) -> Any:
         assert self._answers is not None
         fd = self._answers.fileno()
-        (n,) = struct.unpack("!Q", _read_exact(fd, 8))
-        return pickle.loads(_read_exact(fd, n))
+        (n,) = struct.unpack("!Q", read_exact(fd, 8))
+        return pickle.loads(read_exact(fd, n))
 
     def _result(self, status: str, value: Any) -> np.ndarray:
         if status != "ok":

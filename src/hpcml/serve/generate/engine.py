@@ -79,6 +79,26 @@ class TokenEvent:
     stopped_by: bytes | None = None
 
 
+def check_request(
+    prompt: list[int], params: SamplingParams, max_seq_len: int, capacity: int
+) -> None:
+    """Raise RequestRefused if a request can never be served by an engine whose model has a
+    context of `max_seq_len` and whose KV cache holds `capacity` tokens."""
+    if not prompt:
+        raise RequestRefused("the prompt is empty; send at least one character.")
+    total = len(prompt) + params.max_tokens
+    if total > max_seq_len:
+        raise RequestRefused(
+            f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
+            f"{total}, more than the model's context of {max_seq_len}; shorten one."
+        )
+    if total > capacity:
+        raise RequestRefused(
+            f"prompt plus max_tokens ({total} tokens) exceeds the KV cache ({capacity} "
+            "tokens); shorten the request or raise kv_cache_blocks."
+        )
+
+
 class Engine:
     def __init__(
         self, model: GPT, config: EngineConfig, tokenizer: Tokenizer | None = None
@@ -126,20 +146,8 @@ class Engine:
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise RequestRefused if this request can never be served (reads only settings)."""
-        if not prompt:
-            raise RequestRefused("the prompt is empty; send at least one character.")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_seq_len:
-            raise RequestRefused(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{total}, more than the model's context of {self.max_seq_len}; shorten one."
-            )
         capacity = self.cache.allocator.num_blocks * self.cache.block_size
-        if total > capacity:
-            raise RequestRefused(
-                f"prompt plus max_tokens ({total} tokens) exceeds the KV cache ({capacity} "
-                "tokens); shorten the request or raise kv_cache_blocks."
-            )
+        check_request(prompt, params, self.max_seq_len, capacity)
 
     def abort(self, seq_id: int) -> bool:
         """Drop a queued or running sequence (its client went away); whether it was found."""

@@ -5,8 +5,9 @@ A model whose newest version is a zoo `gpt` export (`task: language_modeling`) a
 tokenizer: the one its model.json records (a GPT-2 `tokenizer.json` copied by `hpcml model
 import-hf`; its vocabulary must not exceed the model's), else UTF-8 bytes for a vocabulary of
 256 (what `hpcml train` makes from byte-level token data). Any other vocabulary is served over
-OIP token ids only. Its weights are loaded a second time, in the server process, for the
-engine; the OIP endpoint keeps its own copy.
+OIP token ids only. The server loads the export once to check it (a bad one fails before the
+server starts) and lets it go; the engine process (`engine_process`) loads its own copy, and
+the OIP endpoint keeps its own.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hpcml.models.gpt import GPT
 from hpcml.models.tokenizer import FILE, Tokenizer, export_tokenizer
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.generate.engine import EngineConfig
+from hpcml.serve.generate.engine_process import EngineSpec
 from hpcml.serve.generate.sampling import ByteTokenizer
 from hpcml.serve.generate.service import GenerationMetrics, GenerationService
 from hpcml.serve.router import Router
@@ -54,14 +56,17 @@ def text_services(
         tokenizer = tokenizer_of(name, mv.export_dir, meta, int(model.cfg.vocab_size))
         if tokenizer is None:
             continue
-        if g.quantize == "int8":
-            from hpcml.serve.generate.quantize import quantize_int8
-
-            quantize_int8(model)
-        metrics = metrics or GenerationMetrics(registry)
-        services[name] = GenerationService(
-            name, model, engine_config, metrics, mv.version, tokenizer
+        spec = EngineSpec(
+            name,
+            str(mv.export_dir),
+            engine_config,
+            tokenizer,
+            trust_code=router.trust_code,
+            quantize=g.quantize,
+            threads=config.for_model(name).threads,
         )
+        metrics = metrics or GenerationMetrics(registry)
+        services[name] = GenerationService(spec, int(model.cfg.max_seq_len), metrics, mv.version)
     return services
 
 

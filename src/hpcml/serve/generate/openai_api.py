@@ -177,7 +177,10 @@ async def text_deltas(
             return
 
 
-ABORTED = "the server stopped generating (shutting down); retry."
+ABORTED = (
+    "the server stopped generating this request (it is shutting down, or its generation process "
+    "died and is being restarted); retry."
+)
 
 
 def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
@@ -215,7 +218,7 @@ def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
         try:
             text, n, finish = await complete(service, prompt, params)
         except Aborted:
-            return error(503, "the server is shutting down; retry on another replica.")
+            return error(503, ABORTED)
         usage = {
             "prompt_tokens": len(prompt),
             "completion_tokens": n,

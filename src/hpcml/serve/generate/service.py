@@ -1,20 +1,26 @@
-"""One served text model: its engine stepping in a thread of its own, and token streams to the
-event loop.
+"""One served text model: its engine stepping in a supervised child process, and token streams
+on the event loop.
 
-The event loop never touches the engine: requests and cancellations go to the engine thread
-through an inbox it drains before every step, and each generated token comes back to the
-request's `asyncio.Queue` with `call_soon_threadsafe`. The thread sleeps on the inbox while
-there is no work. Metrics (Prometheus, in the server's registry): time to first token,
-inter-token latency, output tokens, preemptions, running and waiting sequences, KV blocks used.
+The engine runs in a process of its own (`engine_process`): a crash there (a kernel's
+segfault, the OOM killer, kill -9) fails the requests it was generating, each with one
+"retry" sentence, and the server starts a new engine process at once; requests that arrive
+meanwhile wait for it. Requests and cancellations go to the process as frames written by the
+event loop (non-blocking); each step's tokens come back as one frame the event loop reads and
+hands to the requests' `asyncio.Queue`s. Metrics (Prometheus, in the server's registry): time
+to first token, inter-token latency, output tokens, preemptions, running and waiting
+sequences, KV blocks used, engine restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
-import queue
-import threading
+import multiprocessing
+import os
+import pickle
+import struct
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -22,9 +28,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hpcml.models.gpt import GPT
-from hpcml.serve.generate.engine import Engine, EngineConfig, TokenEvent
-from hpcml.serve.generate.sampling import ByteTokenizer, SamplingParams, Tokenizer
+from hpcml.errors import ModelError
+from hpcml.serve.backends import read_exact
+from hpcml.serve.generate.engine import TokenEvent, check_request
+from hpcml.serve.generate.engine_process import EngineSpec, run_engine
+from hpcml.serve.generate.sampling import SamplingParams, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,71 +79,206 @@ class GenerationMetrics:
         self.kv_blocks = Gauge(
             "hpcml_llm_kv_cache_blocks", "KV cache blocks in all.", ["model"], registry=registry
         )
+        self.restarts = Counter(
+            "hpcml_llm_engine_restarts",
+            "Engine processes started again after one died.",
+            ["model"],
+            registry=registry,
+        )
 
 
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[TokenEvent]
     submitted: float
     last: float | None = None
-    tokens: int = 0
     done: bool = False
 
 
+class _Messages(asyncio.Protocol):
+    """Length-prefixed pickles from the engine process, each handed to `on_message` as it
+    arrives on the event loop; `on_lost` once its end of the pipe closes (it exited or died)."""
+
+    def __init__(self, on_message: Any, on_lost: Any) -> None:
+        self.buffer = bytearray()
+        self.on_message, self.on_lost = on_message, on_lost
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while len(self.buffer) >= 8:
+            (n,) = struct.unpack("!Q", self.buffer[:8])
+            if len(self.buffer) < 8 + n:
+                return
+            message = pickle.loads(bytes(self.buffer[8 : 8 + n]))
+            del self.buffer[: 8 + n]
+            self.on_message(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.on_lost is not None:
+            self.on_lost()
+
+
+class _Process:
+    """One engine process and the server's two pipe ends to it."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        commands_in, self.commands = ctx.Pipe(duplex=False)
+        self.events, events_out = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=run_engine,
+            args=(spec, commands_in, events_out),
+            daemon=True,
+            name=f"hpcml-llm-{spec.name}",
+        )
+        self.proc.start()
+        commands_in.close()
+        events_out.close()
+        self.reader: asyncio.ReadTransport | None = None
+        self.writer: asyncio.WriteTransport | None = None
+        self.protocol: _Messages | None = None
+
+    def wait_ready(self, export_dir: str) -> None:
+        """Block until the process has built its engine; ModelError if it could not."""
+        fd = self.events.fileno()
+        try:
+            (n,) = struct.unpack("!Q", read_exact(fd, 8))
+            status, detail = pickle.loads(read_exact(fd, n))
+        except EOFError:
+            self.proc.join(5)
+            status, detail = "error", f"it exited with code {self.proc.exitcode}"
+        if status != "ready":
+            self.close()
+            raise ModelError(f"the generation engine for {export_dir} did not start: {detail}")
+
+    async def attach(self, protocol: _Messages) -> None:
+        loop = asyncio.get_running_loop()
+        # Duplicate descriptors: each transport closes its own, each Connection its own.
+        events = os.fdopen(os.dup(self.events.fileno()), "rb", buffering=0)
+        commands = os.fdopen(os.dup(self.commands.fileno()), "wb", buffering=0)
+        self.reader, self.protocol = (
+            (await loop.connect_read_pipe(lambda: protocol, events))[0],
+            protocol,
+        )
+        self.writer, _ = await loop.connect_write_pipe(asyncio.Protocol, commands)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self.writer is None or self.writer.is_closing():
+            return  # the process is gone; its death fails the requests it had
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.writer.write(struct.pack("!Q", len(data)) + data)
+
+    def close(self, join_s: float = 10.0) -> None:
+        """Ask the process to stop, wait for it, and close every pipe end (blocking)."""
+        if self.protocol is not None:
+            self.protocol.on_lost = None  # closing on purpose is not a death
+        self.send(("stop",))
+        for transport in (self.writer, self.reader):
+            if transport is not None:
+                transport.close()
+        self.proc.join(join_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.commands.close()
+        self.events.close()
+
+
 class GenerationService:
+    """One text model's engine process, its supervision, and the streams of its requests."""
+
     def __init__(
         self,
-        name: str,
-        model: GPT,
-        config: EngineConfig,
+        spec: EngineSpec,
+        max_seq_len: int,
         metrics: GenerationMetrics | None = None,
         version: str = "1",
-        tokenizer: Tokenizer | None = None,
     ) -> None:
-        self.name = name
+        self.name = spec.name
         self.version = version
         """The model version it serves (the newest when the server started)."""
-        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
-        """Text <-> tokens for every text endpoint of this model (UTF-8 bytes by default)."""
-        self.engine = Engine(model, config, self.tokenizer)
+        self.tokenizer: Tokenizer = spec.tokenizer
+        """Text <-> tokens for every text endpoint of this model."""
+        self.spec = spec
+        self.max_seq_len = max_seq_len
+        self.capacity = spec.config.kv_cache_blocks * spec.config.block_size
         self.metrics = metrics
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.restarts = 0
+        self._process: _Process | None = None
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._stop = False
+        self._ready = False
+        self._broken: str | None = None
+        """Why the last attempt to start an engine process failed (requests fail at once)."""
+        self._waiters: list[asyncio.Future[bool]] = []
+        self._closing = False
+        self._restarting: asyncio.Task[None] | None = None
         self._preemptions_counted = 0
         if metrics is not None:
-            metrics.kv_blocks.labels(name).set(config.kv_cache_blocks)
+            metrics.kv_blocks.labels(self.name).set(spec.config.kv_cache_blocks)
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid (None while none runs)."""
+        return self._process.proc.pid if self._process is not None else None
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise RequestRefused now for a request the engine could never serve."""
-        self.engine.check(prompt, params)
+        check_request(prompt, params, self.max_seq_len, self.capacity)
 
-    def start(self) -> None:
-        self._stop = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"hpcml-llm-{self.name}", daemon=True
-        )
-        self._thread.start()
+    async def start(self) -> None:
+        """Start the engine process and wait until it has built its engine."""
+        process = await asyncio.to_thread(self._spawn)
+        await process.attach(_Messages(self._on_message, self._on_lost))
+        self._process = process
+        self._preemptions_counted = 0
+        self._ready, self._broken = True, None
+        self._wake(True)
+
+    def _wake(self, up: bool) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(up)
+
+    def _spawn(self) -> _Process:
+        process = _Process(self.spec)
+        process.wait_ready(self.spec.export_dir)
+        return process
 
     async def close(self) -> None:
-        self._stop = True
-        self._inbox.put(("wake", None))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+        self._closing = True
+        if self._restarting is not None:
+            self._restarting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._restarting
+        if self._process is not None:
+            process, self._process = self._process, None
+            await asyncio.to_thread(process.close, 30.0)
+        self._fail_all()
+        self._wake(False)
 
     async def generate(
         self, prompt: list[int], params: SamplingParams
     ) -> AsyncGenerator[TokenEvent, None]:
-        """Token events of one request, ending with the one that has a finish reason. Leaving
-        the loop early (a client that went away) aborts the sequence in the engine."""
+        """Token events of one request, ending with the one that has a finish reason ("abort"
+        when the engine process died or the server is closing). Leaving the loop early (a
+        client that went away) aborts the sequence in the engine."""
         self.check(prompt, params)
         seq_id = next(self._ids)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        if not self._ready:  # a dead engine process is being replaced: wait for the new one
+            up = False
+            if not self._closing and self._broken is None:
+                waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+                up = await waiter
+            if not up:
+                yield TokenEvent(seq_id, None, "abort")
+                return
+        stream = _Stream(asyncio.Queue(), time.perf_counter())
         self._streams[seq_id] = stream
-        self._inbox.put(("submit", (seq_id, prompt, params)))
+        assert self._process is not None
+        self._process.send(("submit", seq_id, prompt, params))
         try:
             while True:
                 ev = await stream.events.get()
@@ -143,44 +286,62 @@ class GenerationService:
                 if ev.finish_reason is not None:
                     return
         finally:
-            if not stream.done:
-                self._inbox.put(("abort", seq_id))
             self._streams.pop(seq_id, None)
+            if not stream.done and self._process is not None:
+                self._process.send(("abort", seq_id))
 
-    # The engine thread ---------------------------------------------------------------------
-    def _drain(self, block: bool) -> None:
-        try:
-            kind, arg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            while True:
-                if kind == "submit":
-                    seq_id, prompt, params = arg
-                    try:
-                        self.engine.submit(prompt, params, seq_id)
-                    except ValueError:  # checked on the loop already; never expected here
-                        self._dispatch([TokenEvent(seq_id, None, "abort")])
-                elif kind == "abort":
-                    self.engine.abort(arg)
-                kind, arg = self._inbox.get_nowait()
-        except queue.Empty:
+    # Supervision ---------------------------------------------------------------------------
+    def _fail_all(self) -> None:
+        for seq_id in list(self._streams):
+            stream = self._streams.pop(seq_id)
+            stream.done = True
+            stream.events.put_nowait(TokenEvent(seq_id, None, "abort"))
+
+    def _on_lost(self) -> None:
+        """The engine process died: fail its requests now and start another."""
+        if self._closing:
             return
+        code = self._process.proc.exitcode if self._process is not None else None
+        log.error(
+            "the generation engine of model %r died (exit code %s); restarting it", self.name, code
+        )
+        self._ready = False
+        self._fail_all()
+        self.restarts += 1
+        if self.metrics is not None:
+            self.metrics.restarts.labels(self.name).inc()
+        self._restarting = asyncio.get_running_loop().create_task(self._restart())
 
-    def _run(self) -> None:
-        while not self._stop:
-            self._drain(block=not self.engine.has_work)
-            if not self.engine.has_work:
-                continue
+    async def _restart(self) -> None:
+        old, self._process = self._process, None
+        if old is not None:
+            await asyncio.to_thread(old.close, 5.0)
+        delay = 0.5
+        while not self._closing:
             try:
-                events = self.engine.step()
-            except Exception:  # a bug of ours: fail the running requests, keep serving
-                log.exception("generation step of model %r failed", self.name)
-                events = [TokenEvent(s.id, None, "abort") for s in self.engine.running]
-                for ev in events:
-                    self.engine.abort(ev.seq_id)
-            self._dispatch(events)
-        for seq_id, stream in list(self._streams.items()):
-            stream.loop.call_soon_threadsafe(
-                stream.events.put_nowait, TokenEvent(seq_id, None, "abort")
-            )
+                await self.start()
+                return
+            except ModelError as exc:  # the export went bad meanwhile: say why, retry
+                log.error("%s; trying again in %.0f s", exc.message, delay)
+                self._broken = exc.message
+                self._wake(False)  # waiting requests fail now, with the retry sentence
+                await asyncio.sleep(delay)
+                delay = min(30.0, delay * 2)
+
+    # Tokens ---------------------------------------------------------------------------------
+    def _on_message(self, message: tuple[Any, ...]) -> None:
+        if message[0] != "events":
+            return
+        _, events, (running, waiting, blocks_used, preemptions) = message
+        self._dispatch([TokenEvent(*ev) for ev in events])
+        m = self.metrics
+        if m is not None:
+            m.sequences.labels(self.name, "running").set(running)
+            m.sequences.labels(self.name, "waiting").set(waiting)
+            m.kv_blocks_used.labels(self.name).set(blocks_used)
+            if preemptions > self._preemptions_counted:
+                m.preemptions.labels(self.name).inc(preemptions - self._preemptions_counted)
+                self._preemptions_counted = preemptions
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         now = time.perf_counter()
@@ -198,12 +359,4 @@ class GenerationService:
                     m.itl.labels(self.name).observe(now - stream.last)
                 m.tokens.labels(self.name).inc()
             stream.last = now
-            stream.loop.call_soon_threadsafe(stream.events.put_nowait, ev)
-        if m is not None:
-            e = self.engine
-            m.sequences.labels(self.name, "running").set(len(e.running))
-            m.sequences.labels(self.name, "waiting").set(len(e.waiting))
-            m.kv_blocks_used.labels(self.name).set(e.blocks_used)
-            if e.preemptions > self._preemptions_counted:
-                m.preemptions.labels(self.name).inc(e.preemptions - self._preemptions_counted)
-                self._preemptions_counted = e.preemptions
+            stream.events.put_nowait(ev)
