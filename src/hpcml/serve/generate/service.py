@@ -168,14 +168,20 @@ class _Process:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self.writer.write(struct.pack("!Q", len(data)) + data)
 
-    def close(self, join_s: float = 10.0) -> None:
-        """Ask the process to stop, wait for it, and close every pipe end (blocking)."""
+    def detach(self) -> None:
+        """Ask the process to stop and close the loop's transports (on the event loop: they
+        belong to it). Closing the writer sends what it holds first."""
         if self.protocol is not None:
             self.protocol.on_lost = None  # closing on purpose is not a death
         self.send(("stop",))
         for transport in (self.writer, self.reader):
             if transport is not None:
                 transport.close()
+        self.writer = self.reader = None
+
+    def close(self, join_s: float = 10.0) -> None:
+        """Wait for the process to end (killing it after `join_s`) and close the pipe ends
+        (blocking: run it in a thread; `detach` first when it was attached)."""
         self.proc.join(join_s)
         if self.proc.is_alive():
             self.proc.kill()
@@ -254,6 +260,7 @@ class GenerationService:
                 await self._restarting
         if self._process is not None:
             process, self._process = self._process, None
+            process.detach()
             await asyncio.to_thread(process.close, 30.0)
         self._fail_all()
         self._wake(False)
@@ -315,6 +322,7 @@ class GenerationService:
     async def _restart(self) -> None:
         old, self._process = self._process, None
         if old is not None:
+            old.detach()
             await asyncio.to_thread(old.close, 5.0)
         delay = 0.5
         while not self._closing:
