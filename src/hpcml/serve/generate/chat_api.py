@@ -29,17 +29,20 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from hpcml.serve.generate.engine import RequestRefused
 from hpcml.serve.generate.openai_api import (
     ABORTED,
     Aborted,
     BadRequest,
+    M,
     Stop,
     complete,
     error,
+    load_body,
     text_deltas,
+    validate,
 )
 from hpcml.serve.generate.sampling import SamplingParams
 from hpcml.serve.generate.service import GenerationService
@@ -127,21 +130,8 @@ def render_chat(messages: list[Message]) -> str:
     return "".join(out) + "<|assistant|>\n"
 
 
-def _validated(model: type[BaseModel], body: bytes) -> Any:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("the request body is not valid JSON; send a JSON object.") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object.")
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        e = err.errors()[0]
-        where = ".".join(str(p) for p in e["loc"]) or "body"
-        if e["type"] == "extra_forbidden":
-            raise BadRequest(f"parameter '{where}' is not known; remove it.", where) from None
-        raise BadRequest(f"parameter '{where}': {e['msg']}.", where.split(".")[0]) from None
+def _validated(model: type[M], body: bytes) -> M:
+    return validate(model, load_body(body))
 
 
 def _sampling(

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +26,7 @@ from hpcml.serve.generate.sampling import SamplingParams, TextStream
 from hpcml.serve.generate.service import GenerationService
 
 Stop = Annotated[str, Field(min_length=1)]
+M = TypeVar("M", bound=BaseModel)
 
 
 class CompletionRequest(BaseModel):
@@ -78,7 +79,10 @@ def error(status: int, message: str, param: str | None = None) -> Response:
     return JSONResponse(body, status_code=status)
 
 
-def parse_request(body: bytes) -> CompletionRequest:
+def load_body(body: bytes) -> dict[str, Any]:
+    """The JSON object of a request body; BadRequest for anything else, and for text that
+    cannot be UTF-8 (a lone surrogate escape such as \\ud800 is valid JSON but no character:
+    it would fail later, in the tokenizer or in the error message that quotes it)."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -86,13 +90,29 @@ def parse_request(body: bytes) -> CompletionRequest:
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object.")
     try:
-        req = CompletionRequest.model_validate(data)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(
+            "the request holds text that is not valid Unicode (a lone UTF-16 surrogate escape "
+            "such as \\ud800); send UTF-8 text."
+        ) from None
+    return data
+
+
+def validate(model: type[M], data: dict[str, Any]) -> M:
+    """`data` as `model`; BadRequest naming the first offending parameter."""
+    try:
+        return model.model_validate(data)
     except ValidationError as err:
         e = err.errors()[0]
         where = ".".join(str(p) for p in e["loc"]) or "body"
         if e["type"] == "extra_forbidden":
             raise BadRequest(f"parameter '{where}' is not known; remove it.", where) from None
         raise BadRequest(f"parameter '{where}': {e['msg']}.", where.split(".")[0]) from None
+
+
+def parse_request(body: bytes) -> CompletionRequest:
+    req = validate(CompletionRequest, load_body(body))
     for name, allowed in NEUTRAL.items():
         if getattr(req, name) not in allowed:
             raise BadRequest(
