@@ -36,7 +36,7 @@ ARGS = {"vocab_size": 256, "max_seq_len": 1024, "n_layer": 2, "n_head": 2, "d_mo
 NAME = "poet"
 
 
-def _serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _serve(tmp_path: Path, generation: str = "") -> tuple[subprocess.Popen[bytes], str]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**ARGS)).eval()
     export = save_export(
@@ -49,7 +49,7 @@ def _serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
         "int64",
         task="language_modeling",
     )
-    (tmp_path / "serve.yaml").write_text("defaults:\n  isolation: thread\n")
+    (tmp_path / "serve.yaml").write_text("defaults:\n  isolation: thread\n" + generation)
     sock = bind_socket("127.0.0.1", 0)
     port = int(sock.getsockname()[1])
     sock.close()
@@ -163,6 +163,43 @@ def test_an_engine_that_cannot_start_again_fails_requests_at_once_until_it_can(
             time.sleep(0.1)
         assert r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
         assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_hung_engine_process_is_killed_and_replaced(tmp_path: Path) -> None:
+    """SIGSTOP freezes the engine process mid-stream (a hang, not a death: its pipes stay
+    open). With `step_timeout_s: 2` the server kills it after 2 s without a step; the stream
+    ends with the retry sentence, and the next completion comes from a new process."""
+    proc, url = _serve(tmp_path, "generation:\n  step_timeout_s: 2\n")
+    try:
+        wait_ready(url, timeout_s=180)
+        before = _greedy(url)
+        (engine,) = inference_children(proc.pid)
+        streams: list[list[str]] = []
+        started = threading.Event()
+        thread = threading.Thread(target=_long_stream, args=(url, started, streams), daemon=True)
+        thread.start()
+        assert started.wait(120)
+        os.kill(engine, signal.SIGSTOP)
+        thread.join(120)
+        assert not thread.is_alive(), "the stream hung with its engine process"
+        (lines,) = streams
+        assert lines[-1] == "data: [DONE]" and "retry" in lines[-2], lines[-2:]
+        assert gone(engine)
+        after = _greedy(url)
+        assert after.status_code == 200
+        assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+        (new_engine,) = inference_children(proc.pid)
+        assert new_engine != engine
+        assert _restarts(url) == 1
+        err = (tmp_path / "server.err").read_text()
+        assert "reported no step for" in err, err[-2000:]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

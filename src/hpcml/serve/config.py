@@ -105,6 +105,9 @@ class GenerationConfig(_Section):
     """Sequences whose prompts start with the same full KV blocks share them."""
     quantize: Literal["none", "int8"] = "none"
     """int8: weight-only int8 Linear layers (torchao) for the generation engine."""
+    step_timeout_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
+    """An engine process that has requests but reports no step for this long is taken as hung:
+    it is killed and replaced, and its requests fail with the retry sentence."""
 
 
 class DriftConfig(_Section):

@@ -66,7 +66,9 @@ def text_services(
             threads=config.for_model(name).threads,
         )
         metrics = metrics or GenerationMetrics(registry)
-        services[name] = GenerationService(spec, int(model.cfg.max_seq_len), metrics, mv.version)
+        services[name] = GenerationService(
+            spec, int(model.cfg.max_seq_len), metrics, mv.version, g.step_timeout_s
+        )
     return services
 
 

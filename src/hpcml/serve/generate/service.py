@@ -199,6 +199,7 @@ class GenerationService:
         max_seq_len: int,
         metrics: GenerationMetrics | None = None,
         version: str = "1",
+        step_timeout_s: float = 60.0,
     ) -> None:
         self.name = spec.name
         self.version = version
@@ -220,6 +221,10 @@ class GenerationService:
         self._closing = False
         self._restarting: asyncio.Task[None] | None = None
         self._preemptions_counted = 0
+        self.step_timeout_s = step_timeout_s
+        self._progress = time.monotonic()
+        """When the engine process last reported a step, or took work while idle."""
+        self._watchdog: asyncio.Task[None] | None = None
         if metrics is not None:
             metrics.kv_blocks.labels(self.name).set(spec.config.kv_cache_blocks)
 
@@ -239,6 +244,9 @@ class GenerationService:
         self._process = process
         self._preemptions_counted = 0
         self._ready, self._broken = True, None
+        self._progress = time.monotonic()
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         self._wake(True)
 
     def _wake(self, up: bool) -> None:
@@ -254,6 +262,8 @@ class GenerationService:
 
     async def close(self) -> None:
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._restarting is not None:
             self._restarting.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -283,6 +293,8 @@ class GenerationService:
                 yield TokenEvent(seq_id, None, "abort")
                 return
         stream = _Stream(asyncio.Queue(), time.perf_counter())
+        if not self._streams:  # an idle engine reports nothing; its clock starts now
+            self._progress = time.monotonic()
         self._streams[seq_id] = stream
         assert self._process is not None
         self._process.send(("submit", seq_id, prompt, params))
@@ -319,6 +331,24 @@ class GenerationService:
             self.metrics.restarts.labels(self.name).inc()
         self._restarting = asyncio.get_running_loop().create_task(self._restart())
 
+    async def _watch(self) -> None:
+        """Kill an engine process that holds requests but has reported no step for
+        `step_timeout_s` (hung: a deadlock, a stopped process); its death replaces it."""
+        while not self._closing:
+            await asyncio.sleep(min(1.0, self.step_timeout_s / 4))
+            process = self._process
+            silent = time.monotonic() - self._progress
+            if self._ready and self._streams and process and silent > self.step_timeout_s:
+                log.error(
+                    "the generation engine of model %r reported no step for %.0f s with %d "
+                    "requests; killing it",
+                    self.name,
+                    silent,
+                    len(self._streams),
+                )
+                process.proc.kill()
+                self._progress = time.monotonic()
+
     async def _restart(self) -> None:
         old, self._process = self._process, None
         if old is not None:
@@ -338,6 +368,7 @@ class GenerationService:
 
     # Tokens ---------------------------------------------------------------------------------
     def _on_message(self, message: tuple[Any, ...]) -> None:
+        self._progress = time.monotonic()
         if message[0] != "events":
             return
         _, events, (running, waiting, blocks_used, preemptions) = message
