@@ -78,12 +78,15 @@ def _greedy(url: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def _restarts(url: str) -> float:
-    key = f'hpcml_llm_engine_restarts_total{{model="{NAME}"}} '
+def _gauge(url: str, key: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         if line.startswith(key):
             return float(line.split()[-1])
     return 0.0
+
+
+def _restarts(url: str) -> float:
+    return _gauge(url, f'hpcml_llm_engine_restarts_total{{model="{NAME}"}} ')
 
 
 def test_a_killed_engine_process_fails_its_streams_in_one_sentence_and_is_replaced(
@@ -192,6 +195,12 @@ def test_a_hung_engine_process_is_killed_and_replaced(tmp_path: Path) -> None:
         (lines,) = streams
         assert lines[-1] == "data: [DONE]" and "retry" in lines[-2], lines[-2:]
         assert gone(engine)
+        # The new engine holds nothing: the dead one's running sequence leaves the gauge.
+        running = f'hpcml_llm_sequences{{model="{NAME}",state="running"}} '
+        deadline = time.monotonic() + 60
+        while _gauge(url, running) != 0:
+            assert time.monotonic() < deadline, "the dead engine's sequence stayed on the gauge"
+            time.sleep(0.05)
         after = _greedy(url)
         assert after.status_code == 200
         assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]

@@ -245,6 +245,10 @@ class GenerationService:
         self._preemptions_counted = 0
         self._ready, self._broken = True, None
         self._progress = time.monotonic()
+        if self.metrics is not None:  # a new engine holds nothing (a dead one's gauges go)
+            self.metrics.sequences.labels(self.name, "running").set(0)
+            self.metrics.sequences.labels(self.name, "waiting").set(0)
+            self.metrics.kv_blocks_used.labels(self.name).set(0)
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         self._wake(True)
@@ -359,9 +363,10 @@ class GenerationService:
             try:
                 await self.start()
                 return
-            except ModelError as exc:  # the export went bad meanwhile: say why, retry
-                log.error("%s; trying again in %.0f s", exc.message, delay)
-                self._broken = exc.message
+            except Exception as exc:  # noqa: BLE001 - e.g. the export went bad: say why, retry
+                why = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                log.error("%s; trying again in %.0f s", why, delay)
+                self._broken = why
                 self._wake(False)  # waiting requests fail now, with the retry sentence
                 await asyncio.sleep(delay)
                 delay = min(30.0, delay * 2)
