@@ -170,10 +170,21 @@ class OnnxBackend:
         self._session = None
 
 
+def frame(data: bytes) -> bytes:
+    """`data` with its length in front: what `read_frame` and `FrameProtocol` take apart."""
+    return struct.pack("!Q", len(data)) + data
+
+
 def write_frame(fd: int, data: bytes) -> None:
-    view = memoryview(struct.pack("!Q", len(data)) + data)
+    view = memoryview(frame(data))
     while view:
         view = view[os.write(fd, view) :]
+
+
+def read_frame(fd: int) -> bytes:
+    """One frame written by `write_frame`, read blocking; EOFError if the pipe closed."""
+    (n,) = struct.unpack("!Q", read_exact(fd, 8))
+    return read_exact(fd, n)
 
 
 def read_exact(fd: int, n: int) -> bytes:
@@ -228,19 +239,12 @@ def _serve_in_child(
             answer(("error", f"{type(exc).__name__}: {exc}"))
 
 
-class _Frames(asyncio.Protocol):
-    """Reassembles the child's length-prefixed answers as they arrive on the event loop.
+class FrameProtocol(asyncio.Protocol):
+    """Reassembles length-prefixed frames (`write_frame`) from a child's pipe as they arrive
+    on the event loop, handing each whole one to `frame_received`."""
 
-    The child answers in request order, so each complete frame goes to the oldest waiting
-    caller; a caller that gave up (cancelled) still owns its frame, which is then dropped.
-    """
-
-    def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
+    def __init__(self) -> None:
         self.buffer = bytearray()
-        self.pending: deque[asyncio.Future[bytes]] = deque()
-        self.closed = False
-        self.on_lost = on_lost
-        """Called once when the child's end of the pipe closes: it exited or was killed."""
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -248,12 +252,31 @@ class _Frames(asyncio.Protocol):
             (n,) = struct.unpack("!Q", self.buffer[:8])
             if len(self.buffer) < 8 + n:
                 return
-            frame = bytes(self.buffer[8 : 8 + n])
+            payload = bytes(self.buffer[8 : 8 + n])
             del self.buffer[: 8 + n]
-            if self.pending:
-                waiter = self.pending.popleft()
-                if not waiter.done():
-                    waiter.set_result(frame)
+            self.frame_received(payload)
+
+    def frame_received(self, frame: bytes) -> None:
+        raise NotImplementedError
+
+
+class _Frames(FrameProtocol):
+    """The child's answers, in request order: each complete frame goes to the oldest waiting
+    caller; a caller that gave up (cancelled) still owns its frame, which is then dropped.
+    """
+
+    def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.pending: deque[asyncio.Future[bytes]] = deque()
+        self.closed = False
+        self.on_lost = on_lost
+        """Called once when the child's end of the pipe closes: it exited or was killed."""
+
+    def frame_received(self, frame: bytes) -> None:
+        if self.pending:
+            waiter = self.pending.popleft()
+            if not waiter.done():
+                waiter.set_result(frame)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -350,9 +373,7 @@ class ProcessBackend:
 
     def _read_blocking(self) -> Any:
         assert self._answers is not None
-        fd = self._answers.fileno()
-        (n,) = struct.unpack("!Q", read_exact(fd, 8))
-        return pickle.loads(read_exact(fd, n))
+        return pickle.loads(read_frame(self._answers.fileno()))
 
     def _result(self, status: str, value: Any) -> np.ndarray:
         if status != "ok":
@@ -387,10 +408,10 @@ class ProcessBackend:
             raise self._died() from None
         self._frames.pending.append(answer)
         try:
-            frame = await answer
+            payload = await answer
         except EOFError:
             raise self._died() from None
-        return self._result(*pickle.loads(frame))
+        return self._result(*pickle.loads(payload))
 
     def close(self) -> None:
         if self._frames is not None:

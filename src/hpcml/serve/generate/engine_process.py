@@ -18,14 +18,13 @@ import logging
 import pickle
 import select
 import signal
-import struct
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from hpcml.errors import ModelError
-from hpcml.serve.backends import read_exact, write_frame
+from hpcml.serve.backends import read_frame, write_frame
 from hpcml.serve.generate.engine import Engine, EngineConfig, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -68,11 +67,6 @@ def build_engine(spec: EngineSpec) -> Engine:
     return Engine(model, spec.config, spec.tokenizer)
 
 
-def _read_message(fd: int) -> Any:
-    (n,) = struct.unpack("!Q", read_exact(fd, 8))
-    return pickle.loads(read_exact(fd, n))
-
-
 def run_engine(spec: EngineSpec, commands: Connection, events: Connection) -> None:
     """Build the engine, then step it until told to stop or the server is gone."""
     # The server decides when to stop; Ctrl-C reaches the whole process group.
@@ -94,7 +88,7 @@ def run_engine(spec: EngineSpec, commands: Connection, events: Connection) -> No
             # Block on the pipe only while there is nothing to step and nothing to report.
             changed: list[tuple[Any, ...]] = []
             while select.select([inbox], [], [], 0 if engine.has_work or changed else None)[0]:
-                message = _read_message(inbox)
+                message = pickle.loads(read_frame(inbox))
                 if message[0] == "stop":
                     return
                 changed.append(_apply(engine, message))

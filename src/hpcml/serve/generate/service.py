@@ -20,7 +20,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import struct
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hpcml.errors import ModelError
-from hpcml.serve.backends import read_exact
+from hpcml.serve.backends import FrameProtocol, frame, read_frame
 from hpcml.serve.generate.engine import TokenEvent, check_request
 from hpcml.serve.generate.engine_process import EngineSpec, run_engine
 from hpcml.serve.generate.sampling import SamplingParams, Tokenizer
@@ -95,23 +94,16 @@ class _Stream:
     done: bool = False
 
 
-class _Messages(asyncio.Protocol):
-    """Length-prefixed pickles from the engine process, each handed to `on_message` as it
+class _Messages(FrameProtocol):
+    """The engine process's messages (pickled frames), each handed to `on_message` as it
     arrives on the event loop; `on_lost` once its end of the pipe closes (it exited or died)."""
 
     def __init__(self, on_message: Any, on_lost: Any) -> None:
-        self.buffer = bytearray()
+        super().__init__()
         self.on_message, self.on_lost = on_message, on_lost
 
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while len(self.buffer) >= 8:
-            (n,) = struct.unpack("!Q", self.buffer[:8])
-            if len(self.buffer) < 8 + n:
-                return
-            message = pickle.loads(bytes(self.buffer[8 : 8 + n]))
-            del self.buffer[: 8 + n]
-            self.on_message(message)
+    def frame_received(self, frame: bytes) -> None:
+        self.on_message(pickle.loads(frame))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.on_lost is not None:
@@ -140,10 +132,8 @@ class _Process:
 
     def wait_ready(self, export_dir: str) -> None:
         """Block until the process has built its engine; ModelError if it could not."""
-        fd = self.events.fileno()
         try:
-            (n,) = struct.unpack("!Q", read_exact(fd, 8))
-            status, detail = pickle.loads(read_exact(fd, n))
+            status, detail = pickle.loads(read_frame(self.events.fileno()))
         except EOFError:
             self.proc.join(5)
             status, detail = "error", f"it exited with code {self.proc.exitcode}"
@@ -166,7 +156,7 @@ class _Process:
         if self.writer is None or self.writer.is_closing():
             return  # the process is gone; its death fails the requests it had
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        self.writer.write(struct.pack("!Q", len(data)) + data)
+        self.writer.write(frame(data))
 
     def detach(self) -> None:
         """Ask the process to stop and close the loop's transports (on the event loop: they
