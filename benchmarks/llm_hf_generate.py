@@ -61,7 +61,10 @@ def arguments() -> argparse.Namespace:
     return p.parse_args()
 
 
-def make_models(a: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
+def make_models(folder: Path, layers: int, d_model: int, seed: int) -> tuple[Any, Any, Any]:
+    """A randomly initialised GPT-2 (byte vocabulary, 4 heads, 256 positions, no dropout)
+    made and saved by transformers, the same weights imported into hpcml's gpt, and the
+    gpt's arguments."""
     import transformers
 
     from hpcml.models.hf_gpt2 import import_gpt2
@@ -69,8 +72,8 @@ def make_models(a: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
     cfg = transformers.GPT2Config(
         vocab_size=256,
         n_positions=256,
-        n_embd=a.d_model,
-        n_layer=a.layers,
+        n_embd=d_model,
+        n_layer=layers,
         n_head=4,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -78,11 +81,23 @@ def make_models(a: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
         bos_token_id=0,
         eos_token_id=None,
     )
-    torch.manual_seed(a.seed)
+    torch.manual_seed(seed)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
-    ours, _ = import_gpt2(folder)
-    return hf, ours
+    ours, args = import_gpt2(folder)
+    return hf, ours, args
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of a batch, prompts left-padded with 0 to the longest (as
+    decoder-only generation needs)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for j, p in enumerate(prompts):
+        ids[j, width - len(p) :] = torch.tensor(p)
+        mask[j, width - len(p) :] = 1
+    return ids, mask
 
 
 def workload(a: argparse.Namespace) -> list[tuple[list[int], int]]:
@@ -100,12 +115,8 @@ def run_hf(hf: Any, work: list[tuple[list[int], int]], batch: int) -> list[list[
     out: list[list[int]] = []
     for i in range(0, len(work), batch):
         chunk = work[i : i + batch]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for j, (p, _) in enumerate(chunk):  # left padding, as decoder-only generation needs
-            ids[j, width - len(p) :] = torch.tensor(p)
-            mask[j, width - len(p) :] = 1
+        ids, mask = left_pad([p for p, _ in chunk])
+        width = ids.shape[1]
         longest = max(n for _, n in chunk)
         with torch.no_grad():
             gen = hf.generate(
@@ -154,7 +165,7 @@ def main() -> None:
     work = workload(a)
     tokens = sum(n for _, n in work)
     with tempfile.TemporaryDirectory() as tmp:
-        hf, ours = make_models(a, Path(tmp) / "gpt2")
+        hf, ours, _ = make_models(Path(tmp) / "gpt2", a.layers, a.d_model, a.seed)
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     outputs: dict[str, list[list[int]]] = {}
     for rep in range(a.repeats + 1):  # the first pass warms up and is not counted

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from llm_hf_generate import left_pad, make_models  # the same GPT-2 and padding as that peer
 
 from hpcml.models.gpt import GPT
 from hpcml.serve.generate.engine import Engine, EngineConfig
@@ -154,14 +155,9 @@ def replay_hf(hf: Any, batch: int, requests: list[tuple[float, list[int], int]])
             time.sleep(max(0.0, requests[nxt][0] - now))
             continue
         chunk, queue = queue[:batch], queue[batch:]
-        width = max(len(requests[i][1]) for i in chunk)
+        ids, mask = left_pad([requests[i][1] for i in chunk])
+        width = ids.shape[1]
         longest = max(requests[i][2] for i in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for j, i in enumerate(chunk):  # left padding, as decoder-only generation needs
-            prompt = requests[i][1]
-            ids[j, width - len(prompt) :] = torch.tensor(prompt)
-            mask[j, width - len(prompt) :] = 1
         times: list[float] = []
         with torch.no_grad():
             hf.generate(
@@ -180,32 +176,6 @@ def replay_hf(hf: Any, batch: int, requests: list[tuple[float, list[int], int]])
         steps += longest
         rows += len(chunk) * (width + longest - 1)
     return metrics(requests, arrival, stamps, steps=steps, preemptions=0, rows_computed=rows)
-
-
-def make_models(seed: int, folder: Path) -> tuple[Any, GPT, dict[str, Any]]:
-    """A randomly initialised GPT-2 (4 x 256, byte vocabulary) made and saved by transformers,
-    and the same weights imported into hpcml's gpt."""
-    import transformers
-
-    from hpcml.models.hf_gpt2 import import_gpt2
-
-    cfg = transformers.GPT2Config(
-        vocab_size=256,
-        n_positions=256,
-        n_embd=256,
-        n_layer=4,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
-    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
-    ours, args = import_gpt2(folder)
-    return hf, ours, args
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -273,7 +243,7 @@ def main() -> None:
         args.requests, args.repeats, args.max_seqs = 32, 1, [8, 16]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        hf, model, model_args = make_models(args.seed, Path(tmp) / "gpt2")
+        hf, model, model_args = make_models(Path(tmp) / "gpt2", 4, 256, args.seed)
     requests = workload(args)
     # Cache for every sequence of the largest static batch at its longest: no preemption.
     longest = args.prompt_len[1] + args.output_len[1]

@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_serve_fuzz import json_values
 
 from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
@@ -31,20 +32,6 @@ from hpcml.serve.testing import running_server
 ARGS = {"vocab_size": 256, "max_seq_len": 64, "n_layer": 1, "n_head": 2, "d_model": 16}
 NAME = "poet"
 
-leaves = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=6),
-)
-json_values = st.recursive(
-    leaves,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
-    ),
-    max_leaves=8,
-)
 # Strings a JSON body can carry that Python cannot encode to UTF-8 (lone surrogates), very
 # long ones, empty ones, control characters, and multi-byte characters split by stops.
 LONE = "\ud800"

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -36,7 +38,9 @@ ARGS = {"vocab_size": 256, "max_seq_len": 1024, "n_layer": 2, "n_head": 2, "d_mo
 NAME = "poet"
 
 
-def _serve(tmp_path: Path, generation: str = "") -> tuple[subprocess.Popen[bytes], str]:
+@contextmanager
+def _serve(tmp_path: Path, generation: str = "") -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`hpcml serve` of a gpt export as a process; SIGTERM (then SIGKILL) at the end."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**ARGS)).eval()
     export = save_export(
@@ -58,7 +62,15 @@ def _serve(tmp_path: Path, generation: str = "") -> tuple[subprocess.Popen[bytes
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     err = (tmp_path / "server.err").open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    return proc, f"http://127.0.0.1:{port}"
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _long_stream(url: str, started: threading.Event, out: list[list[str]]) -> None:
@@ -92,8 +104,7 @@ def _restarts(url: str) -> float:
 def test_a_killed_engine_process_fails_its_streams_in_one_sentence_and_is_replaced(
     tmp_path: Path,
 ) -> None:
-    proc, url = _serve(tmp_path)
-    try:
+    with _serve(tmp_path) as (proc, url):
         wait_ready(url, timeout_s=180)
         before = _greedy(url)
         assert before.status_code == 200
@@ -129,13 +140,6 @@ def test_a_killed_engine_process_fails_its_streams_in_one_sentence_and_is_replac
         assert new_engine != engine
         assert _restarts(url) == 1
         assert proc.poll() is None, "the server died with its engine process"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_an_engine_that_cannot_start_again_fails_requests_at_once_until_it_can(
@@ -144,9 +148,8 @@ def test_an_engine_that_cannot_start_again_fails_requests_at_once_until_it_can(
     """The export's weights vanish, then the engine process dies: its replacement cannot load
     them, so completions get 503 with the retry sentence at once (not a hang) while the server
     keeps trying; once the weights are back, the next attempt succeeds and so do requests."""
-    proc, url = _serve(tmp_path)
     weights = tmp_path / "export" / "model.safetensors"
-    try:
+    with _serve(tmp_path) as (proc, url):
         wait_ready(url, timeout_s=180)
         before = _greedy(url)
         (engine,) = inference_children(proc.pid)
@@ -166,21 +169,13 @@ def test_an_engine_that_cannot_start_again_fails_requests_at_once_until_it_can(
             time.sleep(0.1)
         assert r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
         assert proc.poll() is None
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_hung_engine_process_is_killed_and_replaced(tmp_path: Path) -> None:
     """SIGSTOP freezes the engine process mid-stream (a hang, not a death: its pipes stay
     open). With `step_timeout_s: 2` the server kills it after 2 s without a step; the stream
     ends with the retry sentence, and the next completion comes from a new process."""
-    proc, url = _serve(tmp_path, "generation:\n  step_timeout_s: 2\n")
-    try:
+    with _serve(tmp_path, "generation:\n  step_timeout_s: 2\n") as (proc, url):
         wait_ready(url, timeout_s=180)
         before = _greedy(url)
         (engine,) = inference_children(proc.pid)
@@ -209,10 +204,3 @@ def test_a_hung_engine_process_is_killed_and_replaced(tmp_path: Path) -> None:
         assert _restarts(url) == 1
         err = (tmp_path / "server.err").read_text()
         assert "reported no step for" in err, err[-2000:]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
