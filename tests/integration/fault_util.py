@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -96,6 +97,12 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # torchrun starts the workers in sessions of their own: kill them by ancestry, or a
+        # stuck one keeps the output pipe open and communicate() waits for it forever.
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()

@@ -134,3 +134,35 @@ def test_ctrl_c_of_a_two_process_run_without_checkpoints_exits_130_interrupted(
     assert "preempted" not in out
     assert summary(run)["status"] == "interrupted"
     assert not (run / "checkpoints").exists()
+    # The workers record Ctrl-C and stop together at a step boundary (a KeyboardInterrupt
+    # mid-collective left a worker deadlocked at exit: torchrun killed it 120 s later, in CI).
+    event = [r for r in records(run, "fault") if r["event"] == "interrupted"]
+    assert len(event) == 1, records(run, "fault")
+    assert max(step_losses(run)) == event[0]["step"]
+
+
+def test_sigint_to_one_worker_stops_every_rank_at_one_step_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    # Only rank 1 gets SIGINT (the agent none): the flags collective stops rank 0 at the same
+    # step, no checkpoint is written, and exit 130 is not a crash, so --max-restarts does not
+    # start a new group. Before, rank 1 raised KeyboardInterrupt wherever it was and rank 0
+    # failed in its next collective: a "failed" run, a traceback, and an elastic restart.
+    # (Restarts need periodic checkpoints; every 50,000 steps writes none in this run.)
+    config = write_config(
+        tmp_path / "c.yaml", train={"max_steps": 100_000, "checkpoint_every": 50_000}
+    )
+    run = tmp_path / "run"
+    proc = start_train(config, run, "--nproc", "2", "--max-restarts", "2")
+    wait_for("rank 1 training", lambda: pid_of(run, 1) and len(records(run)) >= 5, proc=proc)
+    workers = (pid_of(run, 0), pid_of(run, 1))
+    os.kill(workers[1] or 0, signal.SIGINT)
+    out, _ = finish(proc, 120)
+    assert proc.returncode == 130, out
+    assert "was interrupted (SIGINT); no checkpoint was saved for it" in out, out
+    assert "Traceback" not in out
+    assert (pid_of(run, 0), pid_of(run, 1)) == workers  # no restarted group wrote new pids
+    assert summary(run)["status"] == "interrupted"
+    assert not (run / "checkpoints").exists()
+    event = [r for r in records(run, "fault") if r["event"] == "interrupted"]
+    assert len(event) == 1 and max(step_losses(run)) == event[0]["step"]

@@ -27,6 +27,7 @@ from hpcml.train.fault import (
     Watchdog,
     checkpoint_advice,
 )
+from hpcml.train.stop_signals import agreed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +55,50 @@ def test_preemption_signal_only_sets_a_flag_and_handlers_are_restored() -> None:
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def wait_until(predicate: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.01)
+
+
+def test_sigint_is_an_interrupt_not_a_preemption_only_when_ranks_must_agree() -> None:
+    # Several ranks: SIGINT only sets the interrupt flag (no KeyboardInterrupt mid-collective)
+    # and never counts as a preemption, which would save a checkpoint.
+    before = signal.getsignal(signal.SIGINT)
+    flag = PreemptionFlag(["SIGTERM"], interrupt=True)
+    assert flag.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_until(lambda: flag.interrupted)
+        assert flag.interrupted and not flag.requested
+        assert flag.flags() == [0.0, 1.0]
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(lambda: flag.requested)
+        assert flag.flags() == [1.0, 1.0] and flag.received == signal.SIGTERM
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGINT) == before
+    # One process: SIGINT stays Python's KeyboardInterrupt.
+    single = PreemptionFlag(["SIGTERM"])
+    assert single.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        single.restore()
+
+
+def test_agreed_stop_preemption_wins_over_ctrl_c_on_another_rank() -> None:
+    # Flags summed over 2 ranks: [preemption, interrupt].
+    assert agreed([0.0, 0.0]) == (False, False)
+    assert agreed([0.0, 1.0]) == (False, True)
+    assert agreed([0.0, 0.5]) == (False, True)  # the metrics flush averages the flags
+    assert agreed([1.0, 1.0]) == (True, False)  # the scheduler asked for a checkpoint
+    assert agreed([2.0, 0.0]) == (True, False)
+    assert agreed([1.0]) == (True, False)
 
 
 def test_requeue_exit_code_is_ex_tempfail_and_distinct() -> None:

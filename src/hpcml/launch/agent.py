@@ -6,7 +6,8 @@ what hpcml needs from its agent:
   `hpcml train` parent, which turns it into one sentence;
 - a worker that exits with REQUEUE_EXIT_CODE saved a checkpoint on a preemption signal: the
   agent ends the group there and exits with that code, instead of spending an elastic restart
-  (`--max-restarts`) to train on as if nothing had been asked;
+  (`--max-restarts`) to train on as if nothing had been asked; likewise exit 130 (SIGINT to a
+  worker, which every rank stops on at the same step);
 - a signal the agent handles itself (SIGTERM/SIGUSR1 from SLURM, SIGINT) is passed on to the
   workers by torchrun as usual; it then ends with one line and exit code 128 + signal instead
   of a SignalException traceback in every preempted attempt's log.
@@ -48,6 +49,16 @@ def exit_code_of(code: int) -> int:
 def preempted(failures: dict[int, Any]) -> bool:
     """Whether any failed worker exited with the requeue code (it saved and stopped)."""
     return any(getattr(f, "exitcode", None) == REQUEUE_EXIT_CODE for f in failures.values())
+
+
+INTERRUPTED_EXIT_CODE = 130
+"""A worker's exit code after Ctrl-C (SIGINT), which every rank acts on at the same step."""
+
+
+def stopped_on_purpose(failures: dict[int, Any]) -> bool:
+    """A preemption (saved, exit 75) or Ctrl-C (exit 130): an elastic restart would undo it."""
+    codes = {getattr(f, "exitcode", None) for f in failures.values()}
+    return bool(codes & {REQUEUE_EXIT_CODE, INTERRUPTED_EXIT_CODE})
 
 
 DUPLICATE_S = 1.0
@@ -113,8 +124,8 @@ class PreemptionAwareAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.FAILED and preempted(result.failures):
-            self._remaining_restarts = 0  # a preemption is not a crash: no elastic restart
+        if result.state == WorkerState.FAILED and stopped_on_purpose(result.failures):
+            self._remaining_restarts = 0  # a preemption or Ctrl-C is not a crash: no restart
         return result
 
 

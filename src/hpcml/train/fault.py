@@ -17,13 +17,11 @@ import contextlib
 import faulthandler
 import math
 import os
-import signal
 import statistics
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -52,6 +50,7 @@ from hpcml.train.fault_policy import (
 )
 from hpcml.train.fault_watchdog import Watchdog
 from hpcml.train.preempt_notice import NoticeWatcher
+from hpcml.train.stop_signals import PreemptionFlag, agreed
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
@@ -69,57 +68,6 @@ __all__ = [
 
 DUE_PROBE_STEPS = 10
 """With several ranks, time-based checkpoints are decided every this many steps."""
-
-
-# --- preemption ----------------------------------------------------------------------------
-
-
-class PreemptionFlag:
-    """Signal handlers that only record the signal: saving inside a handler could interrupt the
-    loop halfway through an optimizer step or a checkpoint write."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self.signals = [getattr(signal, n) for n in names]
-        self.received: int | None = None
-        self.received_at: float | None = None
-        """time.monotonic() of the first signal."""
-        self.reason: str | None = None
-        self._old: dict[int, Any] = {}
-
-    def install(self) -> bool:
-        if threading.current_thread() is not threading.main_thread():
-            return False  # Python allows handlers only in the main thread
-        for s in self.signals:
-            self._old[s] = signal.signal(s, self._handler)
-        return True
-
-    def _handler(self, signum: int, _frame: object) -> None:
-        if self.received is None:
-            self.received = signum
-            self.received_at = time.monotonic()
-
-    def notice(self, what: str) -> None:
-        """A preemption announced some other way (a cloud's metadata notice): same effect."""
-        if self.received is None:
-            self.reason = what
-            self.received = -1
-            self.received_at = time.monotonic()
-
-    def describe(self) -> str:
-        if self.reason is not None:
-            return self.reason
-        if self.received is not None and self.received > 0:
-            return signal.Signals(self.received).name
-        return "a signal on another rank"
-
-    @property
-    def requested(self) -> bool:
-        return self.received is not None
-
-    def restore(self) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)
-        self._old.clear()
 
 
 # --- bad steps -----------------------------------------------------------------------------
@@ -157,6 +105,7 @@ class Verdict:
     skip: bool = False
     rollback_to: Path | None = None
     preempt: bool = False
+    interrupt: bool = False
 
 
 # --- the guard -----------------------------------------------------------------------------
@@ -171,7 +120,8 @@ class FaultGuard:
         self.cfg = cfg
         self.fc = cfg.fault
         self.rt = rt
-        self.preemption = PreemptionFlag(self.fc.preempt_signals)
+        # Ctrl-C on several ranks: every rank stops at the same step (hpcml.train.stop_signals).
+        self.preemption = PreemptionFlag(self.fc.preempt_signals, interrupt=rt.world_size > 1)
         self.preemption.install()
         self.spikes = SpikeDetector(self.fc.spike_zscore, self.fc.spike_window)
         self.injector: FaultInjector | None = None
@@ -303,12 +253,12 @@ class FaultGuard:
         (so every rank judges the same global loss) and the preemption flags."""
         n = step + 1
         self.timer.end_step(data_wait_s)
-        flag = 1.0 if self.preemption.requested else 0.0
-        t = torch.stack([loss_sum.detach().float().reshape(()), loss_sum.new_tensor(flag).float()])
+        flags = loss_sum.new_tensor(self.preemption.flags()).float()
+        t = torch.cat([loss_sum.detach().float().reshape(1), flags])
         all_reduce_sum(self.rt, t)
-        total, flags = t.tolist()
+        total, *summed = t.tolist()
         loss = total / self.rt.world_size
-        preempt = flags > 0
+        preempt, interrupt = agreed(summed)
         if self.watchdog is not None:
             self.watchdog.tick(n)
         if self.fc.straggler_every and n % self.fc.straggler_every == 0:
@@ -323,7 +273,7 @@ class FaultGuard:
         else:
             self.spikes.add(loss)
             self._bad_in_a_row = 0
-            return Verdict(preempt=preempt)
+            return Verdict(preempt=preempt, interrupt=interrupt)
 
         self._bad_in_a_row += 1
         what = "NaN/Inf" if kind == "nonfinite" else f"a spike ({self._zdesc(loss)})"
@@ -349,10 +299,10 @@ class FaultGuard:
         if policy == "rollback":
             target = self._rollback_target(n, what)
             if target is not None:
-                return Verdict(rollback_to=target, preempt=preempt)
+                return Verdict(rollback_to=target, preempt=preempt, interrupt=interrupt)
         self.counts["skipped_steps"] += 1
         self.warn(f"step {n}: the loss was {what}; skipped the update.")
-        return Verdict(skip=True, preempt=preempt)
+        return Verdict(skip=True, preempt=preempt, interrupt=interrupt)
 
     def _zdesc(self, loss: float) -> str:
         z = self.spikes.score(loss)
@@ -446,6 +396,13 @@ class FaultGuard:
             f"with --resume auto (exit code {REQUEUE_EXIT_CODE} asks a scheduler to requeue).",
             checkpoint=str(path),
         )
+
+    def stop_for_interrupt(self, step: int) -> NoReturn:
+        """Every rank calls this at the same step after Ctrl-C on a run of several processes:
+        no checkpoint, status "interrupted", exit 130 (KeyboardInterrupt, as on one process)."""
+        ckpt.wait_pending()
+        self._event({"event": "interrupted", "step": step, "signal": "SIGINT"})
+        raise KeyboardInterrupt(f"SIGINT: every rank stopped after step {step}")
 
     def _hang(self, message: str) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ from hpcml.distributed.runtime import all_reduce_sum
 from hpcml.errors import WorkFailed
 from hpcml.train.fault import FaultGuard
 from hpcml.train.hooks import Hook, StepDecision
+from hpcml.train.stop_signals import agreed
 
 
 def needs_host_check(guard: FaultGuard) -> bool:
@@ -47,7 +48,9 @@ class FaultHook(Hook):
     def after_backward(self, trainer: Any, loss_sum: Any, data_wait_s: float) -> StepDecision:
         if self.on_host:
             verdict = self.guard.check(trainer.step, loss_sum, data_wait_s)
-            return StepDecision(verdict.skip, verdict.rollback_to, verdict.preempt)
+            return StepDecision(
+                verdict.skip, verdict.rollback_to, verdict.preempt, interrupt=verdict.interrupt
+            )
         g, n = self.guard, trainer.step + 1
         g.timer.end_step(data_wait_s)
         if g.watchdog is not None:
@@ -55,19 +58,19 @@ class FaultHook(Hook):
         if g.fc.straggler_every and n % g.fc.straggler_every == 0:
             g._check_stragglers(n)
         every = g.fc.preempt_check_every
-        preempt = False
+        preempt = interrupt = False
         if every is not None and n % every == 0:
-            flag = torch.tensor([1.0 if g.preemption.requested else 0.0], device=trainer.rt.device)
-            preempt = all_reduce_sum(trainer.rt, flag).item() > 0
-        return StepDecision(preempt=preempt, skip_on_device=True)
+            flags = torch.tensor(g.preemption.flags(), device=trainer.rt.device)
+            preempt, interrupt = agreed(all_reduce_sum(trainer.rt, flags).tolist())
+        return StepDecision(preempt=preempt, skip_on_device=True, interrupt=interrupt)
 
     def flush_flags(self) -> list[float]:
-        """Carried by the log flush's collective: this rank's preemption flag."""
-        return [1.0 if self.guard.preemption.requested else 0.0]
+        """Carried by the log flush's collective: this rank's [preemption, Ctrl-C] flags."""
+        return self.guard.preemption.flags()
 
-    def on_flushed(self, records: list[dict[str, Any]], flags: list[float]) -> bool:
-        """After a flush: report the steps skipped on the device; True when any rank was
-        asked to stop (preemption)."""
+    def on_flushed(self, records: list[dict[str, Any]], flags: list[float]) -> StepDecision:
+        """After a flush: report the steps skipped on the device; whether any rank was asked
+        to stop (a preemption, or Ctrl-C on a run of several processes)."""
         g = self.guard
         for rec in records:
             loss = rec.get("loss")
@@ -88,4 +91,5 @@ class FaultHook(Hook):
                     {"event": "nonfinite", "step": rec["step"], "loss": str(loss), "policy": "skip"}
                 )
                 g.warn(f"step {rec['step']}: the loss was NaN/Inf; skipped the update.")
-        return bool(flags) and flags[0] > 0
+        preempt, interrupt = agreed(flags) if flags else (False, False)
+        return StepDecision(preempt=preempt, interrupt=interrupt)

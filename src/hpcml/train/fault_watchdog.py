@@ -18,7 +18,7 @@ from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.train import ckpt_phase
 
 if TYPE_CHECKING:
-    from hpcml.train.fault import PreemptionFlag
+    from hpcml.train.stop_signals import PreemptionFlag
 
 __all__ = ["Watchdog"]
 

@@ -33,6 +33,8 @@ class StepDecision:
     preempt: bool = False
     skip_on_device: bool = False
     """Apply the update only if the gradients are finite, decided on the device (no sync)."""
+    interrupt: bool = False
+    """Ctrl-C on a run of several processes: every rank stops here without a checkpoint."""
 
     def merge(self, other: StepDecision | None) -> StepDecision:
         if other is None:
@@ -42,6 +44,7 @@ class StepDecision:
             self.rollback_to or other.rollback_to,
             self.preempt or other.preempt,
             self.skip_on_device or other.skip_on_device,
+            self.interrupt or other.interrupt,
         )
 
 

@@ -380,9 +380,9 @@ class Trainer:
             return
         done = step >= t.max_steps
         evaluating = bool(t.eval_every and step % t.eval_every == 0) or done
-        preempt = decision.preempt
         if step % t.log_every == 0 or evaluating:
-            preempt = self.flush() or preempt
+            decision = decision.merge(self.flush())
+        preempt = decision.preempt
         if evaluating:
             self.evaluate()
         saved = None
@@ -395,15 +395,18 @@ class Trainer:
         if preempt and not done:
             self.flush()
             self.guard.stop_for_preemption(step, saved or self.save())
+        if decision.interrupt and not done:
+            self.flush()
+            self.guard.stop_for_interrupt(step)
 
-    def flush(self) -> bool:
+    def flush(self) -> StepDecision | None:
         """Write the buffered step records; the same collective carries the fault hook's
-        flags. True when a rank was asked to stop."""
+        flags: whether a rank was asked to stop (preempt / interrupt)."""
         hook = self.fault_hook
         records = self.meter.flush(hook.flush_flags() if hook else None)
         if self.exporter is not None:
             self.exporter.update(records, self.guard.counts, self.guard.straggler_series())
-        return hook.on_flushed(records, self.meter.flags) if hook else False
+        return hook.on_flushed(records, self.meter.flags) if hook else None
 
     # --- evaluation, checkpoints -------------------------------------------------------------
 
