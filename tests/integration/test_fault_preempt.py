@@ -3,11 +3,13 @@ and exit with the requeue code; `--resume auto` then continues bit for bit (CPU,
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from fault_util import (
     finish,
@@ -166,3 +168,30 @@ def test_sigint_to_one_worker_stops_every_rank_at_one_step_without_a_restart(
     assert not (run / "checkpoints").exists()
     event = [r for r in records(run, "fault") if r["event"] == "interrupted"]
     assert len(event) == 1 and max(step_losses(run)) == event[0]["step"]
+
+
+def test_a_second_ctrl_c_kills_workers_that_never_reach_a_step_boundary(tmp_path: Path) -> None:
+    # Rank 1 hangs in step 5 (an injected sleep; the phase watchdog is off), so no rank reaches
+    # the step boundary where Ctrl-C is acted on, and the agent would wait for them for its
+    # shutdown timeout (120 s). A second press, more than 1 s after the first, kills them.
+    config = write_config(
+        tmp_path / "c.yaml",
+        train={"max_steps": 100_000, "checkpoint_every": 0},
+        fault={"watchdog_s": 0},
+    )
+    run = tmp_path / "run"
+    stall = json.dumps({"stall": {"rank": 1, "step": 5, "seconds": 3600}})
+    proc = start_train(config, run, "--nproc", "2", HPCML_FAULT_INJECT=stall)
+    wait_for("step 4", lambda: pid_of(run, 1) and len(records(run)) >= 4, proc=proc)
+    workers = (pid_of(run, 0), pid_of(run, 1))
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(2)  # the first press's flag is set; rank 1 still sleeps, rank 0 waits for it
+    assert all(psutil.pid_exists(p or 0) for p in workers)
+    os.killpg(proc.pid, signal.SIGINT)
+    # Bounded well under the 120 s the agent would otherwise wait before its own SIGKILL.
+    out, _ = finish(proc, 60)
+    assert proc.returncode == 130, out
+    assert "got SIGINT again: killing the workers now" in out, out
+    assert "was interrupted (SIGINT); no checkpoint was saved for it" in out, out
+    assert not any(psutil.pid_exists(p or 0) for p in workers)
+    assert not (run / "summary.json").exists()  # nothing claims the killed run finished

@@ -10,7 +10,8 @@ what hpcml needs from its agent:
   worker, which every rank stops on at the same step);
 - a signal the agent handles itself (SIGTERM/SIGUSR1 from SLURM, SIGINT) is passed on to the
   workers by torchrun as usual; it then ends with one line and exit code 128 + signal instead
-  of a SignalException traceback in every preempted attempt's log.
+  of a SignalException traceback in every preempted attempt's log; a second Ctrl-C kills the
+  workers at once (`SignalGate`).
 
 The agent's own log lines are silenced unless HPCML_AGENT_LOGS=1; workers' output passes through.
 Same arguments as torchrun: `python -m hpcml.launch.agent --nproc-per-node 2 -m hpcml train ...`.
@@ -21,6 +22,7 @@ torch.distributed.launcher.api, where it is replaced for this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +76,18 @@ class SignalGate:
     workers take for a preemption (seen in CI). The gate's handler raises for the first signal,
     ignores others while the workers are being stopped for it or within DUPLICATE_S of it, and,
     should the first exception have been lost inside torchrun (the agent still not stopping
-    after DUPLICATE_S + 0.5 s), delivers the signal to the agent again."""
+    after DUPLICATE_S + 0.5 s), delivers the signal to the agent again.
+
+    Workers stop on Ctrl-C at their next step boundary; a worker that never reaches one (a
+    hang, a very long step) would keep the agent waiting TORCH_ELASTIC_SHUTDOWN_TIMEOUT. A
+    second Ctrl-C, DUPLICATE_S or more after the first, kills the workers at once (`force`),
+    as a second Ctrl-C does in most tools."""
 
     def __init__(self) -> None:
         self.handling_since: float | None = None
         self.stopping = False
+        self.force: Callable[[], None] | None = None
+        """Set by the agent: SIGKILL to every worker's process group."""
 
     def reset(self) -> None:
         """New workers (first start or elastic restart): no signal is being handled."""
@@ -92,10 +102,13 @@ class SignalGate:
 
     def handle(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()
-        if self.handling_since is not None and (
-            self.stopping or now - self.handling_since < DUPLICATE_S
-        ):
-            return
+        if self.handling_since is not None:
+            again = now - self.handling_since >= DUPLICATE_S
+            if self.stopping and again and signum == signal.SIGINT and self.force is not None:
+                self.force()
+                return
+            if self.stopping or not again:
+                return
         self.handling_since = now
         retry = threading.Timer(DUPLICATE_S + 0.5, self._again, (signum,))
         retry.daemon = True
@@ -114,8 +127,20 @@ class PreemptionAwareAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         ids = super()._start_workers(worker_group)
         GATE.reset()
+        GATE.force = self._kill_workers
         GATE.install()
         return ids
+
+    def _kill_workers(self) -> None:
+        """A second Ctrl-C: SIGKILL to each worker's process group (torchrun starts each worker
+        in a session of its own), which ends the shutdown's wait for them at once."""
+        context = getattr(self, "_pcontext", None)
+        if context is None:
+            return
+        os.write(2, b"[hpcml] torchrun agent: got SIGINT again: killing the workers now\n")
+        for pid in context.pids().values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         if GATE.handling_since is not None:
