@@ -374,7 +374,7 @@ class Trainer:
         return lr
 
     def after_step(self, decision: StepDecision) -> None:
-        """Log flush, evaluation, checkpoint and preemption stop at the configured steps."""
+        """Log flush, evaluation, checkpoint, and the stop all ranks agreed on (preemption, Ctrl-C)."""
         t, step = self.cfg.train, self.step
         if decision.skip or decision.rollback_to is not None:
             return
@@ -382,7 +382,6 @@ class Trainer:
         evaluating = bool(t.eval_every and step % t.eval_every == 0) or done
         if step % t.log_every == 0 or evaluating:
             decision = decision.merge(self.flush())
-        preempt = decision.preempt
         if evaluating:
             self.evaluate()
         saved = None
@@ -392,11 +391,10 @@ class Trainer:
             or done
         ):
             saved = self.save()
-        if preempt and not done:
+        if (decision.preempt or decision.interrupt) and not done:
             self.flush()
-            self.guard.stop_for_preemption(step, saved or self.save())
-        if decision.interrupt and not done:
-            self.flush()
+            if decision.preempt:
+                self.guard.stop_for_preemption(step, saved or self.save())
             self.guard.stop_for_interrupt(step)
 
     def flush(self) -> StepDecision | None:
