@@ -80,15 +80,19 @@ def test_sigint_is_an_interrupt_not_a_preemption_only_when_ranks_must_agree() ->
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGINT) == before
-    # One process: SIGINT stays Python's KeyboardInterrupt.
+    # One process: SIGINT stays Python's KeyboardInterrupt (set here explicitly: a process
+    # started in the background of a shell without job control inherits SIGINT ignored).
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     single = PreemptionFlag(["SIGTERM"])
-    assert single.install()
     try:
+        assert single.install()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     finally:
         single.restore()
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_agreed_stop_preemption_wins_over_ctrl_c_on_another_rank() -> None:
