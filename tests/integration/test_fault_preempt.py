@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -195,3 +196,54 @@ def test_a_second_ctrl_c_kills_workers_that_never_reach_a_step_boundary(tmp_path
     assert "was interrupted (SIGINT); no checkpoint was saved for it" in out, out
     assert not any(psutil.pid_exists(p or 0) for p in workers)
     assert not (run / "summary.json").exists()  # nothing claims the killed run finished
+
+
+def test_ctrl_c_of_one_process_stops_at_the_step_boundary_never_mid_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # A checkpoint every 2 steps: SIGINT lands in a save about half the time. It used to raise
+    # KeyboardInterrupt there, which torch.distributed.checkpoint turned into a
+    # CheckpointException: a traceback and exit 1 ("failed"). Now the step ends first.
+    config = write_config(
+        tmp_path / "c.yaml", train={"max_steps": 100_000, "checkpoint_every": 2, "keep_last": 2}
+    )
+    run = tmp_path / "run"
+    proc = start_interruptible(config, run)
+    wait_for("step 15", lambda: len(records(run)) >= 15, proc=proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = finish(proc, 120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out
+    assert summary(run)["status"] == "interrupted"
+    event = [r for r in records(run, "fault") if r["event"] == "interrupted"]
+    assert len(event) == 1 and max(step_losses(run)) == event[0]["step"]
+    saved = sorted((run / "checkpoints").glob("step-*"))
+    assert saved and all(ckpt.verify(p) is None for p in saved)
+
+
+def test_a_second_ctrl_c_stops_one_process_at_once(tmp_path: Path) -> None:
+    # The step never ends (an injected 3,600 s sleep in step 5): the second press raises.
+    config = write_config(tmp_path / "c.yaml", train={"max_steps": 100_000}, fault={"watchdog_s": 0})
+    run = tmp_path / "run"
+    stall = json.dumps({"stall": {"rank": 0, "step": 5, "seconds": 3600}})
+    proc = start_interruptible(config, run, HPCML_FAULT_INJECT=stall)
+    wait_for("step 4", lambda: len(records(run)) >= 4, proc=proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1)
+    assert proc.poll() is None  # the first press waits for the step boundary
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = finish(proc, 60)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out
+    assert summary(run)["status"] == "interrupted"
+
+
+def start_interruptible(config: Path, run: Path, **env_extra: str) -> subprocess.Popen[str]:
+    """One process started with SIGINT's default disposition: a parent started in the
+    background of a shell without job control passes SIGINT on ignored; with Python's own
+    handler here, the child starts with the default."""
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return start_train(config, run, **env_extra)
+    finally:
+        signal.signal(signal.SIGINT, outer)

@@ -63,9 +63,10 @@ def wait_until(predicate: object, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def test_sigint_is_an_interrupt_not_a_preemption_only_when_ranks_must_agree() -> None:
-    # Several ranks: SIGINT only sets the interrupt flag (no KeyboardInterrupt mid-collective)
-    # and never counts as a preemption, which would save a checkpoint.
+def test_sigint_is_an_interrupt_never_a_preemption_and_escalates_only_on_one_process() -> None:
+    # SIGINT only sets the interrupt flag (no KeyboardInterrupt mid-collective or mid-write)
+    # and never counts as a preemption, which would save a checkpoint. Several ranks: a second
+    # one changes nothing (the torchrun agent acts on it).
     before = signal.getsignal(signal.SIGINT)
     flag = PreemptionFlag(["SIGTERM"], interrupt=True)
     assert flag.install()
@@ -74,25 +75,36 @@ def test_sigint_is_an_interrupt_not_a_preemption_only_when_ranks_must_agree() ->
         wait_until(lambda: flag.interrupted)
         assert flag.interrupted and not flag.requested
         assert flag.flags() == [0.0, 1.0]
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
         wait_until(lambda: flag.requested)
         assert flag.flags() == [1.0, 1.0] and flag.received == signal.SIGTERM
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGINT) == before
-    # One process: SIGINT stays Python's KeyboardInterrupt (set here explicitly: a process
-    # started in the background of a shell without job control inherits SIGINT ignored).
-    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
-    single = PreemptionFlag(["SIGTERM"])
+    # One process: the second Ctrl-C raises KeyboardInterrupt at once.
+    single = PreemptionFlag(["SIGTERM"], interrupt=True, escalate=True)
+    assert single.install()
     try:
-        assert single.install()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_until(lambda: single.interrupted)
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     finally:
         single.restore()
-        signal.signal(signal.SIGINT, outer)
+    assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_a_ctrl_c_wrapped_by_torch_checkpoint_is_recognised() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hpcml.train.checkpoint import interrupted_inside
+
+    assert interrupted_inside(CheckpointException("x", {0: (KeyboardInterrupt(), None)}))
+    assert not interrupted_inside(CheckpointException("x", {0: (OSError("disk"), None)}))
+    assert not interrupted_inside(KeyboardInterrupt())
 
 
 def test_agreed_stop_preemption_wins_over_ctrl_c_on_another_rank() -> None:

@@ -226,6 +226,16 @@ def _save_in_background(
     timing.stall_s = time.perf_counter() - t0
 
 
+def interrupted_inside(exc: BaseException) -> bool:
+    """Whether torch.distributed.checkpoint wrapped a KeyboardInterrupt into its
+    CheckpointException (a BaseException with a traceback per rank, not the user's Ctrl-C)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return False
+    inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return any(isinstance(e, KeyboardInterrupt) for e in inner)
+
+
 def save(
     root: Path,
     step: int,
@@ -280,8 +290,10 @@ def save(
             )
             return final
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    except BaseException:
+    except BaseException as exc:
         ckpt_phase.end(writing)
+        if interrupted_inside(exc):  # a second Ctrl-C on one process, during the write
+            raise KeyboardInterrupt("SIGINT during a checkpoint write") from None
         raise
     ckpt_phase.end(writing)
     with phase("hash", step):

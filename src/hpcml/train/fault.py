@@ -120,8 +120,10 @@ class FaultGuard:
         self.cfg = cfg
         self.fc = cfg.fault
         self.rt = rt
-        # Ctrl-C on several ranks: every rank stops at the same step (hpcml.train.stop_signals).
-        self.preemption = PreemptionFlag(self.fc.preempt_signals, interrupt=rt.world_size > 1)
+        # Ctrl-C stops at a step boundary, on several ranks the same (hpcml.train.stop_signals).
+        self.preemption = PreemptionFlag(
+            self.fc.preempt_signals, interrupt=True, escalate=rt.world_size == 1
+        )
         self.preemption.install()
         self.spikes = SpikeDetector(self.fc.spike_zscore, self.fc.spike_window)
         self.injector: FaultInjector | None = None
@@ -398,8 +400,8 @@ class FaultGuard:
         )
 
     def stop_for_interrupt(self, step: int) -> NoReturn:
-        """Every rank calls this at the same step after Ctrl-C on a run of several processes:
-        no checkpoint, status "interrupted", exit 130 (KeyboardInterrupt, as on one process)."""
+        """Every rank calls this at the same step after Ctrl-C: no checkpoint, status
+        "interrupted", exit 130 (a KeyboardInterrupt, raised where it is safe)."""
         ckpt.wait_pending()
         self._event({"event": "interrupted", "step": step, "signal": "SIGINT"})
         raise KeyboardInterrupt(f"SIGINT: every rank stopped after step {step}")

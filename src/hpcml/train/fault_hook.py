@@ -59,7 +59,9 @@ class FaultHook(Hook):
             g._check_stragglers(n)
         every = g.fc.preempt_check_every
         preempt = interrupt = False
-        if every is not None and n % every == 0:
+        if trainer.rt.world_size == 1:  # no peer to agree with: every step, no collective
+            preempt, interrupt = agreed(g.preemption.flags())
+        elif every is not None and n % every == 0:
             flags = torch.tensor(g.preemption.flags(), device=trainer.rt.device)
             preempt, interrupt = agreed(all_reduce_sum(trainer.rt, flags).tolist())
         return StepDecision(preempt=preempt, skip_on_device=True, interrupt=interrupt)

@@ -2,16 +2,18 @@
 the same step boundary.
 
 A preemption (SIGTERM, SIGUSR1 from a scheduler, or a cloud's notice) saves a checkpoint and
-exits with REQUEUE_EXIT_CODE. Ctrl-C (SIGINT) on a run of several processes stops every rank
-at the same step without a checkpoint (status "interrupted", exit 130). It used to raise
-KeyboardInterrupt wherever it landed: in the middle of a gloo collective one rank left while
-its peer still waited, and at interpreter exit the DDP reducer's destructor (holding the GIL)
-joined a gloo thread that needed the GIL to free that collective's tensors: the worker never
-exited and torchrun killed it 120 s later (seen in CI). A single process keeps Python's
-immediate KeyboardInterrupt: it has no peer to agree with.
+exits with REQUEUE_EXIT_CODE. Ctrl-C (SIGINT) stops the run at a step boundary without a
+checkpoint (status "interrupted", exit 130). It used to raise KeyboardInterrupt wherever it
+landed. On several processes, in the middle of a gloo collective one rank left while its peer
+still waited, and at interpreter exit the DDP reducer's destructor (holding the GIL) joined a
+gloo thread that needed the GIL to free that collective's tensors: the worker never exited
+and torchrun killed it 120 s later (seen in CI). On one process, inside a checkpoint write,
+torch.distributed.checkpoint turned it into a CheckpointException: a traceback and exit 1.
 
-The ranks agree through one collective that sums `PreemptionFlag.flags()` of every rank;
-`agreed` reads the sum.
+One process acts on the flag at the end of the step it is in, and a second Ctrl-C raises
+KeyboardInterrupt at once (`escalate`). Several ranks agree through one collective that sums
+`PreemptionFlag.flags()` of every rank (`agreed` reads the sum); a second Ctrl-C is the
+torchrun agent's to act on (hpcml.launch.agent kills the workers).
 """
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ from typing import Any
 class PreemptionFlag:
     """Signal handlers that only record the signal: saving inside a handler could interrupt the
     loop halfway through an optimizer step or a checkpoint write. With `interrupt`, SIGINT is
-    recorded too (as an interrupt, not a preemption)."""
+    recorded too (as an interrupt, not a preemption); with `escalate` as well, a second SIGINT
+    raises KeyboardInterrupt."""
 
-    def __init__(self, names: Sequence[str], interrupt: bool = False) -> None:
+    def __init__(
+        self, names: Sequence[str], interrupt: bool = False, escalate: bool = False
+    ) -> None:
         self.signals = [getattr(signal, n) for n in names]
         if interrupt and signal.SIGINT not in self.signals:
             self.signals.append(signal.SIGINT)
+        self.escalate = escalate
         self.received: int | None = None
         self.received_at: float | None = None
         """time.monotonic() of the first preemption signal."""
@@ -51,6 +57,8 @@ class PreemptionFlag:
         if signum == signal.SIGINT:
             if self.interrupted_at is None:
                 self.interrupted_at = time.monotonic()
+            elif self.escalate:
+                raise KeyboardInterrupt("SIGINT again")
         elif self.received is None:
             self.received = signum
             self.received_at = time.monotonic()
