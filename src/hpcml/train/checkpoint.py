@@ -381,6 +381,8 @@ def load(
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        if interrupted_inside(exc):  # a second Ctrl-C on one process, not a mismatch
+            raise KeyboardInterrupt("SIGINT during a checkpoint read") from None
         raise CheckpointError(
             f"checkpoint {path} does not fit this model or optimizer ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); resume with the config "
