@@ -195,8 +195,9 @@ class FaultConfig(_Section):
     0 turns it off."""
     preempt_check_every: int | None = Field(None, gt=0)
     """Steps between the ranks' agreement on a preemption signal (and, with several processes,
-    on Ctrl-C); null means at each log flush (train.log_every), inside its one collective. Keep K steps well under the scheduler's
-    warning time (SLURM --signal lead) so the save still fits."""
+    on Ctrl-C); null means at each log flush (train.log_every), inside its one collective.
+    Keep K steps well under the scheduler's warning time (SLURM --signal lead) so the save
+    still fits."""
     checkpoint_timeout_s: float = Field(1800.0, ge=0)  # [fault] issue 11
     """A checkpoint phase (write, fsync, manifest, rename) that runs this long ends the job
     naming the rank and the phase (a hung filesystem); 0 turns it off."""

@@ -72,7 +72,7 @@ class FaultHook(Hook):
 
     def on_flushed(self, records: list[dict[str, Any]], flags: list[float]) -> StepDecision:
         """After a flush: report the steps skipped on the device; whether any rank was asked
-        to stop (a preemption, or Ctrl-C on a run of several processes)."""
+        to stop (a preemption, or Ctrl-C)."""
         g = self.guard
         for rec in records:
             loss = rec.get("loss")

@@ -34,7 +34,7 @@ class StepDecision:
     skip_on_device: bool = False
     """Apply the update only if the gradients are finite, decided on the device (no sync)."""
     interrupt: bool = False
-    """Ctrl-C on a run of several processes: every rank stops here without a checkpoint."""
+    """Ctrl-C: every rank stops here without a checkpoint."""
 
     def merge(self, other: StepDecision | None) -> StepDecision:
         if other is None:
