@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
+from gpt_export import save_gpt_export
 from tests.conftest import run_hpcml
 
-from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
 from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
@@ -28,16 +28,8 @@ TOKENS = re.compile(r'^hpcml_llm_output_tokens_total\{model="tiny"\} (\S+)$', re
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     torch.manual_seed(0)
-    export = save_export(
-        tmp_path_factory.mktemp("llm") / "export",
-        GPT(GPTConfig(**ARGS)).eval(),
-        "gpt-tiny",
-        ARGS,
-        (64,),
-        (64, 256),
-        input_dtype="int64",
-        task="language_modeling",
-    )
+    model = GPT(GPTConfig(**ARGS)).eval()
+    export = save_gpt_export(tmp_path_factory.mktemp("llm") / "export", model, ARGS)
     cfg = ServeConfig.model_validate({"defaults": {"isolation": "thread"}})
     with running_server(build_app(export, cfg, name="tiny")) as base:
         yield base

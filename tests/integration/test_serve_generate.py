@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from gpt_export import save_gpt_export
 from tests.conftest import system_binary
 from tests.unit.generate_util import served_reference as reference
 from tests.unit.generate_util import widen
 
-from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
 from hpcml.serve.app import bind_socket, build_app
 from hpcml.serve.config import ServeConfig
@@ -56,16 +56,7 @@ def make_model() -> GPT:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GPT, str, Any]]:
     model = make_model()
-    export = save_export(
-        tmp_path_factory.mktemp("run") / "export",
-        model,
-        "gpt-tiny",
-        ARGS,
-        (1024,),
-        (1024, 256),
-        input_dtype="int64",
-        task="language_modeling",
-    )
+    export = save_gpt_export(tmp_path_factory.mktemp("run") / "export", model, ARGS)
     cfg = ServeConfig.model_validate(
         {
             "defaults": {"isolation": "thread"},
@@ -262,16 +253,7 @@ def test_hpcml_serve_process_streams_completions(tmp_path: Path) -> None:
     """`hpcml serve EXPORT --config` as a process: the summary names the text model, a streamed
     completion over loopback equals the reference, SIGTERM stops it cleanly."""
     model = make_model()
-    export = save_export(
-        tmp_path / "export",
-        model,
-        "gpt-tiny",
-        ARGS,
-        (1024,),
-        (1024, 256),
-        "int64",
-        task="language_modeling",
-    )
+    export = save_gpt_export(tmp_path / "export", model, ARGS)
     (tmp_path / "serve.yaml").write_text("generation:\n  kv_cache_blocks: 40\n  block_size: 16\n")
     sock = bind_socket("127.0.0.1", 0)
     port = int(sock.getsockname()[1])

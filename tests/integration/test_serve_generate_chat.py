@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 import torch
+from gpt_export import save_gpt_export
 from tests.unit.generate_util import served_reference, widen
 
-from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
 from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
@@ -35,10 +35,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, GPT]
     torch.manual_seed(1)
     model = GPT(GPTConfig(**ARGS)).eval()
     widen(model)  # a random model whose greedy outputs depend on the context
-    export = save_export(
-        tmp_path_factory.mktemp("chat") / "export", model, "gpt-tiny", ARGS, (128,), (128, 256),
-        input_dtype="int64", task="language_modeling",
-    )
+    export = save_gpt_export(tmp_path_factory.mktemp("chat") / "export", model, ARGS)
     cfg = ServeConfig.model_validate({"defaults": {"isolation": "thread"}})
     with running_server(build_app(export, cfg, name="tiny")) as url:
         yield url, model

@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from gpt_export import save_gpt_export
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serve_fuzz import json_values
 
-from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
 from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
@@ -106,16 +106,8 @@ def requests(draw: st.DrawFn) -> tuple[str, bytes]:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     torch.manual_seed(0)
-    export = save_export(
-        tmp_path_factory.mktemp("fuzz") / "export",
-        GPT(GPTConfig(**ARGS)).eval(),
-        "gpt-tiny",
-        ARGS,
-        (64,),
-        (64, 256),
-        "int64",
-        task="language_modeling",
-    )
+    model = GPT(GPTConfig(**ARGS)).eval()
+    export = save_gpt_export(tmp_path_factory.mktemp("fuzz") / "export", model, ARGS)
     cfg = ServeConfig.model_validate(
         {"defaults": {"isolation": "thread"}, "generation": {"kv_cache_blocks": 16}}
     )

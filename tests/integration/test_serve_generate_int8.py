@@ -11,9 +11,9 @@ import copy
 import httpx
 import pytest
 import torch
+from gpt_export import save_gpt_export
 from tests.unit.generate_util import reference, widen
 
-from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
 from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
@@ -55,10 +55,7 @@ def test_int8_weights_are_int8_and_batching_keeps_the_one_request_tokens() -> No
 @pytest.mark.slow
 def test_serve_with_int8_generation(tmp_path_factory: pytest.TempPathFactory) -> None:
     m = model()
-    export = save_export(
-        tmp_path_factory.mktemp("int8") / "export", m, "gpt-tiny", ARGS, (128,), (128, 256),
-        input_dtype="int64", task="language_modeling",
-    )
+    export = save_gpt_export(tmp_path_factory.mktemp("int8") / "export", m, ARGS)
     cfg = ServeConfig.model_validate(
         {"defaults": {"isolation": "thread"}, "generation": {"quantize": "int8"}}
     )

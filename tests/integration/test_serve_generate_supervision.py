@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from gpt_export import save_gpt_export
 from test_serve_supervision import gone, inference_children
 
-from hpcml.models.export import save_export
 from hpcml.models.gpt import GPT, GPTConfig
 from hpcml.serve.app import bind_socket
 from hpcml.serve.loadtest import wait_ready
@@ -43,16 +43,7 @@ def _serve(tmp_path: Path, generation: str = "") -> Iterator[tuple[subprocess.Po
     """`hpcml serve` of a gpt export as a process; SIGTERM (then SIGKILL) at the end."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**ARGS)).eval()
-    export = save_export(
-        tmp_path / "export",
-        model,
-        "gpt-tiny",
-        ARGS,
-        (1024,),
-        (1024, 256),
-        "int64",
-        task="language_modeling",
-    )
+    export = save_gpt_export(tmp_path / "export", model, ARGS)
     (tmp_path / "serve.yaml").write_text("defaults:\n  isolation: thread\n" + generation)
     sock = bind_socket("127.0.0.1", 0)
     port = int(sock.getsockname()[1])
