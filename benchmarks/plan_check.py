@@ -180,6 +180,21 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['run']} | {r['world']} | " + " | ".join(cells) + " |")
     for f in result["failed"]:
         lines.append(f"| {f['run']} | failed: {f['error']} |")
+    for b in result.get("floors") or []:
+        lines += [
+            "",
+            f"In-sample floor of the step-time model ({b['accelerator']}, hpcml.plan.floor): "
+            f"calibrated on all {b['runs']} runs at once to minimise the worst row, it still "
+            f"leaves {b['worst']:.1%} ({', '.join(b['binding'])}). Each model's runs alone "
+            "(no calibration, out of sample or not, does better on them):",
+            "",
+            "| model | runs | floor |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {label} | {m['runs']} | {m['worst']:.1%}{' (above the goal)' if m['worst'] > 0.25 else ''} |"
+            for label, m in b["per_model"].items()
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -274,6 +289,7 @@ def main() -> None:
 
     from hpcml.data.tokens import prepare_pystdlib
     from hpcml.plan.check import leave_one_model_out, setup_from_summary
+    from hpcml.plan.floor import floors
     from hpcml.plan.hardware import load_catalog
 
     root = a.keep or Path(tempfile.mkdtemp(prefix="plan_check_"))
@@ -350,6 +366,9 @@ def main() -> None:
         "runs_finished": stamps[:1] + stamps[-1:],
         "rows": rows,
         "failed": failed,
+        # The best any single calibration of the model could do on these runs, and on each
+        # model's runs alone (hpcml.plan.floor): what the model's form allows, fit aside.
+        "floors": floors(setups),
     }
     _write(result, a.out)
 

@@ -23,6 +23,7 @@ from hpcml.config import build_config
 from hpcml.data.tokens import prepare_pystdlib
 from hpcml.plan.check import leave_one_model_out, setup_from_summary
 from hpcml.plan.hardware import load_catalog
+from hpcml.plan.perf import Calibration, step_time
 from hpcml.train.engine import run
 
 SYNTH = {"source": "synthetic", "synthetic_samples": 256, "synthetic_shape": [3, 32, 32]}
@@ -117,13 +118,43 @@ def test_a_run_calibrated_on_itself_is_refused(runs: dict[str, Path]) -> None:
     assert "calibrated on itself" in res.stderr and "Traceback" not in res.output
 
 
+def _ratio_under(setup: Any, calibration: dict[str, Any]) -> float:
+    """predicted / measured step time of a run under a calibration given as JSON."""
+    cal = Calibration(
+        calibration["efficiency"],
+        calibration["overhead_s"],
+        collective_overhead_s=calibration["collective_overhead_s"],
+        tensor_overhead_s=calibration["tensor_overhead_s"],
+        tp_tensor_overhead_s=calibration["tp_tensor_overhead_s"],
+    )
+    est = step_time(setup.model, setup.layout, setup.training, setup.cluster, cal)
+    return est.step_s / float(setup.measured_step_s)
+
+
 def test_the_check_verb_prints_every_run(runs: dict[str, Path]) -> None:
     res = CliRunner().invoke(
         app, ["plan", "check", *map(str, runs.values()), "--leave-one-model-out", "--json"]
     )
     assert res.exit_code == 0, res.output
-    reports = json.loads(res.stdout)["reports"]
+    out = json.loads(res.stdout)
+    reports = out["reports"]
     assert sorted(Path(r["run"]).name for r in reports) == sorted(runs)
+    # The in-sample floor: one calibration fitted on all three runs, minimising the worst
+    # row, can do no worse than the best of the leave-one-model-out calibrations applied to
+    # all three (the floor is the minimum over every calibration of the model).
+    (floor,) = out["floors"]
+    assert floor["runs"] == 3
+    cat = load_catalog()
+    setups = [
+        setup_from_summary(json.loads((p / "summary.json").read_text()), cat, str(p))
+        for p in runs.values()
+    ]
+    best_loo = min(
+        max(abs(_ratio_under(s, rep["calibration"]) - 1) for s in setups) for rep in reports
+    )
+    assert floor["worst"] <= best_loo + 1e-9
+    # Each model alone has one run here: any calibration can fit it exactly.
+    assert all(m["worst"] < 1e-2 for m in floor["per_model"].values())
     one = CliRunner().invoke(app, ["plan", "check", str(runs["mlp"])])
     assert one.exit_code == 0, one.output
     assert "uncalibrated" in one.output and "activations_bytes" in one.output

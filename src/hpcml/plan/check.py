@@ -369,12 +369,12 @@ def memory_rows(mem: MemoryBreakdown, ranks: Sequence[Mapping[str, Any]]) -> lis
     return rows
 
 
-def _model_key(shape: ModelShape) -> tuple[str, int]:
+def model_key(shape: ModelShape) -> tuple[str, int]:
     """A model is its architecture and size: gpt-tiny at 2 x 64 and at 4 x 128 are two."""
     return shape.name, shape.params
 
 
-def _model_label(shape: ModelShape) -> str:
+def model_label(shape: ModelShape) -> str:
     return f"{shape.name} ({shape.params / 1e6:.2f}M)"
 
 
@@ -387,7 +387,7 @@ def leave_one_model_out(
     architecture at one size; `hold_out="family"` leaves out every size of the architecture
     (gpt-tiny at 2 x 64 is then not calibrated with gpt-tiny at 4 x 128). Memory needs no
     calibration."""
-    key = _model_key if hold_out == "model" else (lambda shape: (shape.name, 0))
+    key = model_key if hold_out == "model" else (lambda shape: (shape.name, 0))
     reports = []
     for s in setups:
         others = [
@@ -402,7 +402,7 @@ def leave_one_model_out(
             continue
         cal = calibrate_from(others, overlap)
         rep = check_run(s, calibration=cal, overlap=overlap)
-        names = sorted({_model_label(o.model) for o in others})
+        names = sorted({model_label(o.model) for o in others})
         note = f"step time calibrated on {len(others)} runs of {', '.join(names)} (not this model)"
         reports.append(replace(rep, notes=(*rep.notes, note)))
     return reports

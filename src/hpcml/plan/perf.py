@@ -16,7 +16,10 @@ with ZeRO-3's collectives counted per gathered unit, it took hpcml's own CPU tab
 17 of 29 runs within 25%, out of sample, on the same measurements (benchmarks/plan_check.py).
 The cost per parameter tensor (the framework's dispatch of each layer's operations, and
 DTensor's sharding propagation on top under tensor parallelism), with a CPU rank's peak taken
-from the threads it computes with (`Accelerator.per_threads`), took that table to 25 of 29.
+from the threads it computes with (`Accelerator.per_threads`), took that table to 25 of 29
+(on the AMD EPYC machine of 2026-11-23; 20 of 29 on the 2-core Xeon of 2026-11-26). The form
+of this model cannot do better than `hpcml.plan.floor` says on a set of runs: on that Xeon
+table, no calibration puts the mlp's five runs within 34%.
 """
 
 from __future__ import annotations

@@ -70,11 +70,15 @@ def check_cmd(
                 "--leave-one-model-out fits its own calibrations; drop --calibrate-with and "
                 "--efficiency."
             )
+        from hpcml.plan.floor import floors
+
         reports = leave_one_model_out(setups)
+        bounds = floors(setups)
         if json_out:
-            print_json({"reports": [r.to_dict() for r in reports]})
+            print_json({"reports": [r.to_dict() for r in reports], "floors": bounds})
             return
         _print_summary_table(reports)
+        _print_floors(bounds)
         return
     if len(setups) != 1:
         raise PlanError(
@@ -128,6 +132,21 @@ def _print_summary_table(reports: list[Any]) -> None:
             *cells,
         )
     console.print(t)
+
+
+def _print_floors(bounds: list[dict[str, Any]]) -> None:
+    """The best any single calibration could do on these runs (hpcml.plan.floor)."""
+    for b in bounds:
+        console.print(
+            f"in-sample floor on {b['accelerator']} ({b['runs']} runs): no single calibration "
+            f"puts every run within {b['worst']:.1%} (fitted on all of them; the worst rows: "
+            f"{', '.join(Path(x).name for x in b['binding'])})"
+        )
+        for label, m in b["per_model"].items():
+            console.print(
+                f"  {label}: its own {m['runs']} run(s) leave at least {m['worst']:.1%} "
+                "for any calibration, fitted on other models or on itself"
+            )
 
 
 def _print_report(report: Any, run_dir: Path) -> None:
