@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint unit bench clean
+.PHONY: install demo test lint docs unit bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,16 @@ demo: $(STAMP)
 	$(VENV)/bin/hpcml train examples/digits_cnn.yaml --nproc 2 --run-dir runs/demo --overwrite
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks docs/gen
 	$(VENV)/bin/mypy src
 	$(VENV)/bin/lint-imports
 
-test: lint
+# The docs site (MkDocs Material) into build/site; --strict makes any warning (a broken link or
+# anchor, a page missing from the nav) fail. No -q: it would hide the warnings --strict counts.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+test: lint docs
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests
 
 unit: $(STAMP)

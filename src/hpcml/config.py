@@ -42,13 +42,29 @@ class DataConfig(_Section):
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     """Share held out for validation when the source has no official split."""
     num_workers: int = Field(0, ge=0)
+    """Loader worker processes per training process for the training data; 0 loads batches in
+    the training process itself. Validation always loads in-process. A resume may change it."""
     pin_memory: bool = True
+    """Put training and validation batches in page-locked host memory, so their copy to the GPU
+    can overlap compute. Used on CUDA devices only; ignored on CPU runs."""
     persistent_workers: bool = True
+    """With `num_workers` > 0: keep the loader workers alive from one epoch to the next instead
+    of starting new ones each epoch; no effect with 0 workers."""
     prefetch_factor: int | None = Field(None, gt=0)
+    """With `num_workers` > 0: batches each worker loads ahead; null uses PyTorch's default (2).
+    No effect with 0 workers."""
     shuffle: bool = True
+    """Visit the training samples in a new random order each epoch (from `train.seed` and the
+    epoch); false keeps dataset order. Ignored by data.source tokens (random windows)."""
     synthetic_samples: int = Field(4096, gt=0)
+    """data.source synthetic: samples generated in all, split into training and validation by
+    `val_fraction` (0 still holds out 10%)."""
     synthetic_shape: list[int] = Field(default_factory=lambda: [3, 32, 32])
+    """data.source synthetic: shape of one input without the batch dimension, e.g. `[3, 32, 32]`
+    (channels, height, width); values are standard normal, the same whatever `train.seed`."""
     synthetic_classes: int = Field(10, gt=1)
+    """data.source synthetic: number of classes; labels are drawn uniformly from 0 to this - 1.
+    Zoo models that take `num_classes` are sized to match."""
     augment: bool = False
     """Random crop + horizontal flip on image training data."""
     augment_on: Literal["cpu", "device"] = "cpu"
@@ -84,35 +100,60 @@ class DataConfig(_Section):
 
 class OptimConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
+    """`adamw` (torch.optim.AdamW: uses `betas`, `eps`) or `sgd` (torch.optim.SGD: uses
+    `momentum`), with the fused kernel where the parameters allow it."""
     lr: float = Field(1e-3, gt=0)
+    """Peak learning rate, reached at the end of the warmup and then shaped by `schedule`;
+    multiplied by the number of data-parallel processes with `scale_lr_with_world`."""
     weight_decay: float = Field(0.0, ge=0)
+    """Weight decay coefficient: decoupled for `adamw`, an L2 term added to the gradient for
+    `sgd`; 0 turns it off. Norms, biases and embeddings are exempt unless
+    `decay_norms_biases_embeddings`."""
     decay_norms_biases_embeddings: bool = False
     """With weight_decay > 0: also decay norm weights, biases and embedding tables (by default
     they form a parameter group without decay, as in GPT-3 and LLaMA training)."""
     momentum: float = Field(0.9, ge=0, lt=1)
+    """`sgd` only: momentum factor (0 is plain SGD); `adamw` ignores it."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """`adamw` only: decay rates of the running averages of the gradient and of its square;
+    `sgd` ignores them."""
     eps: float = Field(1e-8, gt=0)
+    """`adamw` only: term added to the denominator for numerical stability; `sgd` ignores it."""
     grad_clip: float | None = Field(None, gt=0)
     """Clip the global gradient norm to this value; null turns clipping off."""
     warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps over which the LR rises linearly to `lr` (the first step uses
+    lr / warmup_steps), whatever the schedule; 0: no warmup."""
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    """LR after the warmup: `cosine` (half a cosine) or `linear` decay to lr x `min_lr_ratio`
+    at step `decay_steps` (else train.max_steps), held there after it; `constant` keeps lr."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where `cosine` and `linear` decay end, as a fraction of lr: 0 decays to zero, 1 does not
+    decay. `constant` ignores it."""
     decay_steps: int | None = Field(None, gt=0)
-    """Steps over which the LR decays; null means train.max_steps."""
+    """The step at which the LR decay ends (it runs from the end of warmup to this step, so
+    warmup counts within it); null means train.max_steps."""
     scale_lr_with_world: bool = False
-    """Linear scaling rule: multiply lr by the world size (Goyal et al. 2017)."""
+    """Linear scaling rule: multiply lr by the number of data-parallel processes (the world
+    size divided by parallel.tp; Goyal et al. 2017)."""
 
 
 class ProfileConfig(_Section):
     """torch.profiler schedule: skip `wait` steps, warm up `warmup`, record `active`."""
 
     wait: int = Field(2, ge=0)
+    """Optimizer steps, from the start (or resume) of the process, before the profiler starts."""
     warmup: int = Field(1, ge=0)
+    """Steps then run under the profiler without being recorded (its start-up cost)."""
     active: int = Field(3, gt=0)
+    """Steps recorded; once they are done the trace and breakdown are written, and profiling
+    stops (it runs once)."""
 
 
 class TrainConfig(_Section):
     max_steps: int = Field(300, gt=0)
+    """Optimizer steps to train for, counted from step 0 (a resumed run continues up to it);
+    also the LR schedule's horizon unless `optim.decay_steps` is set."""
     eval_every: int = Field(100, ge=0)
     """Evaluate every N steps (and at the end); 0 evaluates at the end only."""
     checkpoint_every: int = Field(0, ge=0)
@@ -121,20 +162,34 @@ class TrainConfig(_Section):
     """Also checkpoint when this many seconds passed since the last save (the ranks agree on
     it every 10 steps); null turns time-based checkpoints off."""
     keep_last: int = Field(3, gt=0)
+    """Complete checkpoints kept in RUN_DIR/checkpoints/; older ones are deleted after each save."""
     grad_accum: int = Field(1, gt=0)
+    """Micro-batches of `data.batch_size` per optimizer step; their gradients are averaged and
+    reduced across processes only on the last one. Derived from `global_batch` when set."""
     global_batch: int | None = Field(None, gt=0)
     """Samples per optimizer step over all processes. When set, grad_accum is derived from it:
     global_batch / (data.batch_size x data-parallel processes), which must be a whole number;
     a resume on another number of processes then keeps the same optimization."""
     seed: int = 0
+    """Seeds Python, NumPy and torch, the initial weights, the training data order,
+    augmentation and (offset by the rank) dropout."""
     deterministic: bool = False
+    """torch.use_deterministic_algorithms (warn only: an op without a deterministic version
+    warns and runs), cuDNN autotuning off, CUBLAS_WORKSPACE_CONFIG set if unset; false lets
+    cuDNN autotune."""
     log_every: int = Field(10, gt=0)
     """Flush step records (and the progress line) every N steps; each step still gets a record."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: a CUDA device when one is visible (local rank modulo the device count), else the
+    CPU; `cuda` fails when none is visible; `cpu` never uses a GPU."""
     channels_last: bool = False
+    """Store the model and 4-D input batches (images) in the channels-last memory format (NHWC),
+    in training and evaluation; other inputs are left as they are."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: every block (full) or every `ac_every`-th one."""
     ac_every: int = Field(2, gt=0)
+    """With activation_checkpointing `selective`: recompute every N-th block (the first, the
+    N+1-th, ...); 1 recomputes all. Ignored by `none` and `full`."""
     compile: bool = False
     """torch.compile each block (or the whole model when it has no blocks)."""
     peak_flops: float | None = Field(None, gt=0)
@@ -159,9 +214,17 @@ class ParallelConfig(_Section):
     sequence_parallel: bool = False
     """With tp > 1, also split norms and dropout along the sequence (Korthikanti et al. 2022)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend when there is more than one process: `auto` picks `nccl` on
+    CUDA devices and `gloo` on the CPU."""
     find_unused_parameters: bool = False
+    """DDP's option, for models where some parameters get no gradient in a step; costs a pass
+    over the autograd graph each step. ddp and zero1 with several data-parallel processes only."""
     bucket_cap_mb: float = Field(25.0, gt=0)
+    """DDP gradient bucket size in MiB: gradients are all-reduced bucket by bucket during
+    backward; 25 is torch's default. ddp and zero1 with several data-parallel processes only."""
     sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm, so batch statistics span all data-parallel
+    processes. ddp and zero1 with several data-parallel processes only."""
     timeout_s: float = Field(600.0, gt=0)
     """Collective timeout; a rank that stops answering fails the job after this long."""
 
@@ -178,9 +241,12 @@ class FaultConfig(_Section):
     spike_policy: Literal["skip", "rollback", "stop"] = "skip"
     """The same choice for a loss spike (see spike_zscore)."""
     spike_zscore: float | None = Field(None, gt=0)
-    """A loss this many standard deviations above the mean of the last spike_window steps is a
-    spike; null turns spike detection off (6 is a cautious value)."""
+    """A loss this many standard deviations above the mean of the last spike_window good steps
+    is a spike (no step is checked before that many are seen); null turns spike detection off
+    (6 is a cautious value)."""
     spike_window: int = Field(50, ge=5)
+    """Recent good steps (finite, not spikes) whose loss mean and standard deviation a loss is
+    scored against; detection starts once this many are seen. Used only with `spike_zscore`."""
     max_bad_steps: int = Field(20, gt=0)
     """Stop after this many bad (NaN/Inf/spike) steps in a row: the model will not recover."""
     max_rollbacks: int = Field(5, ge=0)
@@ -224,11 +290,17 @@ class FaultConfig(_Section):
 
 class TrackingConfig(_Section):
     backend: Literal["none", "mlflow"] = "none"
+    """`mlflow` logs params, metrics and artifacts of the run to MLflow, from rank 0 only
+    (pip install 'hpcml[track]'); `none` turns tracking off."""
     uri: str | None = None
     """MLflow tracking URI; null means $MLFLOW_TRACKING_URI, else a SQLite store `mlruns.db` in
     the working folder."""
     experiment: str = "hpcml"
+    """MLflow experiment the run is logged under; created when missing (a deleted one of that
+    name is restored)."""
     run_name: str | None = None
+    """MLflow name of a new run; null uses the run folder's name. A resumed run reopens its
+    MLflow run and keeps its name."""
     tags: dict[str, str] = Field(default_factory=dict)
     """Free tags such as team, project, cost_center."""
     log_every: int = Field(10, gt=0)
@@ -266,6 +338,9 @@ class RunConfig(_Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
     train: TrainConfig = Field(default_factory=lambda: TrainConfig())
     precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
+    """`fp32` plain float32; `tf32` lets float32 matmuls and cuDNN convolutions on CUDA use
+    TensorFloat-32; `bf16` or `fp16` autocast with fp32 parameters (and fp32 gradient reduction
+    under FSDP). `fp16` adds a gradient scaler and is refused with parallel.tp > 1."""
     parallel: ParallelConfig = Field(default_factory=lambda: ParallelConfig())
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig())
     fault: FaultConfig = Field(default_factory=lambda: FaultConfig())

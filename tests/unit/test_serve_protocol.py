@@ -347,3 +347,17 @@ def test_unknown_content_of_the_request_is_refused() -> None:
         oip.parse_infer_request(
             json.dumps({**json.loads(_body()), "parameters": {"classification": 3}}).encode()
         )
+
+
+def test_numeric_version_names_are_names_under_defaults_as_under_models(tmp_path: Path) -> None:
+    """YAML reads `2:` as an int; version names are strings, under `defaults` as under a
+    model (before, `defaults` refused them: 'Input should be a valid string')."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(
+        "defaults:\n  versions: {2: {backend: onnx}}\n  shadow: {version: 2, fraction: 0.5}\n"
+        "models:\n  digits:\n    traffic: {1: 90, 2: 10}\n"
+    )
+    loaded = load_serve_config(cfg)
+    assert list(loaded.defaults.versions) == ["2"]
+    assert loaded.defaults.shadow is not None and loaded.defaults.shadow.version == "2"
+    assert loaded.models["digits"].traffic == {"1": 90, "2": 10}

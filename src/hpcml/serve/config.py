@@ -62,9 +62,14 @@ class ModelServeConfig(_Section):
     """Intra-op threads per instance (torch and ONNX Runtime); null splits the cores between
     instances. torch's setting is process-wide: the last model loaded sets it for all."""
     versions: dict[str, VersionConfig] = Field(default_factory=dict)
+    """Settings per version name (a number such as `2:` is read as the name "2"): `path` adds the version or replaces its
+    folder from the served PATH, `backend` overrides the model's; empty: the versions in PATH."""
     traffic: dict[str, float] = Field(default_factory=dict)
     """Weights of versions for unversioned requests (canary); empty sends all to the newest."""
     shadow: ShadowConfig | None = None
+    """Mirror a `fraction` of unversioned requests to a candidate `version`, whose answers are
+    compared (metrics, admin status) and discarded; it must be served and must not take all the
+    traffic. null: no shadow."""
 
     @field_validator("preferred_batch_sizes")
     @classmethod
@@ -114,6 +119,8 @@ class DriftConfig(_Section):
     """Input drift watch (hpcml.serve.drift): live profile vs the export's reference profile."""
 
     enabled: bool = True
+    """Keep a few input rows of each answered request and compare them every `every_s` with the
+    export's reference profile; false keeps nothing and runs no check (nor `command`)."""
     psi_threshold: float = Field(default=0.2, gt=0.0)
     """A version whose largest feature PSI is over this has drifted."""
     min_samples: int = Field(default=200, gt=0)
@@ -141,12 +148,18 @@ class DriftConfig(_Section):
 
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
+    """Address the HTTP server and the gRPC endpoint listen on: 127.0.0.1 this machine only,
+    0.0.0.0 every IPv4 interface (`::` for IPv6). `--host` overrides it."""
     port: int = Field(default=8000, ge=0, lt=65536)
+    """TCP port of the HTTP endpoints (inference, `/metrics`, admin); `--port` overrides it. 0
+    picks a free port (refused with `--prometheus-targets`)."""
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     """Larger request bodies get 413 before they are read in full."""
     overload_status: Literal[503, 429] = 503
     """Status when a queue is full: 503, or 429 with a Retry-After header."""
     retry_after_s: int = Field(default=1, ge=0)
+    """Seconds sent in the HTTP `Retry-After` header of refusals a retry may cure: a full queue
+    (503 or 429), `limit_concurrency` (503) and a restarting inference process (503)."""
     admin_token_env: str | None = None
     """Environment variable that holds the admin bearer token; unset disables admin endpoints."""
     graceful_timeout_s: float = Field(default=30.0, gt=0.0)
@@ -202,8 +215,11 @@ def load_serve_config(path: Path | None) -> ServeConfig:
         raise ConfigError(f"serve config {path} is not valid YAML; fix its syntax.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"serve config {path} must hold a mapping at the top level.")
-    # YAML reads `1:` as an int; version names are strings in the protocol.
-    for model in (data.get("models") or {}).values():
+    # YAML reads `1:` as an int; version names are strings in the protocol (under `defaults`
+    # as under each model).
+    models = data.get("models")
+    models = models if isinstance(models, dict) else {}
+    for model in [data.get("defaults"), *models.values()]:
         if isinstance(model, dict):
             for key in ("versions", "traffic"):
                 if isinstance(model.get(key), dict):
