@@ -318,12 +318,17 @@ def setup_from_summary(
     )
 
 
-def calibrate_from(setups: Sequence[RunSetup], overlap: float = 1.0) -> Calibration:
-    points = [
+def calibration_points(setups: Sequence[RunSetup]) -> list[CalibrationPoint]:
+    """The runs that record a step time, as the points a calibration is fitted on."""
+    return [
         CalibrationPoint(s.model, s.layout, s.training, s.cluster, s.measured_step_s, s.label)
         for s in setups
         if s.measured_step_s
     ]
+
+
+def calibrate_from(setups: Sequence[RunSetup], overlap: float = 1.0) -> Calibration:
+    points = calibration_points(setups)
     if not points:
         raise PlanError("none of the calibration runs records a step time in summary.json.")
     return calibrate(points, overlap=overlap)

@@ -24,15 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpcml.plan.check import RunSetup, model_key, model_label
-from hpcml.plan.comm import step_communication
+from hpcml.plan.check import RunSetup, calibration_points, model_key, model_label
 from hpcml.plan.common import PlanError
 from hpcml.plan.perf import (
     Calibration,
     CalibrationPoint,
+    software_counts,
     step_time,
-    tensor_dispatches,
-    tp_tensor_dispatches,
 )
 
 
@@ -54,15 +52,8 @@ class Floor:
 
 
 def _counts(p: CalibrationPoint) -> tuple[float, float, float, float]:
-    calls = sum(
-        c.calls_per_step for c in step_communication(p.model, p.layout, p.training, p.cluster)
-    )
-    return (
-        1.0,
-        float(calls),
-        tensor_dispatches(p.model, p.layout),
-        tp_tensor_dispatches(p.model, p.layout),
-    )
+    """The per-step overhead's 1 and the counts the other software costs multiply."""
+    return (1.0, *software_counts(p))
 
 
 def _minimax(base: Sequence[float], counts: Sequence[Sequence[float]], measured: Sequence[float]):
@@ -162,10 +153,5 @@ def floors(setups: Sequence[RunSetup], overlap: float = 1.0) -> list[dict[str, A
 
 
 def _floor_of(setups: Sequence[RunSetup], overlap: float) -> tuple[Floor, list[CalibrationPoint]]:
-    pts = [
-        CalibrationPoint(
-            s.model, s.layout, s.training, s.cluster, float(s.measured_step_s or 0), s.label
-        )
-        for s in setups
-    ]
+    pts = calibration_points(setups)
     return step_time_floor(pts, overlap), pts

@@ -350,6 +350,19 @@ def _fixed_terms(rel: Sequence[float], cols: Sequence[Sequence[float]]) -> list[
     return [float(v) for v in x]
 
 
+def software_counts(p: CalibrationPoint) -> tuple[float, float, float]:
+    """What the software costs of a calibration multiply for one run: collective calls per
+    step, parameter-tensor dispatches, and those dispatches again under tensor parallelism."""
+    calls = sum(
+        c.calls_per_step for c in step_communication(p.model, p.layout, p.training, p.cluster)
+    )
+    return (
+        float(calls),
+        tensor_dispatches(p.model, p.layout),
+        tp_tensor_dispatches(p.model, p.layout),
+    )
+
+
 def calibrate(
     points: Sequence[CalibrationPoint],
     fit_overhead: bool | None = None,
@@ -376,12 +389,7 @@ def calibrate(
     for p in points:
         if not p.measured_step_s > 0:
             raise PlanError(f"run {p.label or '?'} has no positive measured step time.")
-    calls = [
-        sum(c.calls_per_step for c in step_communication(p.model, p.layout, p.training, p.cluster))
-        for p in points
-    ]
-    tensors = [tensor_dispatches(p.model, p.layout) for p in points]
-    tp_tensors = [tp_tensor_dispatches(p.model, p.layout) for p in points]
+    calls, tensors, tp_tensors = (list(c) for c in zip(*map(software_counts, points), strict=True))
     if fit_tensors is None:
         fit_tensors = len(points) >= 3 and len(set(tensors)) > 1
     fit_tp = fit_tensors and any(tp_tensors) and not all(tp_tensors)
