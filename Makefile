@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint docs unit bench clean
+.PHONY: install demo test lint docs unit bench clean gpu gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ test: lint docs
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+# Every GPU claim in one prepared command (benchmarks/gpu_proof.py; results/gpu/). On a GPU
+# machine that starts bare it uses the machine's own torch and the wheels of `make gpu-wheels`;
+# without a GPU it is the dry rehearsal (tests/integration/test_gpu_proof.py runs it).
+gpu:
+	bash benchmarks/gpu_run.sh
+
+gpu-wheels: $(STAMP)
+	bash benchmarks/gpu_wheels.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/engine_overhead.py

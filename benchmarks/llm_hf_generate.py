@@ -61,8 +61,10 @@ def arguments() -> argparse.Namespace:
     return p.parse_args()
 
 
-def make_models(folder: Path, layers: int, d_model: int, seed: int) -> tuple[Any, Any, Any]:
-    """A randomly initialised GPT-2 (byte vocabulary, 4 heads, 256 positions, no dropout)
+def make_models(
+    folder: Path, layers: int, d_model: int, seed: int, positions: int = 256
+) -> tuple[Any, Any, Any]:
+    """A randomly initialised GPT-2 (byte vocabulary, 4 heads, `positions` positions, no dropout)
     made and saved by transformers, the same weights imported into hpcml's gpt, and the
     gpt's arguments."""
     import transformers
@@ -71,7 +73,7 @@ def make_models(folder: Path, layers: int, d_model: int, seed: int) -> tuple[Any
 
     cfg = transformers.GPT2Config(
         vocab_size=256,
-        n_positions=256,
+        n_positions=positions,
         n_embd=d_model,
         n_layer=layers,
         n_head=4,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import random
@@ -59,13 +60,21 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
+    """Poisson arrivals; output lengths uniform over --output-len, or (--output-dist lognormal)
+    long-tailed as chat traces are: median --output-median, log-space sigma --output-sigma,
+    clipped to --output-len."""
     rng = random.Random(args.seed)
     t = 0.0
     out = []
+    lo, hi = args.output_len
     for _ in range(args.requests):
         t += rng.expovariate(args.rate)
         prompt = [rng.randrange(256) for _ in range(rng.randint(*args.prompt_len))]
-        out.append((t, prompt, rng.randint(*args.output_len)))
+        if args.output_dist == "lognormal":
+            n = round(args.output_median * math.exp(args.output_sigma * rng.gauss(0.0, 1.0)))
+            out.append((t, prompt, min(hi, max(lo, n))))
+        else:
+            out.append((t, prompt, rng.randint(lo, hi)))
     return out
 
 
@@ -156,6 +165,7 @@ def replay_hf(hf: Any, batch: int, requests: list[tuple[float, list[int], int]])
             continue
         chunk, queue = queue[:batch], queue[batch:]
         ids, mask = left_pad([requests[i][1] for i in chunk])
+        ids, mask = ids.to(hf.device), mask.to(hf.device)
         width = ids.shape[1]
         longest = max(requests[i][2] for i in chunk)
         times: list[float] = []
@@ -196,13 +206,15 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 MODES = ("continuous", "static", "hf-generate")
 
 
-def equal_itl(summaries: dict[str, Any], objectives: list[float]) -> list[dict[str, Any]]:
+def equal_itl(
+    summaries: dict[str, Any], objectives: list[float], modes: tuple[str, ...] = MODES
+) -> list[dict[str, Any]]:
     """For each p99 ITL objective, each scheduler's best configuration whose median p99 ITL
     meets it, and continuous batching's output tokens/s over each other's (ratio of medians)."""
     rows = []
     for objective in objectives:
         row: dict[str, Any] = {"itl_p99_objective_ms": objective}
-        for mode in MODES:
+        for mode in modes:
             ok = [
                 (s["output_tokens_per_s"]["median"], name)
                 for name, s in summaries.items()
@@ -215,7 +227,7 @@ def equal_itl(summaries: dict[str, Any], objectives: list[float]) -> list[dict[s
         c = row["continuous"]
         row["ratio"] = {
             m: c["output_tokens_per_s"] / row[m]["output_tokens_per_s"] if c and row[m] else None
-            for m in MODES[1:]
+            for m in modes[1:]
         }
         rows.append(row)
     return rows
@@ -238,19 +250,34 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--note", default="", help="Written into the results (e.g. machine state).")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--output-dist", choices=("uniform", "lognormal"), default="uniform")
+    ap.add_argument("--output-median", type=float, default=48.0, help="lognormal: median")
+    ap.add_argument("--output-sigma", type=float, default=1.0, help="lognormal: sigma (log)")
+    ap.add_argument("--modes", default=",".join(MODES), help="continuous,static,hf-generate")
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (hpcml's engine modes)")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     if args.quick:
         args.requests, args.repeats, args.max_seqs = 32, 1, [8, 16]
+    schedulers = tuple(m for m in MODES if m in args.modes.split(","))
+    if schedulers[:1] != ("continuous",):
+        raise SystemExit("--modes must include continuous (the ratios are continuous's).")
     torch.set_num_threads(args.threads)
+    positions = args.prompt_len[1] + args.output_len[1]
     with tempfile.TemporaryDirectory() as tmp:
-        hf, model, model_args = make_models(Path(tmp) / "gpt2", 4, 256, args.seed)
+        hf, model, model_args = make_models(
+            Path(tmp) / "gpt2", args.n_layer, args.d_model, args.seed, max(256, positions)
+        )
+    model, hf = model.to(args.device), hf.to(args.device)
     requests = workload(args)
     # Cache for every sequence of the largest static batch at its longest: no preemption.
     longest = args.prompt_len[1] + args.output_len[1]
     blocks = max(args.max_seqs) * -(-longest // 16)
     configs: dict[str, EngineConfig | None] = {}
     for n in args.max_seqs:
-        for mode in MODES:
+        for mode in schedulers:
             configs[f"{mode}-{n}"] = (
                 None
                 if mode == "hf-generate"
@@ -300,8 +327,17 @@ def main() -> None:
             "rate_per_s": args.rate,
             "prompt_len": list(args.prompt_len),
             "output_len": list(args.output_len),
+            "output_dist": args.output_dist,
+            **(
+                {"output_median": args.output_median, "output_sigma": args.output_sigma}
+                if args.output_dist == "lognormal"
+                else {}
+            ),
+            "output_tokens_mean": statistics.mean(m for _, _, m in requests),
             "seed": args.seed,
         },
+        "modes": list(schedulers),
+        "device": str(next(model.parameters()).device),
         "engine": {k: asdict(v) for k, v in configs.items() if v is not None},
         "hf_generate": {
             k: {"max_batch": int(k.rsplit("-", 1)[1])} for k, v in configs.items() if v is None
@@ -310,7 +346,7 @@ def main() -> None:
         "repeats": args.repeats,
         "summary": summaries,
         "runs": runs,
-        "equal_itl": equal_itl(summaries, args.itl_objectives),
+        "equal_itl": equal_itl(summaries, args.itl_objectives, schedulers),
         "note": args.note,
         "load_average_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
         "machine": {
@@ -322,9 +358,9 @@ def main() -> None:
         "command": shlex.join(["python", "benchmarks/llm_serving.py", *sys.argv[1:]]),
     }
     name = "llm_serving" + (f"_{args.tag}" if args.tag else "") + ("_quick" if args.quick else "")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown(result))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out_dir / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
 
 
@@ -334,14 +370,22 @@ def _cell(s: dict[str, Any], key: str) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
+    modes = tuple(result.get("modes", MODES))
+    shape = (
+        f"output lognormal (median {w['output_median']:g}, sigma {w['output_sigma']:g}, "
+        f"mean {w['output_tokens_mean']:.0f}) clipped to {w['output_len'][0]}-{w['output_len'][1]}"
+        if w.get("output_dist") == "lognormal"
+        else f"output {w['output_len'][0]}-{w['output_len'][1]}"
+    )
     seqs = sorted({c["max_num_seqs"] for c in result["engine"].values()})
     m = result["model"]["args"]
     lines = [
         f"Continuous batching vs static batching vs transformers' generate, {w['requests']} "
         f"requests, Poisson {w['rate_per_s']:g}/s, prompt {w['prompt_len'][0]}-"
-        f"{w['prompt_len'][1]} bytes, output {w['output_len'][0]}-{w['output_len'][1]} tokens, "
+        f"{w['prompt_len'][1]} bytes, {shape} tokens, "
         f"at most {', '.join(map(str, seqs))} sequences per step; one GPT-2 ({m['n_layer']} "
-        f"layers, d_model {m['d_model']}, float32) for all, {result['threads']} torch "
+        f"layers, d_model {m['d_model']}, float32, on {result.get('device', 'cpu')}) for all, "
+        f"{result['threads']} torch "
         f"thread(s); median [min .. max] of {result['repeats']} repetitions.",
         "",
     ]
@@ -364,22 +408,25 @@ def markdown(result: dict[str, Any]) -> str:
         "ITL meets the objective; ratios of continuous batching's output tokens/s to the "
         "others', and of the others' token positions computed to continuous batching's.",
         "",
-        "| p99 ITL objective ms | continuous | static | hf-generate | continuous / static "
-        "| continuous / hf-generate | positions, static / continuous |",
-        "|---:|---|---|---|---:|---:|---:|",
+        "| p99 ITL objective ms | "
+        + " | ".join(modes)
+        + " | "
+        + " | ".join(f"continuous / {m}" for m in modes[1:])
+        + " | positions, static / continuous |",
+        "|---:|" + "---|" * len(modes) + "---:|" * len(modes),
     ]
     for row in result["equal_itl"]:
         cells = [
             "none meets it"
             if row[mode] is None
             else f"{row[mode]['output_tokens_per_s']:.1f} tok/s ({row[mode]['config']})"
-            for mode in MODES
+            for mode in modes
         ]
-        for other in MODES[1:]:
+        for other in modes[1:]:
             r = row["ratio"][other]
             cells.append("-" if r is None else f"{r:.2f}x")
         work = "-"
-        if row["ratio"]["static"] is not None:
+        if row["ratio"].get("static") is not None:
             c, st = (result["summary"][row[mode]["config"]] for mode in ("continuous", "static"))
             work = f"{st['rows_computed']['median'] / c['rows_computed']['median']:.2f}x"
         lines.append(f"| {row['itl_p99_objective_ms']:g} | " + " | ".join(cells) + f" | {work} |")
