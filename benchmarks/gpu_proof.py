@@ -52,9 +52,9 @@ PLAN = [
     ("pytest", 170),
     ("gpt", 150),
     ("cnn", 120),
-    ("memory", 60),
-    ("llm", 120),
+    ("memory", 90),
     ("serving", 90),
+    ("llm", 150),
 ]
 MIN_STAGE_S = 20
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -36,68 +37,21 @@ def say(msg: str) -> None:
 
 def stage_llm(work: Path, dev: torch.device, dry: bool) -> dict[str, Any]:
     # gpt2-small's shape on the GPU; a toy on the CPU. Outputs lognormal with median 64 tokens
-    # and sigma 1 (mean ~105), clipped to 4..512: a long tail like chat traces'.
-    args = [
-        "--device",
-        dev.type,
-        "--modes",
-        "continuous,static",
-        "--output-dist",
-        "lognormal",
-        "--output-median",
-        "64",
-        "--output-sigma",
-        "1.0",
-        "--output-len",
-        "4",
-        "512",
-        "--prompt-len",
-        "16",
-        "128",
-        "--out-dir",
-        str(work),
-        "--tag",
-        "gpu",
-    ]
+    # and sigma 1 (mean ~105 unclipped): a long tail like chat traces'.
+    common = "--modes continuous,static --output-dist lognormal --output-median 64 "
+    common += "--output-sigma 1.0 --prompt-len 16 128 --tag gpu"
+    args = ["--device", dev.type, "--out-dir", str(work), *shlex.split(common)]
     if dry:
-        args += [
-            "--n-layer",
-            "1",
-            "--d-model",
-            "32",
-            "--requests",
-            "6",
-            "--rate",
-            "50",
-            "--max-seqs",
-            "4",
-            "--repeats",
-            "1",
-            "--output-len",
-            "2",
-            "8",
-            "--itl-objectives",
-            "1000",
-        ]
+        args += shlex.split(
+            "--n-layer 1 --d-model 32 --requests 6 --rate 50 --max-seqs 4 --repeats 1"
+        )
+        args += shlex.split("--output-len 2 8 --itl-objectives 1000")
     else:
-        args += [
-            "--n-layer",
-            "12",
-            "--d-model",
-            "768",
-            "--requests",
-            "160",
-            "--rate",
-            "24",
-            "--max-seqs",
-            "16",
-            "64",
-            "--repeats",
-            "2",
-            "--itl-objectives",
-            "25",
-            "50",
-        ]
+        # 48 requests at 6/s (~8 s of arrivals, ~550 output tokens/s asked for, under the
+        # 920 tok/s 64 sequences per step gave on an H100); outputs clipped at 256 tokens so a
+        # run's tail stays a few seconds.
+        args += shlex.split("--n-layer 12 --d-model 768 --requests 48 --rate 6 --output-len 4 256")
+        args += shlex.split("--max-seqs 16 64 --repeats 2 --itl-objectives 25 50 100")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "llm_serving.py"), *args]
     say("$ " + " ".join(cmd[1:]))
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env())

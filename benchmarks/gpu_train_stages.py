@@ -6,8 +6,9 @@ under `timeout`): each measures a GPU claim beside its baseline in the same invo
   gpt     gpt2-small through hpcml's Trainer (bf16, SDPA): eager vs compiled tokens/s and MFU,
           and the host syncs of the steady-state steps counted under
           `torch.cuda.set_sync_debug_mode("warn")` (steps that flush the log excluded).
-  memory  the planner's predicted peak vs `torch.cuda.max_memory_allocated` for every run
-          above plus gpt2-small with activation checkpointing (the run's summary holds both).
+  memory  the planner's predicted peak vs `torch.cuda.max_memory_allocated` over the training
+          steps (evaluation's peak apart) for gpt2-small with and without activation
+          checkpointing and the cnn stage's runs (each run's summary holds both).
 
 Dry mode (no CUDA device: `make gpu` on a CPU machine) runs the same functions on the CPU at
 toy sizes up to the point where a device is needed, and says with one line what it skipped,
@@ -103,6 +104,12 @@ def train_run(data: dict[str, Any], run_dir: Path, hooks: list[Any] | None = Non
     from hpcml.train.trainer import Trainer
 
     cfg = build_config(data, origin="gpu_proof")
+    if torch.cuda.is_available():  # this run's peaks alone, not an earlier run's in the process
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     Trainer(cfg, run_dir=run_dir, overwrite=True, quiet=True, hooks=Hooks(hooks or [])).fit()
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -118,6 +125,7 @@ def run_facts(s: dict[str, Any]) -> dict[str, Any]:
         "step_time_s": thr["step_time_s"],
         "data_wait_s": thr["data_wait_s"],
         "peak_allocated_bytes": mem["peak_allocated_bytes"],
+        "eval_peak_allocated_bytes": mem.get("eval_peak_allocated_bytes"),
         "planned_peak_bytes": peak["predicted"] if peak else None,
         "device": s["device"],
     }
@@ -183,7 +191,9 @@ class SyncCounter(Hook):
             return
         torch.cuda.set_sync_debug_mode(0)
         self._catch.__exit__(None, None, None)
-        syncs = [w for w in self._caught if "synchroniz" in str(w.message).lower()]
+        # "called a synchronizing CUDA operation": one per sync (the mode's own notice that
+        # it is a prototype is not one).
+        syncs = [w for w in self._caught if "called a synchronizing" in str(w.message)]
         assert self._step is not None
         self.per_step[self._step] = len(syncs)
         self.messages += [f"step {self._step}: {w.message}"[:300] for w in syncs[:3]]
@@ -263,11 +273,12 @@ def stage_memory(work: Path, dev: torch.device, dry: bool) -> dict[str, Any]:
     tokens = work / "tokens"
     if not tokens.exists():
         random_tokens(tokens, 512 if dry else 50304, 20_000 if dry else 5_000_000)
-    data = gpt_config(tokens, dev, dry, activation_checkpointing="full", max_steps=3 if dry else 8)
-    rows = {"gpt-recompute": run_facts(train_run(data, work / "gpt-recompute"))}
-    for run in sorted(work.iterdir()):
-        if (run / "summary.json").exists() and run.name not in rows:
-            rows[run.name] = run_facts(json.loads((run / "summary.json").read_text()))
+    rows = {}
+    for name, ac in (("gpt-eager", "none"), ("gpt-recompute", "full")):
+        data = gpt_config(tokens, dev, dry, activation_checkpointing=ac, max_steps=3 if dry else 8)
+        rows[name] = run_facts(train_run(data, work / "memory" / name))
+    for summary in sorted(work.glob("cnn/*/summary.json")):  # the cnn stage's runs, if any
+        rows[summary.parent.name] = run_facts(json.loads(summary.read_text()))
     for r in rows.values():
         measured, planned = r["peak_allocated_bytes"], r["planned_peak_bytes"]
         r["planned_over_measured"] = planned / measured if measured and planned else None

@@ -55,9 +55,21 @@ def _guard_numbers(cmd: Any) -> None:
     for sub in getattr(cmd, "commands", {}).values():
         _guard_numbers(sub)
     for p in getattr(cmd, "params", []):
-        numeric = p.bare_type() in ("int", "float")
-        if numeric and p.callback is None and (cmd.name, p.name) not in SIGNED_OPTIONS:
+        if _is_number(p) and p.callback is None and (cmd.name, p.name) not in SIGNED_OPTIONS:
             p.callback = _finite_non_negative
+
+
+def _is_number(param: Any) -> bool:
+    """An int or float parameter, in every typer the project admits: typer 0.2x describes a
+    parameter's annotation (`bare_type`, `type_descriptor`); older ones, and click, a
+    ParamType named integer or float."""
+    if hasattr(param, "bare_type"):
+        return bool(param.bare_type() in ("int", "float"))
+    descriptor = getattr(param, "type_descriptor", None)
+    if descriptor is not None:
+        return descriptor.annotation in (int, float)
+    name = getattr(getattr(param, "type", None), "name", "")
+    return name in ("integer", "float", "integer range", "float range")
 
 
 class HpcmlGroup(TyperGroup):

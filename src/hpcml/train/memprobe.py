@@ -106,3 +106,41 @@ def prediction_block(summary: dict[str, Any]) -> dict[str, Any]:
         return predict_summary(summary, load_catalog())
     except Exception as exc:  # a prediction must never fail a finished run
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+class DevicePeaks:
+    """The CUDA allocator's peak over training steps, apart from evaluation's: the planner
+    predicts a training step's peak, and one evaluation of a language model (full-vocabulary
+    logits, fp32 for the loss) can exceed it by gigabytes, so a peak over the whole run would
+    be compared with the wrong prediction (seen on an H100: gpt2-small, 10.6 GB measured with
+    the final evaluation against 6.0 GB for its training steps). Evaluation runs between
+    resets of the allocator's peak counter; training's peak is the max of the stretches
+    between them. Nothing on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.train_bytes = 0
+        self.eval_bytes = 0
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        if not self.cuda:
+            yield
+            return
+        self.train_bytes = max(self.train_bytes, torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            self.eval_bytes = max(self.eval_bytes, torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def result(self) -> dict[str, int | None]:
+        if not self.cuda:
+            return {"peak_allocated_bytes": None, "eval_peak_allocated_bytes": None}
+        train = max(self.train_bytes, torch.cuda.max_memory_allocated(self.device))
+        return {
+            "peak_allocated_bytes": int(train),
+            "eval_peak_allocated_bytes": self.eval_bytes or None,
+        }

@@ -41,9 +41,7 @@ def build_summary(t: Any) -> dict[str, Any]:
     """`t` is the Trainer at its end."""
     cfg, rt, res = t.cfg, t.rt, t.resolved
     memory: dict[str, Any] = local_state_bytes(unwrap(t.model), t.optimizer)
-    memory["peak_allocated_bytes"] = (
-        int(torch.cuda.max_memory_allocated(rt.device)) if rt.device.type == "cuda" else None
-    )
+    memory.update(t.device_peaks.result())  # training steps' peak, evaluation's apart
     setup_memory = getattr(t, "setup_memory", None)
     memory["peak_rss_bytes"] = (
         setup_memory.process_peak_bytes() if setup_memory is not None else peak_rss_bytes()

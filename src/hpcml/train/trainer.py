@@ -187,6 +187,7 @@ class Trainer:
         self.flops_per_sample = built.flops_per_sample
         # Saved activations of one sampled forward, measured beside the planner's prediction.
         self.probe = memprobe.SavedActivationProbe(self.model)
+        self.device_peaks = memprobe.DevicePeaks(self.rt.device)
         optimizer = build_optimizer(param_groups(self.model, cfg.optim), cfg.optim, rt.dp_size)
         self.optimizer = shard_optimizer(optimizer, self.model, rt, cfg.parallel)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
@@ -410,7 +411,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss and accuracy; every rank runs the same number of batches."""
-        with self.phase("hpcml.eval", step=self.step):
+        with self.phase("hpcml.eval", step=self.step), self.device_peaks.evaluating():
             self.last_eval = evaluate_model(
                 self.model,
                 self.val_data,
