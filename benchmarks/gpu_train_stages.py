@@ -277,8 +277,10 @@ def stage_memory(work: Path, dev: torch.device, dry: bool) -> dict[str, Any]:
     for name, ac in (("gpt-eager", "none"), ("gpt-recompute", "full")):
         data = gpt_config(tokens, dev, dry, activation_checkpointing=ac, max_steps=3 if dry else 8)
         rows[name] = run_facts(train_run(data, work / "memory" / name))
-    for summary in sorted(work.glob("cnn/*/summary.json")):  # the cnn stage's runs, if any
-        rows[summary.parent.name] = run_facts(json.loads(summary.read_text()))
+    for path in sorted(work.glob("cnn/*/summary.json")):  # the cnn stage's runs, if any
+        summary = json.loads(path.read_text())
+        if summary.get("status") == "finished":  # a failed run's summary has no measurements
+            rows[path.parent.name] = run_facts(summary)
     for r in rows.values():
         measured, planned = r["peak_allocated_bytes"], r["planned_peak_bytes"]
         r["planned_over_measured"] = planned / measured if measured and planned else None

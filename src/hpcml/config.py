@@ -191,8 +191,7 @@ class TrainConfig(_Section):
     """With activation_checkpointing `selective`: recompute every N-th block (the first, the
     N+1-th, ...); 1 recomputes all. Ignored by `none` and `full`."""
     compile: bool = False
-    """torch.compile: on one process the whole model as one graph; under DDP, ZeRO and tensor
-    parallelism each block (the unit those wrap), or the whole model when it has no blocks."""
+    """torch.compile each block (or the whole model when it has no blocks)."""
     peak_flops: float | None = Field(None, gt=0)
     """Peak FLOP/s of one device for the precision in use, for MFU; null looks it up by name."""
     loss: str = "cross_entropy"

@@ -133,8 +133,8 @@ def parallelize(
             model, mesh["tp"], cfg.sequence_parallel, loss_parallel
         )
     apply_ac(model, train.activation_checkpointing, train.ac_every)
-    if train.compile:  # one process: the whole model in one graph
-        apply_compile(model, whole=rt.world_size == 1)
+    if train.compile:
+        apply_compile(model)
     replicated = rt.dp_size == 1 or cfg.strategy in ("ddp", "zero1")
     if not replicated:
         mesh = mesh or build_mesh(rt)

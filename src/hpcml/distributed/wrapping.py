@@ -54,14 +54,15 @@ def apply_ac(model: nn.Module, mode: str, every: int) -> int:
     return wrapped
 
 
-def apply_compile(model: nn.Module, whole: bool = False) -> None:
-    """Compile each unit in place (names unchanged); the whole model when it has no units or
-    `whole` is set. One graph lets inductor fuse across units (the activations, pooling and
-    reshapes between them): on one H100 with torch 2.11, SimpleCNN compiled per unit ran at
-    0.51x a hand loop compiled whole (benchmarks/results/gpu). Units stay the choice where
-    FSDP2 or DDP wrap them and overlap communication with each unit's backward."""
+def apply_compile(model: nn.Module) -> None:
+    """Compile each unit in place (names unchanged); the whole model when it has no units.
+    Units, not one graph, also on one process: the step timer's module hooks on the model
+    (hpcml.train.straggler) must run outside compiled code, and compiling the whole model
+    traced them (seen on an H100 with torch 2.11: CUDA events never recorded, the straggler
+    check raised). Per unit, compile was 0.88x eager on gpt2-small and SimpleCNN ran at 0.51x
+    a hand loop compiled whole there (benchmarks/results/gpu/README.md): not yet a speed-up."""
     found = units(model)
-    if whole or not found:
+    if not found:
         model.compile()
         return
     for parent, name in found:
