@@ -87,12 +87,13 @@ class DataConfig(_Section):
     """data.source shards: shard files each reading process keeps open (memory-mapped); bounds
     its memory to about this many shards whatever the size of the shard set."""
     cache_dir: str | None = None
-    """data.source shards in a bucket: a local folder where downloaded shards are kept (named by
-    their sha256, written atomically, shared by the processes of a host) and memory-mapped
-    from; null downloads a shard each time a process needs it again."""
+    """data.source shards in a bucket: a local folder where downloaded shards are kept (in its
+    subfolder `hpcml-shard-cache`, which the cache owns: named by their sha256, written
+    atomically, shared by the processes of a host; other files in the folder are never touched)
+    and memory-mapped from; null downloads a shard each time a process needs it again."""
     cache_limit_gb: float = Field(10.0, gt=0)
     """data.cache_dir: bytes (in GB, 10^9) the cached shards may take; least recently used
-    ones are deleted above it."""
+    ones (only files the cache wrote) are deleted above it."""
     readahead: int | None = Field(None, ge=0)
     """data.source shards: shards fetched ahead in a background thread while the current one is
     read (within data.shard_cache); null means 1 for a set in a bucket, 0 for a local folder."""

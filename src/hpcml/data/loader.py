@@ -54,20 +54,13 @@ class EpochLoader:
         keyed = getattr(dataset, "epoch_keyed", False)
         workers = cfg.num_workers
         generator = torch.Generator().manual_seed(seed + rank)
-        kwargs: dict[str, Any] = {}
-        if workers > 0:
-            kwargs["persistent_workers"] = cfg.persistent_workers
-            if cfg.prefetch_factor is not None:
-                kwargs["prefetch_factor"] = cfg.prefetch_factor
         self.loader = StatefulDataLoader(
             dataset,
             batch_size=cfg.batch_size,
             sampler=EpochKeys(self.sampler, seed) if keyed else self.sampler,
             drop_last=True,
-            num_workers=workers,
-            pin_memory=pin_memory,
             generator=generator,
-            **kwargs,
+            **_worker_args(cfg, pin_memory, cfg.persistent_workers),
         )
         if len(self.loader) == 0:
             from hpcml.errors import DataError
@@ -83,6 +76,7 @@ class EpochLoader:
         self.shuffle, self.seed, self.dataset = cfg.shuffle, seed, dataset
         self.keyed = keyed
         self.workers = workers
+        self.cfg, self.pin_memory = cfg, pin_memory
         self._it: Iterator[Any] | None = None
         self._remainder = False
         self._base = 0
@@ -176,18 +170,30 @@ class EpochLoader:
                 self.rank,
                 self.world_size,
             )
+        # The configured workers, prefetch and pinned memory, as in any other epoch; workers
+        # that persist would outlive this one-epoch loader, so they do not.
         remainder = torch.utils.data.DataLoader(
             self.dataset,
             batch_size=self.batch_size,
             sampler=EpochKeys(rest, self.seed, epoch) if self.keyed else rest,
             drop_last=True,
-            num_workers=0,
             generator=torch.Generator().manual_seed(self.seed + self.rank + epoch),
+            **_worker_args(self.cfg, self.pin_memory, persistent=False),
         )
         self.epoch = epoch
         self._it = iter(remainder)
         self._remainder = True
         self._base, self.taken = samples, 0
+
+
+def _worker_args(cfg: DataConfig, pin_memory: bool, persistent: bool) -> dict[str, Any]:
+    """DataLoader arguments for the configured loader workers."""
+    kwargs: dict[str, Any] = {"num_workers": cfg.num_workers, "pin_memory": pin_memory}
+    if cfg.num_workers > 0:
+        kwargs["persistent_workers"] = persistent
+        if cfg.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = cfg.prefetch_factor
+    return kwargs
 
 
 def _other_workers(state: dict[str, Any], workers: int) -> bool:
