@@ -94,6 +94,10 @@ class DataConfig(_Section):
     cache_limit_gb: float = Field(10.0, gt=0)
     """data.cache_dir: bytes (in GB, 10^9) the cached shards may take; least recently used
     ones (only files the cache wrote) are deleted above it."""
+    allow_change: bool = False
+    """Resuming onto a shard set of another version than the checkpoint's (`hpcml train
+    --allow-data-change` sets it): false refuses in one sentence; true continues and records
+    every version read, in order (summary.json, the export's model.json, MLflow)."""
     readahead: int | None = Field(None, ge=0)
     """data.source shards: shards fetched ahead in a background thread while the current one is
     read (within data.shard_cache); null means 1 for a set in a bucket, 0 for a local folder."""
