@@ -12,6 +12,7 @@ and the hpcml version.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,8 +163,18 @@ def from_image_folder(
     return {"train": items("train"), "val": items("val")}, header
 
 
-def from_table(path: Path, label: str, val_fraction: float) -> tuple[Samples, dict[str, Any]]:
+def from_table(
+    path: Path,
+    label: str,
+    val_fraction: float,
+    features: list[str] | None = None,
+    fill: float | None = None,
+) -> tuple[Samples, dict[str, Any]]:
+    """A Parquet or Arrow table: `label` holds class numbers, `features` (default every other
+    column) must be numeric. An empty (null) feature value is refused, naming the column,
+    unless `fill` gives the number to write in its place; an empty label always is."""
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.dataset as pads
 
     fmt = "parquet" if path.suffix.lower() == ".parquet" else "ipc"
@@ -177,49 +188,83 @@ def from_table(path: Path, label: str, val_fraction: float) -> tuple[Samples, di
             f"table {path} has no column {label!r} (columns: {', '.join(schema.names)}); pass "
             "the label column with --label."
         )
-    numeric = [
-        f.name
-        for f in schema
-        if f.name != label and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))
-    ]
-    if not numeric:
-        raise DataError(f"table {path} has no numeric feature columns besides {label!r}.")
-    labels = ds.to_table(columns=[label]).column(0).to_numpy()
+    names = _feature_columns(path, schema, label, features)
+    if fill is not None and not math.isfinite(fill):
+        raise DataError(f"--fill {fill} must be a finite number.")
+    label_col = ds.to_table(columns=[label]).column(0)
+    if label_col.null_count:
+        raise DataError(
+            f"column {label!r} (the label) of table {path} has {label_col.null_count} empty "
+            "(null) values; every row needs a class number."
+        )
+    labels = label_col.to_numpy()
     if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
         raise DataError(
             f"column {label!r} of {path} must hold class numbers 0..C-1 (found {labels.dtype})."
         )
     num_classes = int(labels.max()) + 1
 
+    def column(batch: Any, i: int, first_row: int) -> np.ndarray:
+        col = batch.column(i)
+        if col.null_count:
+            if fill is None:
+                at = first_row + int(pc.index(pc.is_null(col), True).as_py())
+                raise DataError(
+                    f"column {names[i]!r} of table {path} has empty (null) values (the first in "
+                    f"row {at}); fill them in the table, or pass --fill VALUE to write VALUE "
+                    "in their place."
+                )
+            col = pc.fill_null(col.cast(pa.float64()), fill)
+        return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float32)
+
     def items(split: str) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         row = 0
-        for batch in ds.to_batches(columns=[*numeric, label], batch_size=4096):
-            feats = np.stack(
-                [batch.column(i).to_numpy(zero_copy_only=False) for i in range(len(numeric))],
-                axis=1,
-            ).astype(np.float32)
-            ys = batch.column(len(numeric)).to_numpy(zero_copy_only=False)
+        for batch in ds.to_batches(columns=[*names, label], batch_size=4096):
+            feats = np.stack([column(batch, i, row) for i in range(len(names))], axis=1)
+            ys = batch.column(len(names)).to_numpy(zero_copy_only=False)
             for j in range(batch.num_rows):
                 if _val(str(row), val_fraction) == (split == "val"):
                     yield row, feats[j], np.asarray(ys[j], dtype=np.int64)
                 row += 1
 
+    write: dict[str, Any] = {"features": names, "label": label, "dtype": "float32"}
+    if fill is not None:
+        write["fill"] = fill
     header = {
         "sample": {
             "layout": "tensor",
-            "x": shards.spec(np.float32, (len(numeric),)),
+            "x": shards.spec(np.float32, (len(names),)),
             "y": shards.spec(np.int64, ()),
         },
         "num_classes": num_classes,
-        "features": numeric,
+        "features": names,
         "source": {"name": "table", "path": str(path), "rows": int(len(labels))},
-        "transform": {
-            "write": {"features": numeric, "label": label, "dtype": "float32"},
-            "val_fraction": val_fraction,
-            "read": {},
-        },
+        "transform": {"write": write, "val_fraction": val_fraction, "read": {}},
     }
     return {"train": items("train"), "val": items("val")}, header
+
+
+def _feature_columns(path: Path, schema: Any, label: str, features: list[str] | None) -> list[str]:
+    """The feature columns: `features`, or every column but the label; each must hold numbers
+    (integers, floats or booleans), or the column is named in one sentence."""
+    import pyarrow as pa
+
+    names = features if features is not None else [n for n in schema.names if n != label]
+    for n in names:
+        if n not in schema.names or n == label:
+            raise DataError(
+                f"--features names {n!r}, which is {'the label' if n == label else 'not a column'}"
+                f" of table {path} (columns: {', '.join(schema.names)})."
+            )
+        t = schema.field(n).type
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+            raise DataError(
+                f"column {n!r} of table {path} holds {t}, not numbers; convert it to numbers in "
+                "the table, or name the columns to use with --features (comma-separated)."
+            )
+    if not names:
+        raise DataError(f"table {path} has no feature columns besides {label!r}.")
+    return names
 
 
 def shard(
@@ -234,6 +279,8 @@ def shard(
     label: str = "label",
     seq_len: int = 256,
     synthetic_samples: int = 4096,
+    features: list[str] | None = None,
+    fill: float | None = None,
 ) -> dict[str, Any]:
     """Write the shard set of `source` (a built-in name, an image folder or a table file)."""
     shard_bytes = shards.parse_size(shard_size)
@@ -253,7 +300,7 @@ def shard(
         if p.is_dir():
             samples, header = from_image_folder(p, image_size, val_fraction)
         elif p.is_file() and p.suffix.lower() in TABLE_SUFFIXES:
-            samples, header = from_table(p, label, val_fraction)
+            samples, header = from_table(p, label, val_fraction, features, fill)
         else:
             raise DataError(
                 f"SOURCE {source!r} is neither a data source ({', '.join(BUILTIN)}), an image "

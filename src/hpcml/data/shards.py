@@ -43,54 +43,20 @@ import torch
 from torch.utils.data import Dataset
 
 from hpcml.data.device_augment import normalize_pixels
+from hpcml.data.manifest import (
+    COMPRESSIONS,
+    FORMAT,
+    MANIFEST,
+    SPLITS,
+    check_shard,
+    read_manifest,
+)
+from hpcml.data.manifest import canonical as canonical  # re-exported: the version id's input
+from hpcml.data.manifest import version_id as version_id
 from hpcml.data.readahead import ShardSlots
 from hpcml.data.shard_cache import DiskCache
 from hpcml.data.store import Store, is_remote
 from hpcml.errors import DataError
-
-FORMAT = "hpcml-shards/1"
-MANIFEST = "manifest.json"
-SPLITS = ("train", "val")
-COMPRESSIONS = ("none", "lz4", "zstd")
-
-
-# ---------------------------------------------------------------- manifest
-
-
-def canonical(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-
-
-def version_id(manifest: dict[str, Any]) -> str:
-    """The shard set's version: sha256 over its canonical manifest."""
-    return hashlib.sha256(canonical(manifest)).hexdigest()
-
-
-def read_manifest(folder: str | Path) -> dict[str, Any]:
-    """The manifest of the shard set at `folder`: a local folder or an s3:// URL
-    (`hpcml.data.store`)."""
-    store = Store(folder)
-    path = store.describe(MANIFEST)
-    if not store.is_set():
-        raise DataError(
-            f"shard folder {store.describe()} does not exist; write one with "
-            f"`hpcml data shard SOURCE --out {store.describe()}`."
-        )
-    if store.size(MANIFEST) is None:
-        raise DataError(
-            f"{store.describe()} holds no {MANIFEST}, so it is not a shard set; write one with "
-            f"`hpcml data shard SOURCE --out DIR`."
-        )
-    try:
-        manifest: dict[str, Any] = json.loads(store.read_bytes(MANIFEST).decode())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise DataError(f"{path} is not valid JSON; write the shard set again.") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise DataError(
-            f"{path} has format {found!r}, not {FORMAT!r}; write the shard set again with this hpcml."
-        )
-    return manifest
 
 
 def sha256_file(path: Path) -> str:
@@ -128,6 +94,23 @@ def verify(
                     "(corrupted or changed after writing); copy the shard set again or write "
                     "it anew."
                 )
+    if not store.remote:  # a remote shard's rows are checked when it is read
+        check_rows(store, manifest, splits)
+
+
+def check_rows(store: Store, manifest: dict[str, Any], splits: Iterable[str] = SPLITS) -> None:
+    """Every shard of a local set has the columns and rows its manifest says (from each file's
+    Arrow metadata: a footer and one record batch per shard)."""
+    import pyarrow as pa
+
+    for split in splits:
+        for k, shard in enumerate(manifest["splits"].get(split, {}).get("shards", [])):
+            where = store.describe(shard["file"])
+            try:
+                reader = pa.ipc.open_file(pa.memory_map(where, "r"))
+            except (OSError, pa.ArrowInvalid) as exc:
+                raise DataError(f"shard {where} cannot be read ({exc}); write it again.") from None
+            check_shard(reader, manifest, split, k, where)
 
 
 # ---------------------------------------------------------------- reading
@@ -214,13 +197,15 @@ class ShardSet(Dataset[Any]):
 
         path = self.store.describe(self.files[k])
         try:
-            return self.store.open_shard(self.files[k], self.sha256[k], self.sizes[k])
+            reader = self.store.open_shard(self.files[k], self.sha256[k], self.sizes[k])
         except (OSError, pa.ArrowInvalid) as exc:
             raise DataError(
                 f"shard {path} cannot be read ({exc}); check the shard set with "
                 f"`hpcml data info {self.root} --verify`, or lower data.shard_cache if memory "
                 "is short."
             ) from None
+        check_shard(reader, self.manifest, self.split, k, path)
+        return reader
 
     def _reader(self, k: int, ahead: bool = True) -> Any:
         first_use = not self.slots.is_open(k)
