@@ -98,6 +98,13 @@ class DataConfig(_Section):
     """Resuming onto a shard set of another version than the checkpoint's (`hpcml train
     --allow-data-change` sets it): false refuses in one sentence; true continues and records
     every version read, in order (summary.json, the export's model.json, MLflow)."""
+    shuffle_shards: int | None = Field(None, ge=1)
+    """data.source shards with data.shuffle: shards an epoch's order mixes at a time. The shard
+    order is shuffled, then the samples of each run of this many shards, both from
+    (`train.seed`, epoch), so a reading process needs only this many shards at once and reads
+    each once per epoch. null: all of them (one permutation over every sample: the best mix,
+    but any batch may need any shard) for a local folder; data.shard_cache - 1 (at least 1)
+    for a set in a bucket, where a shard that left the cache is downloaded again."""
     readahead: int | None = Field(None, ge=0)
     """data.source shards: shards fetched ahead in a background thread while the current one is
     read (within data.shard_cache); null means 1 for a set in a bucket, 0 for a local folder."""

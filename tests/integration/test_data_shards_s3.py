@@ -104,8 +104,10 @@ def test_training_from_the_bucket_equals_training_from_the_folder(
     env = {**hpcml_env(), **CREDENTIALS}
     on_disk, in_bucket = tmp_path / "disk", tmp_path / "bucket"
     store = fresh_store(tmp_path_factory, "s3-mlflow")
+    # One order for both: by default a bucket mixes data.shard_cache - 1 shards at a time and
+    # a local folder all of them (tests/integration/test_data_shards_shuffle.py).
     shards = [
-        "data.source=shards", "data.num_workers=2",
+        "data.source=shards", "data.num_workers=2", "data.shuffle_shards=3",
         "tracking.backend=mlflow", f"tracking.uri={store}",
     ]  # fmt: skip
     run_hpcml(

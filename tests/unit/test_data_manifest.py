@@ -78,7 +78,10 @@ def _set(path: list[Any], value: Any) -> Any:
         (_set(["splits", "train", "rows_per_batch"], "10"), "splits.train.rows_per_batch"),
         (_set(["splits", "train", "shards", 1, "file"], "../../etc/passwd"), "shards.1.file"),
         (_set(["sample", "x", "dtype"], "<U8"), "sample.x.dtype"),
-        (_set(["splits", "val", "samples"], 21), "splits.val: samples is 21 but its shards hold 20"),
+        (
+            _set(["splits", "val", "samples"], 21),
+            "splits.val: samples is 21 but its shards hold 20",
+        ),
     ],
 )
 def test_a_manifest_that_does_not_fit_the_schema_is_one_sentence(

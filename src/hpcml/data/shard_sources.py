@@ -329,6 +329,7 @@ def load_shard_source(cfg: DataConfig) -> Any:
             cache_limit_bytes=int(cfg.cache_limit_gb * 10**9),
             readahead=cfg.readahead,
             raw=normalize is not None,
+            shuffle_shards=shuffle_window(cfg),
         )
         for split in ("train", "val")
     )
@@ -355,6 +356,13 @@ def load_shard_source(cfg: DataConfig) -> Any:
         version=version,
         device_normalize=normalize,
     )
+
+
+def shuffle_window(cfg: DataConfig) -> int | None:
+    """Shards a shuffled epoch mixes at a time (data.shuffle_shards); None: all of them."""
+    if cfg.shuffle_shards is not None:
+        return cfg.shuffle_shards
+    return max(1, cfg.shard_cache - 1) if is_remote(cfg.path or "") else None
 
 
 def is_image_set(manifest: dict[str, Any]) -> bool:

@@ -53,6 +53,7 @@ from hpcml.data.manifest import (
 )
 from hpcml.data.manifest import canonical as canonical  # re-exported: the version id's input
 from hpcml.data.manifest import version_id as version_id
+from hpcml.data.order import shard_window_order
 from hpcml.data.readahead import ShardSlots
 from hpcml.data.shard_cache import DiskCache
 from hpcml.data.store import Store, is_remote
@@ -143,6 +144,7 @@ class ShardSet(Dataset[Any]):
         cache_dir: str | Path | None = None,
         cache_limit_bytes: int = 10 * 10**9,
         readahead: int | None = None,
+        shuffle_shards: int | None = None,
     ) -> None:
         self._store_args = (str(folder), cache_dir, cache_limit_bytes)
         self.store = _store(*self._store_args)
@@ -156,6 +158,9 @@ class ShardSet(Dataset[Any]):
         self.sha256 = [s["sha256"] for s in entry["shards"]]
         self.sizes = [int(s["bytes"]) for s in entry["shards"]]
         counts = [int(s["samples"]) for s in entry["shards"]]
+        self.counts = counts
+        self.shuffle_shards = shuffle_shards
+        """Shards a shuffled epoch mixes at a time (`hpcml.data.order`); None: all of them."""
         self.starts = list(np.cumsum([0, *counts])[:-1].tolist())
         self.length = int(sum(counts))
         self.rows_per_batch = int(entry["rows_per_batch"])
@@ -213,6 +218,11 @@ class ShardSet(Dataset[Any]):
         if first_use and ahead:  # one sample at a time: guess the file order
             self.slots.prefetch(range(k + 1, min(k + 1 + self.readahead, len(self.files))), k)
         return reader
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+        """The shuffled order of one epoch, `shuffle_shards` shards at a time."""
+        window = self.shuffle_shards or len(self.counts)
+        return shard_window_order(self.counts, window, seed, epoch)
 
     def shard_of(self, i: int) -> int:
         return bisect.bisect_right(self.starts, i) - 1
