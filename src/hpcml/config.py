@@ -98,6 +98,13 @@ class DataConfig(_Section):
     """Resuming onto a shard set of another version than the checkpoint's (`hpcml train
     --allow-data-change` sets it): false refuses in one sentence; true continues and records
     every version read, in order (summary.json, the export's model.json, MLflow)."""
+    verify: Literal["full", "size", "none"] = "full"
+    """data.source shards, checked before training: `full` every shard's size and sha256 (a
+    local folder's hashing split over the ranks, each hashing its share once, and remembered
+    between runs while a file's size, times and inode are unchanged; a bucket's shards are
+    hashed when read), and each local shard's rows; `size` sizes and rows only; `none` nothing
+    before training (each shard's rows, and a remote one's sha256, are still checked when
+    read)."""
     shuffle_shards: int | None = Field(None, ge=1)
     """data.source shards with data.shuffle: shards an epoch's order mixes at a time. The shard
     order is shuffled, then the samples of each run of this many shards, both from

@@ -317,7 +317,8 @@ def load_shard_source(cfg: DataConfig) -> Any:
 
     root = check_shards(cfg)
     manifest = shards.read_manifest(root)
-    shards.verify(root, manifest)
+    if cfg.verify != "none":
+        shards.verify(root, manifest, deep=None if cfg.verify == "full" else False, shared=True)
     normalize = device_normalize(cfg, manifest)
     train, val = (
         shards.ShardSet(

@@ -73,30 +73,52 @@ def verify(
     manifest: dict[str, Any],
     splits: Iterable[str] = SPLITS,
     deep: bool | None = None,
+    shared: bool = False,
 ) -> None:
     """Every shard of `splits` exists with the size the manifest records and, when `deep`, the
-    sha256. By default deep for a local folder; for a remote set only sizes are checked here,
-    since every shard's sha256 is checked when it is read (`Store.open_shard`)."""
+    sha256; a local set's shards also have the columns and rows it records. By default deep for
+    a local folder; for a remote set only sizes are checked here, since every shard's sha256 is
+    checked when it is read (`Store.open_shard`). `shared` (`data.verify: full` in training):
+    the hashing is split over the ranks of the process group, each hashing its share once, and
+    a local file's digest is remembered while the file is unchanged (`hpcml.data.hash_cache`)."""
     store = Store(folder)
     deep = not store.remote if deep is None else deep
     manifest_at = store.describe(MANIFEST)
-    for split in splits:
-        for shard in manifest["splits"].get(split, {}).get("shards", []):
-            name = shard["file"]
-            size = store.size(name)
-            if size is None:
-                raise DataError(
-                    f"shard {store.describe(name)} named in {manifest_at} is missing; copy the "
-                    "whole shard set again or write it anew."
-                )
-            if size != shard["bytes"] or (deep and store.sha256(name) != shard["sha256"]):
-                raise DataError(
-                    f"shard {store.describe(name)} does not match the sha256 in {manifest_at} "
-                    "(corrupted or changed after writing); copy the shard set again or write "
-                    "it anew."
-                )
+    entries = [s for split in splits for s in manifest["splits"].get(split, {}).get("shards", [])]
+    for shard in entries:
+        size = store.size(shard["file"])
+        if size is None:
+            raise DataError(
+                f"shard {store.describe(shard['file'])} named in {manifest_at} is missing; copy "
+                "the whole shard set again or write it anew."
+            )
+        if size != shard["bytes"]:
+            _changed(store, shard["file"], manifest_at)
+    if deep:
+        names = [s["file"] for s in entries]
+        if shared:
+            from hpcml.data.hash_cache import HashCache
+            from hpcml.distributed.runtime import split_work
+
+            cache = HashCache()
+            hash_one = (
+                (lambda n: cache.sha256(store.root / n)) if not store.remote else store.sha256
+            )
+            digests = split_work(names, hash_one)
+        else:
+            digests = [store.sha256(n) for n in names]
+        for shard, digest in zip(entries, digests, strict=True):
+            if digest != shard["sha256"]:
+                _changed(store, shard["file"], manifest_at)
     if not store.remote:  # a remote shard's rows are checked when it is read
         check_rows(store, manifest, splits)
+
+
+def _changed(store: Store, name: str, manifest_at: str) -> None:
+    raise DataError(
+        f"shard {store.describe(name)} does not match the sha256 in {manifest_at} (corrupted "
+        "or changed after writing); copy the shard set again or write it anew."
+    )
 
 
 def check_rows(store: Store, manifest: dict[str, Any], splits: Iterable[str] = SPLITS) -> None:
