@@ -31,7 +31,6 @@ shard's sha256), so two shard sets with the same id hold the same bytes.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -43,6 +42,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpcml.data.device_augment import normalize_pixels
+from hpcml.data.hash_cache import sha256_of as sha256_file  # its name here before
 from hpcml.data.manifest import (
     COMPRESSIONS,
     FORMAT,
@@ -58,14 +58,6 @@ from hpcml.data.readahead import ShardSlots
 from hpcml.data.shard_cache import DiskCache
 from hpcml.data.store import Store, is_remote
 from hpcml.errors import DataError
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):  # 4 MiB at a time: bounded memory
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(
