@@ -31,6 +31,13 @@ class ModelConfig(_Section):
     only its shards."""
 
 
+class MixSource(_Section):
+    path: str
+    """A shard set: a folder written by `hpcml data shard`, or an s3:// URL holding one."""
+    weight: float = Field(gt=0)
+    """Its share of each epoch's samples: weight / the sum of the weights."""
+
+
 class DataConfig(_Section):
     source: str = "digits"
     """`digits`, `cifar10`, `synthetic`, `tokens`, `shards` (and sources later issues add)."""
@@ -105,6 +112,14 @@ class DataConfig(_Section):
     hashed when read), and each local shard's rows; `size` sizes and rows only; `none` nothing
     before training (each shard's rows, and a remote one's sha256, are still checked when
     read)."""
+    mix: list[MixSource] | None = None
+    """data.source shards: several shard sets read as one, `[{path: A, weight: 3}, {path: B,
+    weight: 1}]` (data.path unset). Each epoch has as many samples as the sets together, drawn
+    from each set in proportion to its weight (a set with fewer samples than its share is
+    repeated, in a new order each pass; one with more gives another random part each epoch),
+    interleaved by a seeded draw that keeps each set's own order, all from (`train.seed`,
+    epoch): deterministic and elastic like one set. The sets must have the same sample spec
+    and classes; validation is every set's validation split."""
     shuffle_shards: int | None = Field(None, ge=1)
     """data.source shards with data.shuffle: shards an epoch's order mixes at a time. The shard
     order is shuffled, then the samples of each run of this many shards, both from

@@ -41,11 +41,15 @@ class EpochLoader:
         pin_memory: bool,
     ) -> None:
         make_sampler = getattr(dataset, "make_sampler", None)  # e.g. random token windows
-        window = getattr(dataset, "shuffle_shards", None) if cfg.shuffle else None
+        # A shard set shuffled a window of shards at a time, or a mix of sets (whose order
+        # draws from the sets by weight even unshuffled: `order_always`).
+        ordered = getattr(dataset, "has_epoch_order", False) and (
+            cfg.shuffle or getattr(dataset, "order_always", False)
+        )
         self.sampler: Any
         if make_sampler is not None:
             self.sampler = make_sampler(rank, world_size, seed)
-        elif window is not None:  # a shard set mixing `window` shards at a time
+        elif ordered:
             order_of = functools.partial(dataset.epoch_order, seed)  # type: ignore[attr-defined]
             self.sampler = OrderSampler(order_of, len(dataset), rank, world_size)  # type: ignore[arg-type]
         else:

@@ -233,6 +233,11 @@ class ShardSet(Dataset[Any]):
             self.slots.prefetch(range(k + 1, min(k + 1 + self.readahead, len(self.files))), k)
         return reader
 
+    @property
+    def has_epoch_order(self) -> bool:
+        """A shuffled epoch takes `epoch_order` (a window of shards) over one permutation."""
+        return self.shuffle_shards is not None
+
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
         """The shuffled order of one epoch, `shuffle_shards` shards at a time."""
         window = self.shuffle_shards or len(self.counts)

@@ -220,6 +220,10 @@ def load_token_source(cfg: DataConfig) -> Splits:
 
 
 def load_shards(cfg: DataConfig) -> Splits:
+    if cfg.mix is not None:
+        from hpcml.data.mix import load_mix
+
+        return load_mix(cfg)
     from hpcml.data.shard_loading import load_shard_source
 
     return load_shard_source(cfg)  # type: ignore[no-any-return]
@@ -246,7 +250,11 @@ def check_source(cfg: DataConfig) -> None:
         from hpcml.data.tokens import check_tokens
 
         check_tokens(cfg)
-    if cfg.source == "shards":
+    if cfg.source == "shards" and cfg.mix is not None:
+        from hpcml.data.mix import check_mix
+
+        check_mix(cfg)
+    elif cfg.source == "shards":
         from hpcml.data.shard_loading import check_shards
 
         check_shards(cfg)
