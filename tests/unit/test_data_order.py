@@ -84,7 +84,9 @@ def exactly_once(parts: list[list[int]], n: int, world_after: int) -> None:
     assert n - len(counts) < B * world_after  # only the new world's drop_last tail goes unseen
 
 
-@pytest.mark.parametrize(("before", "after", "workers"), [(2, 1, 0), (1, 2, 0), (1, 1, 2)])
+@pytest.mark.parametrize(
+    ("before", "after", "workers"), [(2, 1, 0), (1, 2, 0), (1, 1, 2), (1, 1, 0)]
+)
 def test_a_resume_continues_the_shard_aware_order(
     root: Path, before: int, after: int, workers: int
 ) -> None:
@@ -96,7 +98,7 @@ def test_a_resume_continues_the_shard_aware_order(
     single = take(alone, 5 * before)
     interleaved = [seen[k % before][k // before] for k in range(5 * B * before)]
     assert interleaved == single[: 5 * B * before]
-    if before == after:  # another worker count: the saved loader state is another count's
+    if before == after:  # the loader state itself (0 workers), or another worker count's
         state = first[0].state_dict()
         second = [loader(root, 0, 1, workers)]
         second[0].load_state_dict(state)

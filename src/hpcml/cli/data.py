@@ -78,6 +78,12 @@ def shard(
         help="Tables: the feature columns, comma-separated (default: every column but the "
         "label); each must hold numbers.",
     ),
+    encoded: bool = typer.Option(
+        False,
+        "--encoded",
+        help="Image folders: store each image file's bytes as they are and decode (convert, "
+        "resize to --image-size) when read, in the loader's workers.",
+    ),
     fill: float | None = typer.Option(
         None,
         "--fill",
@@ -104,6 +110,7 @@ def shard(
         synthetic_samples=synthetic_samples,
         features=[c.strip() for c in features.split(",") if c.strip()] if features else None,
         fill=fill,
+        encoded=encoded,
     )
     if json_out:
         print_json(_info(result["manifest"], result["out"]))

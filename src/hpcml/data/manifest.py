@@ -66,7 +66,9 @@ class TensorSpec(_Strict):
 
 
 class SampleSpec(_Strict):
-    layout: Literal["tensor", "tokens"]
+    layout: Literal["tensor", "tokens", "encoded"]
+    """tensor: x holds the sample's bytes; tokens: a window of token ids; encoded: an image
+    file's bytes (variable size), decoded when read to the (3, H, W) uint8 spec x gives."""
     x: TensorSpec
     y: TensorSpec
 
@@ -121,6 +123,9 @@ class Manifest(_Strict):
 
     @model_validator(mode="after")
     def _tokens(self) -> Manifest:
+        x = self.sample.x
+        if self.sample.layout == "encoded" and (len(x.shape) != 3 or x.shape[0] != 3):
+            raise ValueError("an encoded image set decodes to shape [3, H, W]")
         if self.sample.layout == "tokens":
             if self.seq_len is None:
                 raise ValueError("a tokens set needs seq_len")
@@ -190,9 +195,10 @@ def check_shard(reader: Any, manifest: dict[str, Any], split: str, k: int, where
     import pyarrow as pa
 
     sample, entry = manifest["sample"], manifest["splits"][split]
+    encoded = sample["layout"] == "encoded"
     expected = {
         "id": pa.int64(),
-        "x": pa.binary(TensorSpec.model_validate(sample["x"]).width()),
+        "x": pa.binary() if encoded else pa.binary(TensorSpec.model_validate(sample["x"]).width()),
         "y": pa.binary(TensorSpec.model_validate(sample["y"]).width()),
     }
     schema = reader.schema

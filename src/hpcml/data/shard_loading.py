@@ -74,7 +74,7 @@ def shuffle_window(cfg: DataConfig) -> int | None:
 def is_image_set(manifest: dict[str, Any]) -> bool:
     """Samples are (C, H, W) images, which crop, flip, mixup and cutmix apply to."""
     sample = manifest["sample"]
-    return sample["layout"] == "tensor" and len(sample["x"]["shape"]) == 3
+    return sample["layout"] in ("tensor", "encoded") and len(sample["x"]["shape"]) == 3
 
 
 def device_normalize(cfg: DataConfig, manifest: dict[str, Any]) -> Any:

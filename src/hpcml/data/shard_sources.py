@@ -110,8 +110,11 @@ def from_tokens(cfg: DataConfig) -> tuple[Samples, dict[str, Any]]:
 
 
 def from_image_folder(
-    root: Path, image_size: int, val_fraction: float
+    root: Path, image_size: int, val_fraction: float, encoded: bool = False
 ) -> tuple[Samples, dict[str, Any]]:
+    """An image folder's images resized to `image_size` and stored as pixels, or with `encoded`
+    stored as their files' bytes (each checked to decode) and resized when read, in the
+    loader's workers."""
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise DataError(
@@ -146,12 +149,20 @@ def from_image_folder(
                     f"image {root / rel} cannot be read ({type(exc).__name__}); remove or "
                     "replace it."
                 ) from None
+            if encoded:
+                raw = np.frombuffer((root / rel).read_bytes(), dtype=np.uint8)
+                yield sid, raw, np.asarray(label, dtype=np.int64)
+                continue
             chw = np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
             yield sid, chw, np.asarray(label, dtype=np.int64)
 
+    resize = {"convert": "RGB", "resize": [image_size, image_size], "filter": "bilinear"}
+    read: dict[str, Any] = {"scale": 1 / 255, "mean": [0.5] * 3, "std": [0.5] * 3}
+    if encoded:
+        read["decode"] = resize
     header = {
         "sample": {
-            "layout": "tensor",
+            "layout": "encoded" if encoded else "tensor",
             "x": shards.spec(np.uint8, (3, image_size, image_size)),
             "y": shards.spec(np.int64, ()),
         },
@@ -159,9 +170,9 @@ def from_image_folder(
         "classes": classes,
         "source": {"name": "image_folder", "path": str(root), "files": len(files)},
         "transform": {
-            "write": {"convert": "RGB", "resize": [image_size, image_size], "filter": "bilinear"},
+            "write": {"stored": "file bytes"} if encoded else resize,
             "val_fraction": val_fraction,
-            "read": {"scale": 1 / 255, "mean": [0.5] * 3, "std": [0.5] * 3},
+            "read": read,
         },
     }
     return {"train": items("train"), "val": items("val")}, header
@@ -285,11 +296,14 @@ def shard(
     synthetic_samples: int = 4096,
     features: list[str] | None = None,
     fill: float | None = None,
+    encoded: bool = False,
 ) -> dict[str, Any]:
     """Write the shard set of `source` (a built-in name, an image folder or a table file)."""
     shard_bytes = shards.parse_size(shard_size)
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1).")
+    if source in BUILTIN and encoded:
+        raise DataError(f"--encoded applies to image folders; {source!r} is a built-in source.")
     if source in BUILTIN:
         cfg = DataConfig(
             source=source,
@@ -302,7 +316,9 @@ def shard(
     else:
         p = Path(source).expanduser()
         if p.is_dir():
-            samples, header = from_image_folder(p, image_size, val_fraction)
+            samples, header = from_image_folder(p, image_size, val_fraction, encoded)
+        elif encoded:
+            raise DataError(f"--encoded applies to image folders; {source!r} is not one.")
         elif p.is_file() and p.suffix.lower() in TABLE_SUFFIXES:
             samples, header = from_table(p, label, val_fraction, features, fill)
         else:
