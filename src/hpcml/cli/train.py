@@ -41,6 +41,12 @@ def train(
         help="With --resume auto: when checkpoints exist but none is complete, move them to "
         "checkpoints/corrupt/ and start from step 0 (without it, the run refuses).",
     ),
+    allow_data_change: bool = typer.Option(
+        False,
+        "--allow-data-change",
+        help="Resume onto a shard set of another version than the checkpoint's, recording "
+        "every version read (data.allow_change); without it such a resume is refused.",
+    ),
     strict_health: bool = typer.Option(
         False,
         "--strict-health",
@@ -62,6 +68,8 @@ def train(
 
     if strict_health:
         overrides = [*(overrides or []), "observe.strict_health=true"]
+    if allow_data_change:
+        overrides = [*(overrides or []), "data.allow_change=true"]
     cfg = load_config(config, overrides or [])
     if launched_by_torchrun():
         # A worker: torchrun (ours or the user's) chose the world; rank 0 checks the folder.

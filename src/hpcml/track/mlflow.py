@@ -356,24 +356,39 @@ def _summary_tags(summary: dict[str, Any], status: str) -> dict[str, str]:
 def _log_dataset(
     client: MlflowClient, run_id: str, data: dict[str, Any], config: dict[str, Any]
 ) -> None:
-    """A shard set the run read becomes the run's MLflow dataset input: name and path, the
-    first 36 hex digits of its version as the digest (MLflow's column holds 36), the whole
-    version in the source JSON."""
-    version = data.get("version")
-    if not version:
+    """Each shard set version the run read (more than one after a resume with
+    --allow-data-change) becomes one of the run's MLflow training dataset inputs: name and
+    location, the first 36 hex digits of its version as the digest (MLflow's column holds 36),
+    the whole version in the source JSON, and MLflow's source type for where it was read (`s3`
+    for a bucket, `local` for a folder, given as an absolute path)."""
+    read = data.get("versions_read")
+    if read is None and data.get("version"):  # a summary written before versions_read
+        read = [{"version": data["version"], "path": (config.get("data") or {}).get("path")}]
+    read = [r for r in read or [] if isinstance(r, dict) and r.get("version")]
+    if not read:
         return
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    path = (config.get("data") or {}).get("path") or ""
-    dataset = Dataset(
-        name=Path(path).name or "shards",
-        digest=str(version)[:36],
-        source_type="local",
-        source=json.dumps({"uri": str(path), "version": version}),
-    )
-    client.log_inputs(
-        run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])]
-    )
+    inputs = []
+    for r in read:
+        path = str(r.get("path") or "")
+        source_type, uri = dataset_location(path)
+        dataset = Dataset(
+            name=Path(uri.rstrip("/")).name or "shards",
+            digest=str(r["version"])[:36],
+            source_type=source_type,
+            source=json.dumps({"uri": uri, "version": r["version"], "location": path}),
+        )
+        inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", "training")]))
+    client.log_inputs(run_id, inputs)
+
+
+def dataset_location(path: str) -> tuple[str, str]:
+    """MLflow's dataset source type and URI for data.path: `s3` and the URL without its
+    query (endpoint options), or `local` and the absolute folder."""
+    if path.startswith("s3://"):
+        return "s3", path.split("?", 1)[0]
+    return "local", str(Path(path).expanduser().resolve()) if path else ""
 
 
 def make_tracker(cfg: TrackingConfig, run_dir: Path) -> MlflowTracker | NullTracker:
