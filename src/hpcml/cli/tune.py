@@ -61,15 +61,18 @@ def tune(
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"--out {folder} is a file, not a folder; choose another path.")
     folder.mkdir(parents=True, exist_ok=True)
+    url = storage or st.default_storage(folder)
+    name = study or config.stem
     job = st.TuneJob(
         config=config,
         overrides=tuple(overrides or ()),
         out=folder,
-        storage=storage or st.default_storage(folder),
-        study=study or config.stem,
+        storage=url,
+        study=name,
         trials=trials or prep.tune.trials,
         nproc=nproc,
         timeout_s=prep.tune.timeout_s,
+        known=st.known_trials(url, name),
     )
     st.run_workers(job, workers, verbose=not json_out)
     result = st.summary(job)

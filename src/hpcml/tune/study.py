@@ -66,6 +66,8 @@ class TuneJob:
     nproc: int = 1
     timeout_s: float | None = None
     started: float = field(default_factory=time.time)
+    known: int = 0
+    """Trials the study held when this tune started (see make_sampler)."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,12 @@ def open_storage(url: str) -> RDBStorage:
         ) from None
 
 
-def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int) -> Any:
-    seed = tune.seed + worker  # workers given one seed would propose the same points
+def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: int = 0) -> Any:
+    """The sampler of one worker. Its seed differs per worker (two workers with one seed
+    would propose the same points) and per resumption (`known`: trials the study held when
+    this tune started; with the first invocation's seed a resumed study would propose the
+    points it already tried)."""
+    seed = tune.seed + worker + 1000 * known
     s = optuna.samplers
     if tune.sampler == "tpe":
         # constant_liar: a running trial counts as a bad result, so parallel workers spread out.
@@ -158,7 +164,7 @@ def load_study(job: TuneJob, prep: Prepared, worker: int = 0) -> optuna.Study:
         storage=storage,
         study_name=job.study,
         direction=prep.tune.direction,
-        sampler=make_sampler(prep.tune, prep.dists, worker),
+        sampler=make_sampler(prep.tune, prep.dists, worker, job.known),
         pruner=make_pruner(prep.tune, prep.cfg),
         load_if_exists=True,
     )
@@ -219,6 +225,12 @@ def fail_dead_trials(study: optuna.Study) -> None:
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                 if study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
                     retry(study, study._storage.get_trial(t._trial_id))
+                    if "run_dir" in t.user_attrs:
+                        trial_run.write_trial_file(
+                            Path(t.user_attrs["run_dir"]),
+                            {"trial": t.number, "params": t.params, "status": "failed",
+                             "error": "its tune worker died; the trial was queued again"},
+                        )  # fmt: skip
 
 
 def next_action(study: optuna.Study, job: TuneJob, sampler: Any) -> str:
@@ -303,8 +315,9 @@ def objective_body(
         job.config, [*job.overrides, *space.overrides(params)], run_dir, job.nproc
     )
 
-    def report(value: float, step: int) -> bool:
-        t.report(value, step)
+    def report(points: list[tuple[int, float]]) -> bool:
+        for step, value in points:
+            t.report(value, step)
         return t.should_prune()
 
     info = {"study": job.study, "storage": job.storage, "trial": t.number, "params": params}
@@ -374,6 +387,15 @@ def run_workers(job: TuneJob, workers: int, verbose: bool) -> None:
             f"{len(codes)} of {workers} tune workers failed (exit codes {codes}); "
             "their messages are above, and the study keeps what they finished."
         )
+
+
+def known_trials(storage: str, name: str) -> int:
+    """How many trials study `name` holds (0 when it does not exist yet)."""
+    try:
+        study = optuna.load_study(study_name=name, storage=open_storage(storage))
+    except KeyError:
+        return 0
+    return len(study.get_trials(deepcopy=False))
 
 
 def summary(job: TuneJob) -> dict[str, Any]:

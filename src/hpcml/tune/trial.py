@@ -121,12 +121,15 @@ def run(
     command: list[str],
     run_dir: Path,
     metric: str,
-    report: Callable[[float, int], bool],
+    report: Callable[[list[tuple[int, float]]], bool],
     heartbeat: Callable[[], None] = lambda: None,
     heartbeat_s: float = 5.0,
 ) -> Outcome:
-    """Run `command` (an `hpcml train` writing into `run_dir`), report `metric` at each
-    evaluation with `report(value, step)`, which returns True to prune the trial there."""
+    """Run `command` (an `hpcml train` writing into `run_dir`) and pass each evaluation's
+    `metric` to `report([(step, value), ...])`, which returns True to prune the trial there.
+    Evaluations that arrived together are reported in one call (asking the pruner costs a
+    read of the study, and a tuner that asked once per evaluation fell behind a fast run). A
+    run that ends before the answer is complete, whatever the answer."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tail = RecordTail(run_dir / RUN_LOG)
     curve: list[tuple[int, float]] = []
@@ -140,23 +143,13 @@ def run(
         try:
             while True:
                 done = proc.poll() is not None
-                for rec in tail.read():
-                    if rec.get("kind") != "eval":
-                        continue
-                    step = int(rec.get("step", 0))
-                    if metric not in rec:
-                        _stop(proc)
-                        known = ", ".join(k for k in rec if k.startswith("val_"))
-                        raise ConfigError(
-                            f"tune.metric '{metric}' is not among the metrics an evaluation "
-                            f"reports ({known}); set tune.metric to one of them."
-                        )
-                    value = float(rec[metric])
-                    curve.append((step, value))
-                    if report(value, step):
-                        if not done:
-                            _stop(proc)
-                        return Outcome("pruned", value, step, curve=curve)
+                points = _eval_points(tail.read(), metric, proc)
+                curve += points
+                if points and report(points) and not done:
+                    _stop(proc)
+                    if proc.returncode != 0:  # 0: it finished before the signal came
+                        return Outcome("pruned", points[-1][1], points[-1][0], curve=curve)
+                    done = True
                 if done:
                     break
                 if time.monotonic() - beat >= heartbeat_s:
@@ -168,6 +161,24 @@ def run(
                 _stop(proc)
             raise
     return _finished(proc.returncode, run_dir, metric, curve)
+
+
+def _eval_points(
+    records: list[dict[str, Any]], metric: str, proc: subprocess.Popen[bytes]
+) -> list[tuple[int, float]]:
+    points = []
+    for rec in records:
+        if rec.get("kind") != "eval":
+            continue
+        if metric not in rec:
+            _stop(proc)
+            known = ", ".join(k for k in rec if k.startswith("val_"))
+            raise ConfigError(
+                f"tune.metric '{metric}' is not among the metrics an evaluation reports "
+                f"({known}); set tune.metric to one of them."
+            )
+        points.append((int(rec.get("step", 0)), float(rec[metric])))
+    return points
 
 
 def _finished(rc: int, run_dir: Path, metric: str, curve: list[tuple[int, float]]) -> Outcome:

@@ -1,0 +1,117 @@
+"""hpcml.tune's search space and planner check, without running a trial: overrides that
+`hpcml train` reads back to the sampled value, spaces refused with one sentence, grids, and
+the planner's verdict on a made-up small device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+from hpcml.config import TuneConfig, load_config, parse_override
+from hpcml.errors import ConfigError
+from hpcml.tune import feasible, space
+
+BASE = {"model": {"name": "mlp", "args": {"hidden": 16}}, "data": {"source": "synthetic"}}
+
+
+@pytest.mark.parametrize(
+    "value", [1e-05, 3.0e-7, 0.1, 2.5e20, 16, 0, True, False, "sgd", "1e-3", "yes", "null"]
+)
+def test_override_reads_back_as_the_sampled_value(value: object) -> None:
+    # YAML reads 1e-05 (no dot) as a string and "yes" as a boolean: the text must say what
+    # the value is.
+    key, parsed = parse_override(space.override("optim.lr", value))
+    assert key == ["optim", "lr"]
+    assert parsed == value and type(parsed) is type(value)
+
+
+def _tune(**space_: dict[str, object]) -> TuneConfig:
+    return TuneConfig.model_validate({"space": space_})
+
+
+@pytest.mark.parametrize(
+    ("key", "param", "words"),
+    [
+        ("optim.lrr", {"type": "float", "low": 0.1, "high": 1}, "optim.lrr"),
+        ("optim.lr", {"type": "float", "low": 0.1, "high": 0.1}, "empty range"),
+        ("optim.lr", {"type": "float", "low": 0.0, "high": 1, "log": True}, "log scale"),
+        ("optim.lr", {"type": "float", "low": -1, "high": 1}, "optim.lr"),  # lr must be > 0
+        ("data.batch_size", {"type": "int", "low": 1.5, "high": 8}, "not whole"),
+        ("data.batch_size", {"type": "int", "low": 1, "high": 8, "step": 2}, "multiple of step"),
+        ("data.batch_size", {"type": "categorical", "choices": []}, "no choices"),
+        ("data.batch_size", {"type": "categorical", "choices": [8, 8]}, "twice"),
+        ("optim.name", {"type": "categorical", "choices": ["adamw", "lion"]}, "lion"),
+        ("optim", {"type": "categorical", "choices": [1]}, "optim"),
+        ("tune.seed", {"type": "int", "low": 0, "high": 3}, "inside tune"),
+        ("optim.lr", {"type": "float", "low": 1e-3, "high": 1, "choices": [1]}, "categorical"),
+    ],
+)
+def test_a_bad_space_is_refused_in_one_sentence(key: str, param: dict, words: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        space.distributions(_tune(**{key: param}), BASE)
+    message = exc.value.message
+    assert words in message and key in message and "\n" not in message, message
+
+
+def test_distributions_and_grid_follow_the_space() -> None:
+    tune = _tune(
+        **{
+            "optim.lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True},
+            "optim.warmup_steps": {"type": "int", "low": 0, "high": 20, "step": 5},
+            "optim.weight_decay": {"type": "float", "low": 0.0, "high": 0.3, "step": 0.1},
+            "data.batch_size": {"type": "categorical", "choices": [16, 32]},
+        }
+    )
+    d = space.distributions(tune, BASE)
+    assert d["optim.lr"] == FloatDistribution(1e-4, 1e-1, log=True)
+    assert d["optim.warmup_steps"] == IntDistribution(0, 20, step=5)
+    assert d["data.batch_size"] == CategoricalDistribution([16, 32])
+    with pytest.raises(ConfigError, match="optim.lr.*continuous or log range"):
+        space.grid(d)
+    del d["optim.lr"]
+    g = space.grid(d)
+    assert g["optim.warmup_steps"] == [0, 5, 10, 15, 20]
+    assert g["optim.weight_decay"] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert g["data.batch_size"] == [16, 32]
+
+
+def test_an_empty_space_is_refused() -> None:
+    with pytest.raises(ConfigError, match="tune.space is empty"):
+        space.distributions(TuneConfig(), BASE)
+
+
+TINY_CATALOG = """\
+accelerators:
+  tiny-2gb:
+    display: a made-up 2 GB device
+    memory_bytes: 2.0e9
+    memory_bandwidth_bytes_per_s: 1.0e11
+    peak_flops: {fp32: 1.0e12}
+"""
+
+
+def test_the_planner_marks_only_a_batch_too_large_for_the_device(tmp_path: Path) -> None:
+    catalog = tmp_path / "tiny.yaml"
+    catalog.write_text(TINY_CATALOG)
+    tune = TuneConfig(device="tiny-2gb", catalog=[str(catalog)])
+    feasible.check_device(tune)
+    cfg = load_config(None, ["model.name=mlp", "model.args={hidden: 16}"])
+    fits = {}
+    for batch in (16, 1_000_000):
+        cfg.data.batch_size = batch
+        fit = feasible.memory_fit(cfg, 1, tune)
+        assert fit is not None
+        fits[batch] = fit
+    assert fits[16].fits and fits[16].violation < 0
+    assert not fits[1_000_000].fits and fits[1_000_000].violation > 0
+    # 0.9 x 2 GB less the 1 GB CUDA reserve the planner keeps off every device
+    assert fits[16].usable_bytes == pytest.approx(0.8e9)
+    assert "tiny-2gb" in fits[1_000_000].reason()
+    assert feasible.memory_fit(cfg, 1, TuneConfig()) is None  # no device: not checked
+
+
+def test_an_unknown_device_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="tune.device 'tpu-v9'"):
+        feasible.check_device(TuneConfig(device="tpu-v9"))
