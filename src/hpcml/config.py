@@ -345,7 +345,7 @@ class TuneParam(_Section):
     """float, int: sample on a log scale (learning rates, weight decay)."""
     step: float | None = Field(None, gt=0)
     """float, int: values on a grid `low + k * step`; the grid sampler needs it for a float."""
-    choices: list[Any] | None = None
+    choices: list[bool | int | float | str] | None = None
     """categorical: the values to choose from (numbers, strings, booleans)."""
 
 

@@ -48,11 +48,6 @@ def _distribution(key: str, p: TuneParam) -> BaseDistribution:
             raise ConfigError(
                 f"{where} is categorical but lists no choices; give `choices: [...]`."
             )
-        if any(not isinstance(c, (bool, int, float, str)) or c is None for c in p.choices):
-            raise ConfigError(
-                f"{where} has a choice that is not a number, string or boolean; "
-                "give plain values in `choices`."
-            )
         if len(set(map(repr, p.choices))) != len(p.choices):
             raise ConfigError(f"{where} lists a choice twice; give each value once.")
         return CategoricalDistribution(p.choices)
