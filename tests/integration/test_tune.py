@@ -20,6 +20,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 from tests.conftest import ROOT, hpcml_env
+from tests.integration.mlflow_util import fresh_store
 from typer.testing import CliRunner
 
 from hpcml.cli.app import app
@@ -31,7 +32,9 @@ WAIT_S = 120.0
 """Bound on waiting for a file a running process writes (fails the test instead of hanging)."""
 
 
-def tune_config(path: Path, tune: dict[str, Any], **train: Any) -> Path:
+def tune_config(
+    path: Path, tune: dict[str, Any], sections: dict[str, Any] | None = None, **train: Any
+) -> Path:
     cfg = {
         "model": {"name": "mlp", "args": {"hidden": 16}},
         "data": {
@@ -45,6 +48,7 @@ def tune_config(path: Path, tune: dict[str, Any], **train: Any) -> Path:
                   "seed": 0, "device": "cpu", **train},
         "tune": {"metric": "val_loss", "direction": "minimize", "sampler": "random",
                  "space": {"optim.lr": SPACE_LR}, **tune},
+        **(sections or {}),
     }  # fmt: skip
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -213,6 +217,47 @@ def test_planner_infeasible_trials_are_recorded_and_never_started(tmp_path: Path
     assert sorted(t.params["data.batch_size"] for t in trials) == [65536, 1000000]
     for t in trials:  # Optuna's constraint: > 0 means infeasible (TPE learns from it)
         assert t.state == TrialState.PRUNED and t.constraints["memory"] > 0
+
+
+def test_mlflow_holds_a_parent_run_and_a_child_run_per_trial_with_its_state(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+):
+    from mlflow import MlflowClient
+
+    uri = fresh_store(tmp_path_factory, "tune-mlflow")  # migrated once per session
+    tracking = {"tracking": {"backend": "mlflow", "uri": uri, "experiment": "tune-test"}}
+    # One worker, seed 28: trial 0 (lr 0.0154) completes, trial 1 (lr 0.0048) has the higher
+    # val_loss at ASHA's first rung (step 5; see the two-worker test) and is pruned there.
+    tune = {"pruner": "asha", "trials": 2, "seed": 28}
+    config = tune_config(tmp_path / "tune.yaml", tune, tracking, max_steps=300)
+    out = tmp_path / "study"
+    result = run_tune(config, out)
+    assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
+    study = load(out)
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("tune-test")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("hpcml.tune.study") == "tune"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    assert parent.data.metrics["best_value"] == study.best_value
+    assert parent.data.metrics["trials_pruned"] == 1
+    children = {
+        int(r.data.tags["hpcml.tune.trial"]): r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
+    assert sorted(children) == [0, 1]
+    # Each child is the trial's own training run: its status and Optuna state agree, and it
+    # logged the sampled value as its optim.lr.
+    mlflow_status = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "KILLED"}
+    for t in study.get_trials():
+        child = children[t.number]
+        assert child.info.status == mlflow_status[t.state]
+        assert child.data.tags["hpcml.tune.state"] == t.state.name.lower()
+        assert float(child.data.params["optim.lr"]) == t.params["optim.lr"]
+        assert child.data.tags["hpcml.run_dir"] == str(Path(t.user_attrs["run_dir"]).resolve())
 
 
 def _cli(*args: str) -> Any:

@@ -74,8 +74,7 @@ def tune(
         timeout_s=prep.tune.timeout_s,
         known=st.known_trials(url, name),
     )
-    st.run_workers(job, workers, verbose=not json_out)
-    result = st.summary(job)
+    result = st.run_study(job, workers, verbose=not json_out)
     if json_out:
         import json
         import sys

@@ -31,12 +31,13 @@ from typing import Any
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, load_yaml
 from hpcml.errors import ConfigError, HpcmlError, WorkFailed
-from hpcml.tune import feasible, space
+from hpcml.tune import feasible, space, tracking
 from hpcml.tune import trial as trial_run
+from hpcml.tune.report import counts, summary
 
 HEARTBEAT_S = 10
 """Optuna's heartbeat of a running trial (one small write to the storage)."""
@@ -76,6 +77,10 @@ class Prepared:
     tune: TuneConfig
     base: dict[str, Any]
     dists: dict[str, Any]
+
+    @property
+    def tracked(self) -> bool:
+        return tracking.enabled(self.cfg)
 
 
 class TrialRunFailed(Exception):
@@ -196,27 +201,6 @@ class StudyLock:
             self._f = None
 
 
-def retried_numbers(trials: list[FrozenTrial]) -> set[int]:
-    return {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
-
-
-def counts(trials: list[FrozenTrial]) -> dict[str, int]:
-    """complete / pruned / failed / infeasible / running; a failed trial queued again is not
-    counted (its retry is)."""
-    retried = retried_numbers(trials)
-    out = dict.fromkeys(("complete", "pruned", "failed", "infeasible", "running"), 0)
-    for t in trials:
-        if t.state == TrialState.COMPLETE:
-            out["complete"] += 1
-        elif t.state == TrialState.PRUNED:
-            out["infeasible" if "infeasible" in t.user_attrs else "pruned"] += 1
-        elif t.state == TrialState.FAIL and t.number not in retried:
-            out["failed"] += 1
-        elif t.state == TrialState.RUNNING:
-            out["running"] += 1
-    return out
-
-
 def fail_dead_trials(study: optuna.Study) -> None:
     """Fail (and queue again) RUNNING trials whose worker on this host is gone."""
     retry = RetryHeartbeatStaleTrialCallback(MAX_RETRY)
@@ -300,20 +284,16 @@ def objective_body(
     data = prep.base
     for key, value in params.items():
         data = space.set_dotted(data, key, value)
-    cfg = build_config(data, origin=f"trial {t.number}")
-    fit = feasible.memory_fit(cfg, job.nproc, prep.tune)
-    if fit is not None:
-        t.set_user_attr("predicted_bytes", fit.predicted_bytes)
-        t.set_constraint("memory", fit.violation)
-        if not fit.fits:
-            t.set_user_attr("infeasible", fit.reason())
-            say(f"trial {t.number}: infeasible, not started: {fit.reason()}")
-            raise optuna.TrialPruned(fit.reason())
+    reason = _infeasible(t, build_config(data, origin=f"trial {t.number}"), job, prep)
+    if reason is not None:
+        say(f"trial {t.number}: infeasible, not started: {reason}")
+        _track(prep, t, "infeasible", None, params, say)
+        raise optuna.TrialPruned(reason)
     run_dir = job.out / "trials" / f"trial-{t.number:04d}"
     t.set_user_attr("run_dir", str(run_dir))
-    command = trial_run.train_command(
-        job.config, [*job.overrides, *space.overrides(params)], run_dir, job.nproc
-    )
+    extra = tracking.trial_overrides(prep.cfg, t.study, t.number) if prep.tracked else []
+    args = [*job.overrides, *space.overrides(params), *extra]
+    command = trial_run.train_command(job.config, args, run_dir, job.nproc)
 
     def report(points: list[tuple[int, float]]) -> bool:
         for step, value in points:
@@ -332,6 +312,7 @@ def objective_body(
          "error": outcome.error},
     )  # fmt: skip
     say(_describe(t.number, outcome, prep.tune.metric, run_dir))
+    _track(prep, t, outcome.state, run_dir, params, say)
     if outcome.state == "pruned":
         raise optuna.TrialPruned(f"pruned at step {outcome.step}")
     if outcome.state == "failed":
@@ -339,6 +320,35 @@ def objective_body(
         raise TrialRunFailed(outcome.error)
     assert outcome.value is not None
     return outcome.value
+
+
+def _infeasible(t: optuna.Trial, cfg: RunConfig, job: TuneJob, prep: Prepared) -> str | None:
+    """Why the planner says the trial's config will not fit `tune.device`, or None."""
+    fit = feasible.memory_fit(cfg, job.nproc, prep.tune)
+    if fit is None:
+        return None
+    t.set_user_attr("predicted_bytes", fit.predicted_bytes)
+    t.set_constraint("memory", fit.violation)
+    if fit.fits:
+        return None
+    t.set_user_attr("infeasible", fit.reason())
+    return fit.reason()
+
+
+def _track(
+    prep: Prepared,
+    t: optuna.Trial,
+    state: str,
+    run_dir: Path | None,
+    params: dict[str, Any],
+    say: Callable[[str], None],
+) -> None:
+    if not prep.tracked:
+        return
+    try:
+        tracking.record_trial(prep.cfg, t.study, t.number, state, run_dir, params)
+    except Exception as exc:  # a tracking store that fails mid-study must not stop the study
+        say(f"warning: trial {t.number} not tagged in MLflow ({type(exc).__name__}: {exc})")
 
 
 def _describe(number: int, o: trial_run.Outcome, metric: str, run_dir: Path) -> str:
@@ -389,6 +399,19 @@ def run_workers(job: TuneJob, workers: int, verbose: bool) -> None:
         )
 
 
+def run_study(job: TuneJob, workers: int, verbose: bool) -> dict[str, Any]:
+    """Run the study's workers, then return its summary (and put it on the MLflow parent)."""
+    prep = prepare(job.config, job.overrides)
+    if prep.tracked:  # the parent first, so that every worker finds it in the study
+        tracking.open_parent(prep.cfg, load_study(job, prep), job.storage)
+    run_workers(job, workers, verbose)
+    study = load_study(job, prep)
+    result = summary(study, job.storage)
+    if prep.tracked:
+        tracking.close_parent(prep.cfg, study, result)
+    return result
+
+
 def known_trials(storage: str, name: str) -> int:
     """How many trials study `name` holds (0 when it does not exist yet)."""
     try:
@@ -396,32 +419,3 @@ def known_trials(storage: str, name: str) -> int:
     except KeyError:
         return 0
     return len(study.get_trials(deepcopy=False))
-
-
-def summary(job: TuneJob) -> dict[str, Any]:
-    """The study as `hpcml tune --json` prints it."""
-    study = optuna.load_study(study_name=job.study, storage=open_storage(job.storage))
-    trials = study.get_trials(deepcopy=False)
-    n = counts(trials)
-    out: dict[str, Any] = {
-        "study": job.study,
-        "storage": job.storage,
-        "best_value": None,
-        "best_params": None,
-        "best_run": None,
-        "trials": {k: n[k] for k in ("complete", "pruned", "failed", "infeasible")},
-    }
-    if n["complete"]:
-        best = study.best_trial
-        out.update(
-            best_value=best.value,
-            best_params=best.params,
-            best_run=best.user_attrs.get("run_dir"),
-            best_trial=best.number,
-        )
-    reasons = sorted(
-        {str(t.user_attrs["infeasible"]) for t in trials if "infeasible" in t.user_attrs}
-    )
-    if reasons:
-        out["infeasible_reasons"] = reasons
-    return out
