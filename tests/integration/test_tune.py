@@ -170,8 +170,10 @@ def test_kill_9_of_the_tuner_then_rerun_retries_the_killed_trial(tmp_path: Path)
     assert json.loads((killed / "summary.json").read_text())["status"] == "interrupted"
     assert load(out).get_trials()[0].state == TrialState.RUNNING  # as kill -9 left it
 
-    result = run_tune(config, out)
+    result = run_tune(config, out, "--report")
     assert result["trials"] == {"complete": 1, "pruned": 0, "failed": 0, "infeasible": 0}
+    assert result["report"] == str(out / "report" / "index.html")
+    assert '<img src="history.png"' in Path(result["report"]).read_text()
     trials = load(out).get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
     # The killed trial 0 was failed and run again, with its parameters, as trial 1.

@@ -73,7 +73,7 @@ def test_distributions_and_grid_follow_the_space() -> None:
     del d["optim.lr"]
     g = space.grid(d)
     assert g["optim.warmup_steps"] == [0, 5, 10, 15, 20]
-    assert g["optim.weight_decay"] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert g["optim.weight_decay"] == [0.0, 0.1, 0.2, 0.3]  # exactly: 0.1 * 3 is not 0.3
     assert g["data.batch_size"] == [16, 32]
 
 
@@ -115,3 +115,90 @@ def test_the_planner_marks_only_a_batch_too_large_for_the_device(tmp_path: Path)
 def test_an_unknown_device_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="tune.device 'tpu-v9'"):
         feasible.check_device(TuneConfig(device="tpu-v9"))
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("tpe", "TPESampler"), ("random", "RandomSampler"), ("grid", "GridSampler"),
+     ("cmaes", "CmaEsSampler"), ("qmc", "QMCSampler")],
+)  # fmt: skip
+def test_each_sampler_is_optunas_and_proposes_within_the_space(name: str, cls: str) -> None:
+    import optuna
+
+    from hpcml.tune.study import make_sampler
+
+    tune = _tune(
+        **{
+            "optim.warmup_steps": {"type": "int", "low": 0, "high": 20, "step": 5},
+            "optim.weight_decay": {"type": "float", "low": 0.0, "high": 0.3, "step": 0.1},
+        }
+    )
+    tune.sampler = name  # type: ignore[assignment]
+    dists = space.distributions(tune, BASE)
+    sampler = make_sampler(tune, dists, worker=1, known=2)
+    assert type(sampler).__name__ == cls
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study(sampler=sampler)
+    for i in range(4):
+        trial = study.ask(dists)
+        assert trial.params["optim.warmup_steps"] in (0, 5, 10, 15, 20)
+        assert 0.0 <= trial.params["optim.weight_decay"] <= 0.3
+        study.tell(trial, float(i))
+
+
+def test_pruners_start_at_the_first_evaluation() -> None:
+    import optuna
+
+    from hpcml.tune.study import make_pruner
+
+    cfg = load_config(None, ["train.eval_every=25", "train.max_steps=400"])
+    tune = TuneConfig(pruner="asha")
+    asha = make_pruner(tune, cfg)
+    assert isinstance(asha, optuna.pruners.SuccessiveHalvingPruner)
+    assert asha._min_resource == 25
+    tune.pruner = "hyperband"
+    band = make_pruner(tune, cfg)
+    assert isinstance(band, optuna.pruners.HyperbandPruner)
+    assert (band._min_resource, band._max_resource) == (25, 400)
+    tune.pruner = "median"
+    assert isinstance(make_pruner(tune, cfg), optuna.pruners.MedianPruner)
+    tune.pruner = "none"
+    assert isinstance(make_pruner(tune, cfg), optuna.pruners.NopPruner)
+
+
+def _study_with(trials: int, pruned: bool) -> object:
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    dist = {"optim.lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    study = optuna.create_study(study_name="s", direction="minimize")
+    for i in range(trials):
+        curve = {5: 2.0 - 0.1 * i, 10: 1.9 - 0.1 * i}
+        study.add_trial(
+            create_trial(value=curve[10], params={"optim.lr": 10.0 ** (-1 - i)},
+                         distributions=dist, intermediate_values=curve)
+        )  # fmt: skip
+    if pruned:
+        study.add_trial(
+            create_trial(state=TrialState.PRUNED, params={"optim.lr": 0.05}, distributions=dist,
+                         intermediate_values={5: 2.5})
+        )  # fmt: skip
+    return study
+
+
+@pytest.mark.parametrize(("trials", "pruned"), [(3, True), (1, False)])
+def test_the_report_page_shows_each_plot(tmp_path: Path, trials: int, pruned: bool) -> None:
+    import matplotlib.image
+
+    from hpcml.tune.report import PLOTS, summary, write_report
+
+    study = _study_with(trials, pruned)
+    result = summary(study, "memory")  # type: ignore[arg-type]
+    page = write_report(study, tmp_path / "report", result)  # type: ignore[arg-type]
+    text = page.read_text()
+    assert f"&quot;pruned&quot;: {int(pruned)}" in text  # the summary is on the page (escaped)
+    for name in PLOTS:
+        assert f'<img src="{name}.png"' in text
+        pixels = matplotlib.image.imread(tmp_path / "report" / f"{name}.png")
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100

@@ -41,6 +41,9 @@ def tune(
         None, "--study", help="Study name in the storage (default the config's file name)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON line."),
+    report: bool = typer.Option(
+        False, "--report", help="Write OUT/report/index.html: history, pruning, importances."
+    ),
 ) -> None:
     """Search hyperparameters with Optuna: each trial is an `hpcml train` run in its own
     folder, pruned early from its evaluations; rerun the command to continue the study."""
@@ -74,7 +77,7 @@ def tune(
         timeout_s=prep.tune.timeout_s,
         known=st.known_trials(url, name),
     )
-    result = st.run_study(job, workers, verbose=not json_out)
+    result = st.run_study(job, workers, verbose=not json_out, report=report)
     if json_out:
         import json
         import sys
@@ -101,4 +104,6 @@ def show(result: dict[str, Any], metric: str) -> None:
         t.add_row("best run", str(result["best_run"]))
     for reason in result.get("infeasible_reasons", []):
         t.add_row("infeasible", reason)
+    if result.get("report"):
+        t.add_row("report", result["report"])
     console.print(t)

@@ -110,7 +110,8 @@ def grid(dists: dict[str, BaseDistribution]) -> dict[str, list[Any]]:
             out[key] = list(range(d.low, d.high + 1, d.step))
         elif isinstance(d, FloatDistribution) and d.step is not None:
             n = round((d.high - d.low) / d.step)
-            out[key] = [d.low + i * d.step for i in range(n + 1)]
+            # Rounded: 0.1 * 3 is 0.30000000000000004, outside a range that ends at 0.3.
+            out[key] = [min(d.high, round(d.low + i * d.step, 12)) for i in range(n + 1)]
         else:
             raise ConfigError(
                 f"tune.sampler grid needs a finite set of values, but tune.space key '{key}' "

@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, l
 from hpcml.errors import ConfigError, HpcmlError, WorkFailed
 from hpcml.tune import feasible, space, tracking
 from hpcml.tune import trial as trial_run
-from hpcml.tune.report import counts, summary
+from hpcml.tune.report import counts, summary, write_report
 
 HEARTBEAT_S = 10
 """Optuna's heartbeat of a running trial (one small write to the storage)."""
@@ -48,9 +47,7 @@ MAX_RETRY = 2
 WAIT_S = 0.5
 """A worker with nothing to start (the others' trials fill the budget) looks again this often."""
 LOCK_FILE = ".tune.lock"
-# Heartbeats, stale-trial retries and retry histories are marked experimental since Optuna 2.8;
-# hpcml relies on them knowingly, so their warning on every call says nothing to a user.
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
@@ -399,14 +396,17 @@ def run_workers(job: TuneJob, workers: int, verbose: bool) -> None:
         )
 
 
-def run_study(job: TuneJob, workers: int, verbose: bool) -> dict[str, Any]:
-    """Run the study's workers, then return its summary (and put it on the MLflow parent)."""
+def run_study(job: TuneJob, workers: int, verbose: bool, report: bool = False) -> dict[str, Any]:
+    """Run the study's workers, then return its summary (and put it on the MLflow parent;
+    with `report`, write OUT/report/index.html)."""
     prep = prepare(job.config, job.overrides)
     if prep.tracked:  # the parent first, so that every worker finds it in the study
         tracking.open_parent(prep.cfg, load_study(job, prep), job.storage)
     run_workers(job, workers, verbose)
     study = load_study(job, prep)
     result = summary(study, job.storage)
+    if report:
+        result["report"] = str(write_report(study, job.out / "report", result))
     if prep.tracked:
         tracking.close_parent(prep.cfg, study, result)
     return result
