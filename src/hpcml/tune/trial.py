@@ -147,7 +147,7 @@ def run(
                 curve += points
                 if points and report(points) and not done:
                     _stop(proc)
-                    if proc.returncode != 0:  # 0: it finished before the signal came
+                    if _status(run_dir) != "finished":  # it may have finished meanwhile
                         return Outcome("pruned", points[-1][1], points[-1][0], curve=curve)
                     done = True
                 if done:
@@ -181,13 +181,25 @@ def _eval_points(
     return points
 
 
-def _finished(rc: int, run_dir: Path, metric: str, curve: list[tuple[int, float]]) -> Outcome:
-    if rc != 0:
-        return Outcome("failed", error=f"exit code {rc}: {_last_error(run_dir / LOG_FILE)}")
+def _summary(run_dir: Path) -> dict[str, Any]:
     try:
-        final = json.loads((run_dir / SUMMARY).read_text()).get("final", {})
+        data = json.loads((run_dir / SUMMARY).read_text())
     except (OSError, ValueError):
-        return Outcome("failed", error=f"the run wrote no readable {SUMMARY}")
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _status(run_dir: Path) -> str | None:
+    return _summary(run_dir).get("status")
+
+
+def _finished(rc: int, run_dir: Path, metric: str, curve: list[tuple[int, float]]) -> Outcome:
+    """A run that wrote its finished summary is complete, even if a SIGINT sent as it ended
+    made its exit code 130."""
+    summary = _summary(run_dir)
+    if summary.get("status") != "finished":
+        return Outcome("failed", error=f"exit code {rc}: {_last_error(run_dir / LOG_FILE)}")
+    final = summary.get("final") or {}
     value = final.get(metric, curve[-1][1] if curve else None)
     if value is None:
         return Outcome("failed", error=f"the run reported no {metric}")
