@@ -202,3 +202,46 @@ def test_the_report_page_shows_each_plot(tmp_path: Path, trials: int, pruned: bo
         assert f'<img src="{name}.png"' in text
         pixels = matplotlib.image.imread(tmp_path / "report" / f"{name}.png")
         assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+
+def _job(trials: int, timeout_s: float | None = None, started: float | None = None) -> object:
+    import time
+
+    from hpcml.tune.study import TuneJob
+
+    return TuneJob(
+        config=Path("c.yaml"), overrides=(), out=Path("out"), storage="memory", study="s",
+        trials=trials, timeout_s=timeout_s, started=started or time.time(),
+    )  # fmt: skip
+
+
+def test_a_retried_trial_counts_once_and_the_budget_stops_new_trials() -> None:
+    import time
+
+    import optuna
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    from optuna.trial import TrialState, create_trial
+
+    from hpcml.tune.report import counts
+    from hpcml.tune.study import next_action
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    dist = {"optim.lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    study = optuna.create_study(study_name="s")
+    study.add_trial(create_trial(value=1.0, params={"optim.lr": 0.01}, distributions=dist))
+    killed = create_trial(state=TrialState.FAIL, params={"optim.lr": 0.02}, distributions=dist)
+    study.add_trial(killed)
+    # What a dead worker's trial gets: failed, and queued again with its parameters.
+    RetryHeartbeatStaleTrialCallback(2)(study, study.get_trials()[1])
+    n = counts(study.get_trials())
+    assert (n["complete"], n["failed"]) == (1, 0)  # the retry will count, not the failure
+    assert next_action(study, _job(2), study.sampler) == "run"
+    retry = study.ask()
+    assert retry.params == {"optim.lr": 0.02}
+    assert next_action(study, _job(2), study.sampler) == "wait"  # the retry is running
+    study.tell(retry, 0.5)
+    assert next_action(study, _job(2), study.sampler) == "done"
+    # tune.timeout_s: no new trial once it has passed since the tune started.
+    late = _job(5, timeout_s=1.0, started=time.time() - 10.0)
+    assert next_action(study, late, study.sampler) == "done"
+    assert next_action(study, _job(5, timeout_s=3600.0), study.sampler) == "run"
