@@ -168,7 +168,12 @@ def test_kill_9_of_the_tuner_then_rerun_retries_the_killed_trial(tmp_path: Path)
     # The killed tuner's run stops too (its parent-death signal is SIGINT: at a step boundary).
     train_pid = int((killed / "pids" / "rank-0.pid").read_text())
     wait_for("the killed tuner's training to stop", lambda: not _running(train_pid))
-    assert json.loads((killed / "summary.json").read_text())["status"] == "interrupted"
+    summary = killed / "summary.json"
+    assert summary.exists(), (
+        f"the run stopped without its summary; run.jsonl ends {_read(killed / 'run.jsonl')[-400:]!r}"
+        f", train.log: {_read(killed / 'train.log')[-400:]!r}"
+    )
+    assert json.loads(summary.read_text())["status"] == "interrupted"
     assert load(out).get_trials()[0].state == TrialState.RUNNING  # as kill -9 left it
 
     result = run_tune(config, out, "--report")
@@ -311,18 +316,19 @@ def test_bad_input_exits_2_in_one_sentence_and_leaves_the_study_unchanged(
 
 
 def test_a_metric_no_evaluation_reports_exits_2_naming_the_metrics(tmp_path: Path):
+    # Two workers: both meet the error; it is printed once, by the tuner.
     config = tune_config(
         tmp_path / "tune.yaml", {"metric": "val_f1", "trials": 2}, max_steps=2, eval_every=1
     )
     proc = subprocess.run(
-        tune_cmd(config, tmp_path / "study"), cwd=ROOT, env=hpcml_env(),
+        tune_cmd(config, tmp_path / "study", "--workers", "2"), cwd=ROOT, env=hpcml_env(),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "val_f1" in lines[0] and "val_loss" in lines[0], proc.stderr
-    trials = load(tmp_path / "study").get_trials()
-    assert [t.state for t in trials] == [TrialState.FAIL]  # the study stopped at the first
+    states = {t.state for t in load(tmp_path / "study").get_trials()}
+    assert TrialState.COMPLETE not in states and TrialState.PRUNED not in states
 
 
 def test_without_a_tune_section_exits_2(tmp_path: Path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import multiprocessing
 import os
 import signal
@@ -359,13 +360,19 @@ def say_stderr(line: str) -> None:
     sys.stderr.flush()
 
 
+def _error_file(job: TuneJob, worker: int) -> Path:
+    return job.out / f".worker-{worker}.error"
+
+
 def _child(job: TuneJob, worker: int, verbose: bool) -> None:
-    """A worker process: dies with the tuner (kill -9 of the tuner leaves nothing running)."""
+    """A worker process: dies with the tuner (kill -9 of the tuner leaves nothing running).
+    Its error's sentence goes to the tuner, which prints it once."""
     trial_run.die_with_parent(signal.SIGKILL)
     try:
         work(job, worker, say_stderr if verbose else lambda _line: None)
     except HpcmlError as exc:
-        say_stderr(f"error: worker {worker}: {exc.message}")
+        error = {"message": exc.message, "exit_code": exc.exit_code}
+        trial_run.write_trial_file_at(_error_file(job, worker), error)
         raise SystemExit(exc.exit_code) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
@@ -376,6 +383,8 @@ def run_workers(job: TuneJob, workers: int, verbose: bool) -> None:
     say = say_stderr if verbose else (lambda _line: None)
     ctx = multiprocessing.get_context("spawn")  # no SQLAlchemy connection crosses a fork
     procs = [ctx.Process(target=_child, args=(job, i, verbose)) for i in range(1, workers)]
+    for i in range(1, workers):
+        _error_file(job, i).unlink(missing_ok=True)
     for p in procs:
         p.start()
     try:
@@ -388,11 +397,22 @@ def run_workers(job: TuneJob, workers: int, verbose: bool) -> None:
     finally:
         for p in procs:
             p.join()
-    codes = [p.exitcode for p in procs if p.exitcode]
-    if codes:
+    _raise_worker_error(job, [(i, p.exitcode) for i, p in enumerate(procs, 1) if p.exitcode])
+
+
+def _raise_worker_error(job: TuneJob, failed: list[tuple[int, int | None]]) -> None:
+    for worker, _code in failed:
+        path = _error_file(job, worker)
+        if path.exists():
+            error = json.loads(path.read_text())
+            path.unlink()
+            exc = HpcmlError(error["message"])
+            exc.exit_code = int(error["exit_code"])
+            raise exc
+    if failed:
         raise WorkFailed(
-            f"{len(codes)} of {workers} tune workers failed (exit codes {codes}); "
-            "their messages are above, and the study keeps what they finished."
+            f"{len(failed)} tune workers failed (exit codes {[c for _, c in failed]}); the "
+            "study keeps what they finished: run the same command to continue it."
         )
 
 

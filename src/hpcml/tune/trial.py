@@ -208,9 +208,13 @@ def _finished(rc: int, run_dir: Path, metric: str, curve: list[tuple[int, float]
 
 
 def write_trial_file(run_dir: Path, info: dict[str, Any]) -> None:
+    write_trial_file_at(run_dir / TRIAL_FILE, info)
+
+
+def write_trial_file_at(path: Path, info: dict[str, Any]) -> None:
     from hpcml.records import write_json_atomic
 
-    write_json_atomic(run_dir / TRIAL_FILE, info)
+    write_json_atomic(path, info)
 
 
 def worker_identity() -> dict[str, Any]:
