@@ -366,6 +366,51 @@ class ObserveConfig(_Section):
     without it the problems are printed and the run goes on. No effect on CPU runs."""
 
 
+class TuneParam(_Section):
+    """One dimension of `tune.space`: a range (`float`, `int`) or a list of `choices`."""
+
+    type: Literal["float", "int", "categorical"]
+    """`float` or `int` between `low` and `high` (inclusive), or `categorical` from `choices`."""
+    low: float | None = None
+    """float, int: the smallest value (above 0 with `log`)."""
+    high: float | None = None
+    """float, int: the largest value; above `low`."""
+    log: bool = False
+    """float, int: sample on a log scale (learning rates, weight decay)."""
+    step: float | None = Field(None, gt=0)
+    """float, int: values on a grid `low + k * step`; the grid sampler needs it for a float."""
+    choices: list[bool | int | float | str] | None = None
+    """categorical: the values to choose from (numbers, strings, booleans)."""
+
+
+class TuneConfig(_Section):
+    """`hpcml tune`: an Optuna study whose trials are `hpcml train` runs (hpcml.tune)."""
+
+    metric: str = "val_accuracy"
+    """The evaluation metric each trial reports at every evaluation and is judged by."""
+    direction: Literal["maximize", "minimize"] = "maximize"
+    """Whether a larger or a smaller `metric` is better."""
+    sampler: Literal["tpe", "random", "grid", "cmaes", "qmc"] = "tpe"
+    """Optuna's sampler: `tpe`, `random`, `grid` (every combination of the space), `cmaes` or
+    `qmc` (Sobol)."""
+    pruner: Literal["asha", "hyperband", "median", "none"] = "asha"
+    """Stops trials early from their evaluations: `asha` (successive halving), `hyperband`,
+    `median` or `none`; rungs start at the first evaluation (train.eval_every)."""
+    space: dict[str, TuneParam] = Field(default_factory=dict)
+    """Dotted config key (e.g. `optim.lr`) -> its distribution."""
+    trials: int = Field(20, gt=0)
+    """Trials the study holds when done; `--trials` overrides it."""
+    timeout_s: float | None = Field(None, gt=0)
+    """Start no trial after this many seconds of this invocation; null: no limit."""
+    seed: int = 0
+    """Seed of the sampler."""
+    device: str | None = None
+    """Hardware catalog key (`hpcml plan hardware`) of the device trials will train on: a
+    trial the planner predicts will not fit its memory is recorded infeasible, never started."""
+    catalog: list[str] = Field(default_factory=list)
+    """Extra hardware catalog YAML files for `device` (as `hpcml plan --catalog`)."""
+
+
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
@@ -379,6 +424,8 @@ class RunConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig())
     fault: FaultConfig = Field(default_factory=lambda: FaultConfig())
     observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
+    tune: TuneConfig | None = None
+    """Hyperparameter search (`hpcml tune`); `hpcml train` ignores it."""
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
