@@ -205,15 +205,64 @@ def test_bytes_tensors_round_trip_length_prefixed() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        (struct.pack("<I", 5) + b"abc", "claims 5 bytes but only 3 remain"),
-        (struct.pack("<I", 1) + b"a", "for 1 elements but its shape needs 2"),
+        (struct.pack("<I", 5) + b"abcd", "claims 5 bytes but only 4 remain"),
+        (struct.pack("<I", 4) + b"abcd", "for 1 elements but its shape needs 2"),
         (struct.pack("<I", 0) * 2 + b"x", "1 bytes of BYTES data beyond"),
-        (b"\x01\x00", "for 0 elements"),
+        (struct.pack("<I", 1) + b"a", "5 bytes of binary BYTES data, too few for the 2 elements"),
+        (b"\x01\x00", "too few for the 2 elements"),
     ],
 )
 def test_malformed_bytes_tensors_are_refused(raw: bytes, message: str) -> None:
     with pytest.raises(oip.ProtocolError, match=re.escape(message)):
         tensors.from_raw(raw, "BYTES", (2,), "input 'x'")
+
+
+def test_bytes_count_the_data_cannot_hold_is_refused_before_allocating() -> None:
+    # 2^40 pointers would be 8 TiB: refused from the 5 bytes present, before np.empty runs.
+    with pytest.raises(oip.ProtocolError, match="too few for the 1099511627776 elements"):
+        tensors.deserialize_bytes(struct.pack("<I", 1) + b"a", 2**40, "input 'x'")
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_decoded_size_budget_covers_every_input_of_a_request(binary: bool) -> None:
+    # Two FP32 inputs of 100 elements (400 bytes each) and one BYTES input of 2 elements
+    # (2 x 41 bytes): 882 bytes decoded. A budget of 881 refuses the request, 882 admits it.
+    inputs, raw = [], b""
+    for name in ("a", "b"):
+        data = np.arange(100, dtype=np.float32)
+        tensor: dict = {"name": name, "shape": [100], "datatype": "FP32"}
+        if binary:
+            tensor["parameters"] = {"binary_data_size": data.nbytes}
+            raw += data.tobytes()
+        else:
+            tensor["data"] = data.tolist()
+        inputs.append(tensor)
+    inputs.append({"name": "s", "shape": [2], "datatype": "BYTES", "data": ["x", "yz"]})
+    header = json.dumps({"inputs": inputs}).encode()
+    length = len(header) if binary else None
+    assert set(oip.parse_infer_request(header + raw, length, 882).inputs) == {"a", "b", "s"}
+    with pytest.raises(oip.ProtocolError, match="limit of 881 decoded bytes") as err:
+        oip.parse_infer_request(header + raw, length, 881)
+    assert err.value.status == 413
+
+
+def test_grpc_decoded_size_budget() -> None:
+    from hpcml.serve.grpc import request_from_grpc
+    from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+
+    msg = pb.ModelInferRequest(model_name="m")
+    msg.inputs.add(name="a", datatype="FP64", shape=[3]).contents.fp64_contents.extend([1, 2, 3])
+    assert request_from_grpc(msg, 24).inputs["a"].tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(oip.ProtocolError, match="limit of 23 decoded bytes") as err:
+        request_from_grpc(msg, 23)
+    assert err.value.status == 413
+
+
+def test_decoded_limit_defaults_to_four_bodies() -> None:
+    from hpcml.serve.config import ServeConfig
+
+    assert ServeConfig(max_body_bytes=1000).decoded_limit_bytes == 4000
+    assert ServeConfig(max_body_bytes=1000, max_decoded_bytes=10).decoded_limit_bytes == 10
 
 
 FP32_16 = np.arange(4, dtype=np.float32).tobytes()

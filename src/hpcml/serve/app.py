@@ -157,8 +157,10 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         header_length = oip.parse_header_length(headers.get(oip.HEADER_LENGTH), len(body))
         if len(body) >= config.json_offload_bytes:
             # A large body takes milliseconds to parse: off the loop, others keep being served.
-            return await asyncio.to_thread(oip.parse_infer_request, body, header_length)
-        return oip.parse_infer_request(body, header_length)
+            return await asyncio.to_thread(
+                oip.parse_infer_request, body, header_length, config.decoded_limit_bytes
+            )
+        return oip.parse_infer_request(body, header_length, config.decoded_limit_bytes)
 
     async def infer(request: Request, name: str, version: str | None) -> Response:
         try:

@@ -155,6 +155,12 @@ class ServeConfig(_Section):
     picks a free port (refused with `--prometheus-targets`)."""
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     """Larger request bodies get 413 before they are read in full."""
+    max_decoded_bytes: int | None = Field(default=None, gt=0)
+    """Most memory the decoded input tensors of one request may take (elements x item size; a
+    BYTES element counts 41 bytes besides its data), HTTP and gRPC alike; larger requests get
+    413 (gRPC: RESOURCE_EXHAUSTED), checked on the shapes they claim before anything is
+    allocated. null: 4 x `max_body_bytes`, which holds any numeric body (JSON's shortest number,
+    `0,`, is 2 bytes for an 8-byte FP64)."""
     overload_status: Literal[503, 429] = 503
     """Status when a queue is full: 503, or 429 with a Retry-After header."""
     retry_after_s: int = Field(default=1, ge=0)
@@ -181,6 +187,11 @@ class ServeConfig(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     drift: DriftConfig = Field(default_factory=DriftConfig)
     models: dict[str, ModelServeConfig] = Field(default_factory=dict)
+
+    @property
+    def decoded_limit_bytes(self) -> int:
+        """`max_decoded_bytes`, or its default of 4 x `max_body_bytes`."""
+        return self.max_decoded_bytes or 4 * self.max_body_bytes
 
     def for_model(self, name: str) -> ModelServeConfig:
         return self.models.get(name, self.defaults)

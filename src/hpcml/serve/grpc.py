@@ -33,6 +33,7 @@ from hpcml.serve.protocol import InferRequest
 from hpcml.serve.router import NotFound, Router
 from hpcml.serve.tensors import (
     DATATYPES,
+    DecodeBudget,
     ProtocolError,
     check_shape,
     datatype_of_array,
@@ -89,8 +90,10 @@ def _param(value: Any) -> Any:
     return getattr(value, value.WhichOneof("parameter_choice") or "string_param")
 
 
-def request_from_grpc(msg: Any) -> InferRequest:
-    """An `InferRequest` from a ModelInferRequest; client mistakes raise ProtocolError."""
+def request_from_grpc(msg: Any, max_decoded_bytes: int | None = None) -> InferRequest:
+    """An `InferRequest` from a ModelInferRequest; client mistakes raise ProtocolError.
+
+    `max_decoded_bytes` bounds the decoded size of all inputs, as in `parse_infer_request`."""
     if not msg.inputs:
         raise ProtocolError("request has no inputs; send at least one input tensor.")
     raw = msg.raw_input_contents
@@ -103,6 +106,7 @@ def request_from_grpc(msg: Any) -> InferRequest:
     if "classification" in params:
         raise ProtocolError("the classification extension is not supported; omit 'classification'.")
     request = InferRequest({}, msg.id or None, None, params)
+    budget = DecodeBudget(max_decoded_bytes)
     for i, tensor in enumerate(msg.inputs):
         if not tensor.name:
             raise ProtocolError(f"input #{i} has no name; every input tensor needs one.")
@@ -111,6 +115,7 @@ def request_from_grpc(msg: Any) -> InferRequest:
             raise ProtocolError(f"{where} appears twice; send each input once.")
         shape = check_shape(list(tensor.shape), where)
         dtype_of(tensor.datatype, where)
+        budget.charge(shape, tensor.datatype, where)
         if raw:
             if tensor.HasField("contents"):
                 raise ProtocolError(f"{where} has contents and raw_input_contents; send one.")
@@ -164,7 +169,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         async def read() -> InferRequest:
-            return request_from_grpc(request)
+            return request_from_grpc(request, self.config.decoded_limit_bytes)
 
         try:
             answer = await run_infer(
