@@ -98,7 +98,7 @@ def test_serve_config_reads_integer_version_keys_and_rejects_unknown_keys(tmp_pa
         "    versions:\n      3: {path: /somewhere}\n"
     )
     cfg = load_serve_config(good)
-    assert cfg.models["digits"].traffic == {"1": 90, "2": 10}
+    assert cfg.models["digits"].traffic == {"1": 0.9, "2": 0.1}  # normalised when read
     assert cfg.models["digits"].shadow is not None and cfg.models["digits"].shadow.version == "3"
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  digits:\n    max_batch: 8\n")
@@ -142,7 +142,7 @@ def test_example_serve_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "serve_digits.yaml"
     cfg = load_serve_config(example)
     digits = cfg.models["digits"]
-    assert digits.traffic == {"1": 90, "2": 10} and digits.shadow is not None
+    assert digits.traffic == {"1": 0.9, "2": 0.1}  # normalised when read and digits.shadow is not None
     assert digits.versions["3"].backend == "onnx-int8"
 
 
@@ -409,4 +409,30 @@ def test_numeric_version_names_are_names_under_defaults_as_under_models(tmp_path
     loaded = load_serve_config(cfg)
     assert list(loaded.defaults.versions) == ["2"]
     assert loaded.defaults.shadow is not None and loaded.defaults.shadow.version == "2"
-    assert loaded.models["digits"].traffic == {"1": 90, "2": 10}
+    assert loaded.models["digits"].traffic == {"1": 0.9, "2": 0.1}  # normalised when read
+
+
+@pytest.mark.parametrize(
+    ("traffic", "message"),
+    [
+        ("{1: .nan, 2: 1}", "finite and non-negative numbers, got '1': nan"),
+        ("{1: .inf}", "finite and non-negative numbers, got '1': inf"),
+        ("{1: -1, 2: 3}", "finite and non-negative numbers, got '1': -1.0"),
+        ("{1: 0, 2: 0}", "needs a positive weight on some version"),
+    ],
+)
+def test_serve_config_traffic_is_checked_as_a_whole(
+    tmp_path: Path, traffic: str, message: str
+) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"models:\n  digits:\n    traffic: {traffic}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_serve_config(path)
+
+
+def test_serve_config_traffic_is_normalised_even_when_its_sum_overflows(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("defaults:\n  traffic: {1: 1.0e+308, 2: 1.0e+308, 3: 0}\n")
+    assert load_serve_config(path).defaults.traffic == {"1": 0.5, "2": 0.5, "3": 0.0}
+    path.write_text("defaults:\n  traffic: {1: 1, 2: 3}\n")
+    assert load_serve_config(path).defaults.traffic == {"1": 0.25, "2": 0.75}

@@ -131,6 +131,12 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             message = "no such endpoint; see /docs for the API."
         return _error(exc.status_code, message, dict(exc.headers or {}))
 
+    @app.exception_handler(Exception)
+    async def _unexpected_error(_: Request, exc: Exception) -> Response:
+        # A bug of ours: Starlette logs the traceback after this answer; the client still gets
+        # the protocol's JSON error form, never a plain-text page.
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log.")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         e = exc.errors()[0]

@@ -6,6 +6,7 @@ override its top-level fields. Unknown keys are errors, as in the training confi
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +16,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hpcml.errors import ConfigError
 
 BackendName = Literal["torch", "compile", "onnx", "onnx-int8"]
+
+
+def normalise_weights(weights: dict[str, float]) -> dict[str, float]:
+    """Traffic weights as shares summing to 1, or ValueError saying what is wrong.
+
+    Checked as a whole: each weight finite and non-negative, and one positive. Weights whose sum
+    overflows (1e308 + 1e308) are divided by the largest first, so the shares stay finite."""
+    bad = [f"{v!r}: {w!r}" for v, w in weights.items() if not math.isfinite(w) or w < 0]
+    if bad:
+        raise ValueError(f"traffic weights must be finite and non-negative numbers, got {bad[0]}")
+    largest = max(weights.values(), default=0.0)
+    if largest <= 0:
+        raise ValueError("traffic needs a positive weight on some version")
+    total = sum(weights.values())
+    if not math.isfinite(total):
+        weights = {v: w / largest for v, w in weights.items()}
+        total = sum(weights.values())
+    return {v: w / total for v, w in weights.items()}
 
 
 class _Section(BaseModel):
@@ -65,7 +84,8 @@ class ModelServeConfig(_Section):
     """Settings per version name (a number such as `2:` is read as the name "2"): `path` adds the version or replaces its
     folder from the served PATH, `backend` overrides the model's; empty: the versions in PATH."""
     traffic: dict[str, float] = Field(default_factory=dict)
-    """Weights of versions for unversioned requests (canary); empty sends all to the newest."""
+    """Weights of versions for unversioned requests (canary): finite, non-negative, one positive;
+    kept as shares summing to 1. Empty sends all to the newest."""
     shadow: ShadowConfig | None = None
     """Mirror a `fraction` of unversioned requests to a candidate `version`, whose answers are
     compared (metrics, admin status) and discarded; it must be served and must not take all the
@@ -81,11 +101,7 @@ class ModelServeConfig(_Section):
     @field_validator("traffic")
     @classmethod
     def _weights(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(w < 0 for w in v.values()):
-            raise ValueError("traffic weights must not be negative")
-        if v and sum(v.values()) <= 0:
-            raise ValueError("traffic weights must not all be zero")
-        return v
+        return normalise_weights(v) if v else v
 
     @model_validator(mode="after")
     def _sizes_fit(self) -> ModelServeConfig:

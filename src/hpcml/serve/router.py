@@ -11,6 +11,7 @@ disagreement go to the metrics.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import time
@@ -24,7 +25,7 @@ import numpy as np
 
 from hpcml.serve.backends import Backend, make_backend
 from hpcml.serve.batcher import DynamicBatcher, InferResult
-from hpcml.serve.config import ModelServeConfig, ServeConfig
+from hpcml.serve.config import ModelServeConfig, ServeConfig, normalise_weights
 from hpcml.serve.drift import DriftMonitor
 from hpcml.serve.metrics import ServeMetrics
 from hpcml.serve.protocol import TensorSpec
@@ -46,9 +47,8 @@ class TrafficPolicy:
     shadow_fraction: float = 1.0
 
     def describe(self) -> dict[str, Any]:
-        total = sum(self.weights.values())
         return {
-            "traffic": {v: w / total for v, w in self.weights.items()},
+            "traffic": dict(self.weights),  # normalised when the policy was checked
             "shadow": (
                 {"version": self.shadow_version, "fraction": self.shadow_fraction}
                 if self.shadow_version
@@ -153,7 +153,8 @@ class ServedModel:
         }
 
 
-def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
+def _check_policy(model: ServedModel, policy: TrafficPolicy) -> TrafficPolicy:
+    """`policy` with its weights normalised, or PolicyError saying what is wrong with it."""
     unknown = [v for v in policy.weights if v not in model.versions]
     if policy.shadow_version is not None and policy.shadow_version not in model.versions:
         unknown.append(policy.shadow_version)
@@ -162,12 +163,12 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
             f"model '{model.name}' has no version {unknown[0]!r}; it has "
             f"{', '.join(sorted_versions(list(model.versions)))}."
         )
-    if not policy.weights or sum(policy.weights.values()) <= 0:
-        raise PolicyError(
-            f"traffic of model '{model.name}' needs a positive weight on some version."
-        )
-    if any(w < 0 for w in policy.weights.values()):
-        raise PolicyError("traffic weights must not be negative.")
+    try:
+        weights = normalise_weights(policy.weights)
+    except ValueError as exc:
+        raise PolicyError(f"traffic of model '{model.name}': {exc}.") from None
+    if not math.isfinite(policy.shadow_fraction) or not 0.0 < policy.shadow_fraction <= 1.0:
+        raise PolicyError("shadow fraction must be in (0, 1].")
     shadow = policy.shadow_version
     if shadow is not None and all(v == shadow for v, w in policy.weights.items() if w > 0):
         # The router never mirrors a request to the version that answers it.
@@ -176,6 +177,7 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
             "so no request would be mirrored; send the traffic to another version or shadow "
             "another one."
         )
+    return TrafficPolicy(weights, policy.shadow_version, policy.shadow_fraction)
 
 
 def worker_restarts_counter(metrics: ServeMetrics) -> Any:
@@ -272,12 +274,11 @@ class Router:
                 mcfg.shadow.fraction if mcfg.shadow else 1.0,
             )
             try:
-                _check_policy(model, policy)
+                model.policy = _check_policy(model, policy)
             except PolicyError as exc:
                 from hpcml.errors import ConfigError
 
                 raise ConfigError(f"serve config for model '{name}': {exc}") from None
-            model.policy = policy
             router.models[name] = model
         return router
 
@@ -476,7 +477,7 @@ class Router:
     # Traffic changes (admin endpoints). Each replaces the policy in one assignment.
     def set_policy(self, name: str, policy: TrafficPolicy) -> dict[str, Any]:
         model = self.model(name)
-        _check_policy(model, policy)
+        policy = _check_policy(model, policy)
         if policy != model.policy:
             model.history.append(model.policy)
             model.policy = policy
