@@ -75,6 +75,11 @@ class ModelServeConfig(_Section):
     """Samples allowed to wait; beyond it requests are refused at once (503 or 429)."""
     timeout_ms: float = Field(default=10_000.0, gt=0.0)
     """A request not answered within this time gets 504 and its result is dropped."""
+    hang_timeout_s: float = Field(default=10.0, gt=0.0, allow_inf_nan=False)
+    """An inference process (`isolation: process`) that answers no batch for this long is
+    taken as hung (stopped, wedged): it is killed and restarted, its requests get 503 with
+    Retry-After, and the version is not ready until the new process has loaded. Keep it above
+    the slowest batch's compute time."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where torch backends compute; auto picks cuda when present (ONNX Runtime picks its own)."""
     threads: int | None = Field(default=None, gt=0)
