@@ -67,3 +67,51 @@ def test_requests_past_the_concurrency_limit_get_503_at_once(tmp_path: Path) -> 
 
     with running_server(build_app(export, cfg, name="digits")) as url:
         asyncio.run(main(url))
+
+
+def test_slow_bodies_get_408_and_model_readiness_is_exempt_from_the_limit(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build_model("mlp", ARGS).eval()
+    export = save_export(tmp_path / "export", model, "mlp", ARGS, (2, 2), (10,))
+    # 5 s for a body: the test sees the saturation (a few local requests, milliseconds)
+    # long before the held bodies run out of time, even on a heavily shared CPU.
+    cfg = ServeConfig.model_validate(
+        {"limit_concurrency": 2, "body_timeout_s": 5, "defaults": {"isolation": "thread"}}
+    )
+    payload = encode_request_bytes(np.zeros((1, 2, 2), np.float32))
+
+    async def main(url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        head = (
+            f"POST /v2/models/digits/infer HTTP/1.1\r\nhost: {host}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+        ).encode()
+        # Two slow clients: headers and 5 bytes of body, then nothing. On main they held the
+        # server's two slots for as long as they liked.
+        held = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head + payload[:5])
+            await writer.drain()
+            held.append((reader, writer))
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            for _ in range(600):  # until both held requests have reached the app
+                r = await c.post("/v2/models/digits/infer", content=payload)
+                if r.status_code == 503:
+                    break
+                await asyncio.sleep(0.01)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            # Saturated, yet every probe tells the truth (main: 503 from the model's).
+            for probe in ("/v2/models/digits/ready", "/v2/models/digits/versions/1/ready"):
+                assert (await c.get(probe)).status_code == 200, probe
+            for reader, writer in held:
+                status_line = await asyncio.wait_for(reader.readline(), 60)
+                assert status_line.startswith(b"HTTP/1.1 408"), status_line
+                rest = await asyncio.wait_for(reader.read(4096), 60)
+                assert b"did not arrive within 5 s (body_timeout_s)" in rest, rest
+                writer.close()
+            # Their slots are free again.
+            assert (await c.post("/v2/models/digits/infer", content=payload)).status_code == 200
+
+    with running_server(build_app(export, cfg, name="digits")) as url:
+        asyncio.run(main(url))

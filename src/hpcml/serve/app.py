@@ -39,7 +39,7 @@ from hpcml.serve.inference import (
     model_metadata,
     run_infer,
 )
-from hpcml.serve.limits import BodyLimit, BodyTooLarge, ConcurrencyLimit
+from hpcml.serve.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
 from hpcml.serve.metrics import ServeMetrics
 from hpcml.serve.router import NotFound, PolicyError, Router
 
@@ -82,17 +82,17 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         await router.start()
         for generator in generators.values():
             await generator.start()
-        grpc_server = None
+        grpc_endpoint = None
         if config.grpc_port is not None:
             from hpcml.serve.grpc import start_grpc_server
 
-            grpc_server, app.state.grpc_port = await start_grpc_server(router, config, metrics)
+            grpc_endpoint, app.state.grpc_port = await start_grpc_server(router, config, metrics)
         # Everything allocated so far (torch, FastAPI, models) lives as long as the server;
         # frozen, the cyclic GC stops rescanning it, which otherwise shows up as p99 spikes.
         gc.freeze()
         yield
-        if grpc_server is not None:
-            await grpc_server.stop(config.graceful_timeout_s)
+        if grpc_endpoint is not None:
+            await grpc_endpoint.stop(config.graceful_timeout_s)
         for generator in generators.values():
             await generator.close()
         await router.close()
@@ -103,7 +103,9 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         description="Open Inference Protocol v2 (KServe / Triton REST) with dynamic batching.",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s
+    )
     if config.limit_concurrency is not None:
         # Added last, so it runs first: a refused request costs no body read.
         app.add_middleware(
@@ -160,6 +162,8 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             body = await request.body()
         except BodyTooLarge as exc:
             raise oip.ProtocolError(str(exc), status=413) from None
+        except BodyTooSlow as exc:
+            raise oip.ProtocolError(str(exc), status=408) from None
         header_length = oip.parse_header_length(headers.get(oip.HEADER_LENGTH), len(body))
         if len(body) >= config.json_offload_bytes:
             # A large body takes milliseconds to parse: off the loop, others keep being served.

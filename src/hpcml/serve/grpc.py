@@ -7,14 +7,23 @@ server is a `grpc.aio` server on the HTTP server's event loop, started by the ap
 requests go through the same router, batchers, errors and metrics as REST (`inference`).
 Inputs arrive as `raw_input_contents` (what stock clients send) or typed `contents`; outputs
 always leave as `raw_output_contents`, as Triton answers.
+
+Beside it runs the standard `grpc.health.v1.Health` service (grpcio-health-checking): the
+service "" is SERVING while every model is ready, each model name while its versions taking
+traffic are; Watch streams the changes. Only ModelInfer counts against `limit_concurrency`, so
+probes answer while inference is saturated; refusals a retry may cure carry Retry-After's
+gRPC form, `grpc-retry-pushback-ms` trailing metadata.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import hpcml
 from hpcml.errors import ConfigError
@@ -43,6 +52,8 @@ from hpcml.serve.tensors import (
     to_raw,
 )
 
+# How often readiness is read for the health service: the longest a Watch lags a change.
+HEALTH_POLL_S = 0.2
 # Typed `contents` field of each datatype (FP16 has none: it must be sent raw).
 _CONTENTS_FIELD = {
     "BOOL": "bool_contents",
@@ -134,6 +145,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.router = router
         self.config = config
         self.metrics = metrics
+        self.in_flight = 0
+
+    def _pushback(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc-retry-pushback-ms", str(self.config.retry_after_s * 1000)),)
 
     async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC names
         return pb.ServerLiveResponse(live=True)
@@ -171,6 +186,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def read() -> InferRequest:
             return request_from_grpc(request, self.config.decoded_limit_bytes)
 
+        limit = self.config.limit_concurrency
+        if limit is not None and self.in_flight >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is handling its limit of {limit} concurrent requests; retry later.",
+                trailing_metadata=self._pushback(),
+            )
+        self.in_flight += 1
         try:
             answer = await run_infer(
                 self.router,
@@ -182,7 +205,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 read,
             )
         except InferFailure as failure:
-            await context.abort(grpc.StatusCode[failure.grpc_code], failure.message)
+            retry = self._pushback() if "Retry-After" in failure.headers else ()
+            await context.abort(
+                grpc.StatusCode[failure.grpc_code], failure.message, trailing_metadata=retry
+            )
+        finally:
+            self.in_flight -= 1
         out = answer.output
         mv = answer.version
         response = pb.ModelInferResponse(
@@ -201,13 +229,64 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+def _health_statuses(router: Router) -> dict[str, Any]:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    statuses = {
+        name: serving if model_is_ready(router, name, None) else not_serving
+        for name in router.models
+    }
+    statuses[""] = serving if router.ready else not_serving
+    return statuses
+
+
+class HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1.Health whose statuses follow the router's readiness: read at each Check,
+    and every HEALTH_POLL_S for Watch streams."""
+
+    def __init__(self, router: Router) -> None:
+        super().__init__()
+        self.router = router
+        self.known: dict[str, Any] = {}
+
+    async def refresh(self) -> None:
+        for service, status in _health_statuses(self.router).items():
+            if self.known.get(service) != status:
+                await self.set(service, status)
+                self.known[service] = status
+
+    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC names
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def follow(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(HEALTH_POLL_S)
+
+
+class GrpcEndpoint:
+    """The running gRPC server and the task that keeps its health service current."""
+
+    def __init__(
+        self, server: Any, servicer: HealthServicer, follower: asyncio.Task[None]
+    ) -> None:
+        self.server, self.health, self.follower = server, servicer, follower
+
+    async def stop(self, grace_s: float) -> None:
+        self.follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.follower
+        await self.health.enter_graceful_shutdown()  # Watchers see NOT_SERVING
+        await self.server.stop(grace_s)
+
+
 async def start_grpc_server(
     router: Router, config: ServeConfig, metrics: ServeMetrics
-) -> tuple[Any, int]:
-    """Start the gRPC endpoint on `config.host:config.grpc_port`; returns (server, bound port)."""
+) -> tuple[GrpcEndpoint, int]:
+    """Start the gRPC endpoint on `config.host:config.grpc_port`; returns it and its port."""
     assert config.grpc_port is not None
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=config.limit_concurrency,
         options=[
             ("grpc.max_receive_message_length", config.max_body_bytes),
             ("grpc.max_send_message_length", -1),
@@ -217,6 +296,8 @@ async def start_grpc_server(
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceServicer(router, config, metrics), server
     )
+    health_servicer = HealthServicer(router)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host = f"[{config.host}]" if ":" in config.host else config.host
     try:
         port = server.add_insecure_port(f"{host}:{config.grpc_port}")
@@ -228,4 +309,6 @@ async def start_grpc_server(
             "address of this machine); pick another --grpc-port."
         )
     await server.start()
-    return server, port
+    await health_servicer.refresh()
+    follower = asyncio.get_running_loop().create_task(health_servicer.follow())
+    return GrpcEndpoint(server, health_servicer, follower), port

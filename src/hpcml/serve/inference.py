@@ -43,6 +43,7 @@ EXTENSIONS = ["binary_tensor_data"]
 GRPC_CODE_OF_HTTP = {
     400: "INVALID_ARGUMENT",
     404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
     413: "RESOURCE_EXHAUSTED",
     429: "UNAVAILABLE",
     500: "INTERNAL",
@@ -92,7 +93,11 @@ def failure_of(
         timeout = chosen.config.timeout_ms if chosen is not None else 0.0
         return InferFailure(504, f"request to model '{name}' timed out after {timeout:g} ms.")
     if isinstance(exc, BatcherClosed):
-        return InferFailure(503, "the server is shutting down; retry on another replica.")
+        return InferFailure(
+            503,
+            "the server is shutting down; retry on another replica.",
+            {"Retry-After": str(config.retry_after_s)},
+        )
     if isinstance(exc, WorkerLost):
         return InferFailure(
             503,
