@@ -436,3 +436,35 @@ def test_serve_config_traffic_is_normalised_even_when_its_sum_overflows(tmp_path
     assert load_serve_config(path).defaults.traffic == {"1": 0.5, "2": 0.5, "3": 0.0}
     path.write_text("defaults:\n  traffic: {1: 1, 2: 3}\n")
     assert load_serve_config(path).defaults.traffic == {"1": 0.25, "2": 0.75}
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_floats_are_refused_in_binary_and_grpc_as_in_json(
+    datatype: str, bad: float
+) -> None:
+    from hpcml.serve.grpc import request_from_grpc
+    from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+
+    values = np.array([1.0, bad, 3.0, 4.0], dtype=tensors.DATATYPES[datatype])
+    message = "holds NaN or infinite"
+    # JSON cannot carry them: a null or an overflowing number is refused (the existing rule).
+    with pytest.raises(oip.ProtocolError, match="null or values too large"):
+        oip.parse_infer_request(_body(datatype=datatype, data=[1, None, 3, 4]))
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 2, 2], "datatype": datatype,
+                                     "parameters": {"binary_data_size": values.nbytes}}]}).encode()  # fmt: skip
+    with pytest.raises(oip.ProtocolError, match=message):
+        oip.parse_infer_request(header + values.tobytes(), len(header))
+    raw = pb.ModelInferRequest(model_name="m", raw_input_contents=[values.tobytes()])
+    raw.inputs.add(name="input", datatype=datatype, shape=[1, 2, 2])
+    with pytest.raises(oip.ProtocolError, match=message):
+        request_from_grpc(raw)
+    if datatype != "FP16":  # FP16 has no typed contents field
+        typed = pb.ModelInferRequest(model_name="m")
+        t = typed.inputs.add(name="input", datatype=datatype, shape=[1, 2, 2])
+        getattr(t.contents, f"{datatype.lower()}_contents").extend(values.tolist())
+        with pytest.raises(oip.ProtocolError, match=message):
+            request_from_grpc(typed)
+    # Finite values of the same tensor pass.
+    values[1] = 2.0
+    assert oip.parse_infer_request(header + values.tobytes(), len(header)).inputs["input"].size == 4

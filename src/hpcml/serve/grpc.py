@@ -44,6 +44,7 @@ from hpcml.serve.tensors import (
     DATATYPES,
     DecodeBudget,
     ProtocolError,
+    check_finite,
     check_shape,
     datatype_of_array,
     dtype_of,
@@ -93,7 +94,7 @@ def _from_contents(contents: Any, datatype: str, shape: tuple[int, ...], where: 
             raise ProtocolError(f"{where} holds values outside the range of {datatype}.")
         array = wide.astype(dtype)
     else:
-        array = np.array(values, dtype=dtype)
+        array = check_finite(np.array(values, dtype=dtype), datatype, where)
     return array.reshape(shape)
 
 

@@ -219,7 +219,19 @@ def from_raw(
             f"needs {expected * dtype.itemsize}."
         )
     # Copied: frombuffer views the request body read-only, and backends may write in place.
-    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+    array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+    return check_finite(array, datatype, where)
+
+
+def check_finite(array: np.ndarray, datatype: str, where: str) -> np.ndarray:
+    """`array`, or a ProtocolError when a float tensor holds NaN or infinity: JSON cannot carry
+    them, so binary and gRPC tensors are held to the same rule."""
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise ProtocolError(
+            f"{where} holds NaN or infinite {datatype} values; send finite numbers (JSON cannot "
+            "carry them either)."
+        )
+    return array
 
 
 def deserialize_bytes(raw: bytes | memoryview, count: int, where: str) -> np.ndarray:
