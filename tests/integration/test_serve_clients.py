@@ -7,6 +7,7 @@ talk to one `hpcml serve` app, whose /metrics scrape must then pass `promtool ch
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -284,3 +285,26 @@ def test_metrics_pass_promtool_and_count_both_protocols(served: Served) -> None:
     )
     # promtool exits 0 and prints nothing when every metric follows the conventions.
     assert check.returncode == 0 and check.stdout + check.stderr == "", check.stdout + check.stderr
+
+
+def test_a_malformed_protobuf_is_invalid_argument_and_counted(served: Served) -> None:
+    # Bytes that are no ModelInferRequest (a field tag with a varint that never ends): grpcio
+    # alone answered UNKNOWN/INTERNAL with a Python class name, and nothing counted it.
+    def counted() -> float:
+        text = httpx.get(f"{served.url}/metrics").text
+        found = re.search(
+            r'^hpcml_requests_total\{code="INVALID_ARGUMENT",model="",protocol="grpc",version=""\}'
+            r" (\S+)$",
+            text,
+            re.M,
+        )
+        return float(found.group(1)) if found else 0.0
+
+    before = counted()
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "not a valid protobuf message" in err.value.details()
+    assert counted() == before + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import httpx
@@ -24,7 +25,12 @@ def test_requests_past_the_concurrency_limit_get_503_at_once(tmp_path: Path) -> 
     model = build_model("mlp", ARGS).eval()
     export = save_export(tmp_path / "export", model, "mlp", ARGS, (2, 2), (10,))
     cfg = ServeConfig.model_validate(
-        {"limit_concurrency": 2, "retry_after_s": 3, "defaults": {"isolation": "thread"}}
+        {
+            "limit_concurrency": 2,
+            "retry_after_s": 3,
+            "max_body_bytes": 4096,
+            "defaults": {"isolation": "thread"},
+        }
     )
     payload = encode_request_bytes(np.zeros((1, 2, 2), np.float32))
 
@@ -55,7 +61,15 @@ def test_requests_past_the_concurrency_limit_get_503_at_once(tmp_path: Path) -> 
             assert "limit of 2 concurrent requests" in refused.json()["error"]
             # Probes and scrapes are exempt: a saturated replica is not a dead one.
             assert (await c.get("/v2/health/ready")).status_code == 200
-            assert (await c.get("/metrics")).status_code == 200
+            metrics = (await c.get("/metrics")).text
+            # Refused before any route ran, yet counted (main counted neither kind): the
+            # limiter's 503s, and a 413 from a Content-Length over the limit.
+            assert re.search(
+                r'^hpcml_requests_total\{code="503",model="digits",protocol="http",version=""\} '
+                r"[1-9]",
+                metrics,
+                re.M,
+            ), metrics
             for reader, writer in held:
                 writer.write(payload[5:])
                 await writer.drain()
@@ -64,6 +78,21 @@ def test_requests_past_the_concurrency_limit_get_503_at_once(tmp_path: Path) -> 
                 writer.close()
             # Once they finish, requests are let in again.
             assert (await c.post("/v2/models/digits/infer", content=payload)).status_code == 200
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                f"POST /v2/models/digits/versions/1/infer HTTP/1.1\r\nhost: {host}\r\n"
+                "content-length: 5000\r\n\r\n".encode()  # over max_body_bytes: not read
+            )
+            await writer.drain()
+            assert (await reader.readline()).startswith(b"HTTP/1.1 413")
+            writer.close()
+            metrics = (await c.get("/metrics")).text
+            assert re.search(
+                r'^hpcml_requests_total\{code="413",model="digits",protocol="http",version="1"\} '
+                r"1\.0$",
+                metrics,
+                re.M,
+            ), metrics
 
     with running_server(build_app(export, cfg, name="digits")) as url:
         asyncio.run(main(url))

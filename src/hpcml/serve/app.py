@@ -103,13 +103,31 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         description="Open Inference Protocol v2 (KServe / Triton REST) with dynamic batching.",
         lifespan=lifespan,
     )
+    def count_refused(path: str, status: int) -> None:
+        """Inference requests the limits refuse never reach run_infer: counted here."""
+        parts = path.strip("/").split("/")
+        # v2/models/NAME/infer or v2/models/NAME/versions/V/infer
+        if parts[:2] != ["v2", "models"] or parts[-1:] != ["infer"] or len(parts) not in (4, 6):
+            return
+        name = parts[2] if parts[2] in router.models else ""
+        version = ""
+        if name and len(parts) == 6 and parts[4] in router.models[name].versions:
+            version = parts[4]
+        metrics.requests.labels(name, version, "http", str(status)).inc()
+
     app.add_middleware(
-        BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s
+        BodyLimit,
+        max_bytes=config.max_body_bytes,
+        timeout_s=config.body_timeout_s,
+        on_refused=count_refused,
     )
     if config.limit_concurrency is not None:
         # Added last, so it runs first: a refused request costs no body read.
         app.add_middleware(
-            ConcurrencyLimit, limit=config.limit_concurrency, retry_after_s=config.retry_after_s
+            ConcurrencyLimit,
+            limit=config.limit_concurrency,
+            retry_after_s=config.retry_after_s,
+            on_refused=count_refused,
         )
     metrics.watch_readiness(
         lambda: [(mv.model, mv.version, mv.ready) for mv in router.all_versions()]

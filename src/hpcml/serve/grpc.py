@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import hpcml
@@ -230,6 +231,53 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+class _Malformed:
+    """What a request that is not its message type's protobuf decodes to."""
+
+
+_MALFORMED = _Malformed()
+
+
+class _CheckedRegistrar:
+    """Stands in for the server while the generated code registers the service: each method's
+    handler gets a deserializer that cannot raise and a behavior that answers a malformed
+    message INVALID_ARGUMENT (grpcio alone answers INTERNAL/UNKNOWN with a Python class name)."""
+
+    def __init__(self, server: Any, on_malformed: Any) -> None:
+        self.server, self.on_malformed = server, on_malformed
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers arrive, checked, through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        checked = {name: self._checked(name, h) for name, h in handlers.items()}
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, checked),)
+        )
+        self.server.add_registered_method_handlers(service, checked)
+
+    def _checked(self, method: str, handler: Any) -> Any:
+        decode, behavior = handler.request_deserializer, handler.unary_unary
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except DecodeError:
+                return _MALFORMED
+
+        async def answer(request: Any, context: Any) -> Any:
+            if request is _MALFORMED:
+                self.on_malformed(method)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the {method} request is not a valid protobuf message of its type "
+                    "(inference.GRPCInferenceService); send one built from the service's proto.",
+                )
+            return await behavior(request, context)
+
+        return handler._replace(request_deserializer=deserialize, unary_unary=answer)
+
+
 def _health_statuses(router: Router) -> dict[str, Any]:
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -269,9 +317,7 @@ class HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
 class GrpcEndpoint:
     """The running gRPC server and the task that keeps its health service current."""
 
-    def __init__(
-        self, server: Any, servicer: HealthServicer, follower: asyncio.Task[None]
-    ) -> None:
+    def __init__(self, server: Any, servicer: HealthServicer, follower: asyncio.Task[None]) -> None:
         self.server, self.health, self.follower = server, servicer, follower
 
     async def stop(self, grace_s: float) -> None:
@@ -294,8 +340,13 @@ async def start_grpc_server(
             ("grpc.so_reuseport", 0),
         ],
     )
+
+    def malformed(method: str) -> None:
+        if method == "ModelInfer":  # counted like every other inference answer
+            metrics.requests.labels("", "", "grpc", "INVALID_ARGUMENT").inc()
+
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceServicer(router, config, metrics), server
+        InferenceServicer(router, config, metrics), _CheckedRegistrar(server, malformed)
     )
     health_servicer = HealthServicer(router)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

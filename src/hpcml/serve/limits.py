@@ -67,10 +67,18 @@ class BodyLimit:
     and 408 for bodies not received within `timeout_s` of the request's start, so slow
     clients cannot hold the server's concurrency slots."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        on_refused: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.on_refused = on_refused
+        """Called with (path, status) for each request refused here, unseen by the routes."""
 
     async def _reject(self, send: Callable[[Any], Awaitable[None]], exc: Exception) -> None:
         await send_error(send, 413 if isinstance(exc, BodyTooLarge) else 408, str(exc))
@@ -81,6 +89,8 @@ class BodyLimit:
             return
         for key, value in scope["headers"]:
             if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                if self.on_refused is not None:
+                    self.on_refused(scope["path"], 413)
                 await self._reject(send, BodyTooLarge(self.max_bytes))
                 return
         received = 0
@@ -136,17 +146,26 @@ def _exempt(path: str) -> bool:
 class ConcurrencyLimit:
     """Answer 503 + Retry-After at once when `limit` requests are already in flight."""
 
-    def __init__(self, app: ASGIApp, limit: int, retry_after_s: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        limit: int,
+        retry_after_s: int,
+        on_refused: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.app = app
         self.limit = limit
         self.retry_after_s = retry_after_s
         self.in_flight = 0
+        self.on_refused = on_refused
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or _exempt(scope["path"]):
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
+            if self.on_refused is not None:
+                self.on_refused(scope["path"], 503)
             await send_error(
                 send,
                 503,
