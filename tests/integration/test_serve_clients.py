@@ -308,3 +308,46 @@ def test_a_malformed_protobuf_is_invalid_argument_and_counted(served: Served) ->
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
     assert "not a valid protobuf message" in err.value.details()
     assert counted() == before + 1
+
+
+def test_tritonclient_model_config_and_statistics(served: Served) -> None:
+    client = thttp.InferenceServerClient(served.http_address)
+    config = client.get_model_config("digits")
+    assert config["max_batch_size"] == 8 and config["name"] == "digits"
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [3, 32, 32]}]
+    assert config["output"] == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}]
+    assert client.get_model_config("digits", "1") == config
+    with pytest.raises(InferenceServerException, match="no version"):
+        client.get_model_config("digits", "9")
+
+    def stats() -> dict[str, Any]:
+        (entry,) = client.get_inference_statistics("digits")["model_stats"]
+        return entry
+
+    before = stats()
+    inp = thttp.InferInput("input", [3, 3, 32, 32], "FP32")
+    inp.set_data_from_numpy(_x(3))
+    for _ in range(2):
+        client.infer("digits", [inp])
+    one = thttp.InferInput("input", [1, 3, 32, 32], "FP32")
+    one.set_data_from_numpy(_x(1))
+    client.infer("digits", [one])
+    wrong = thttp.InferInput("input", [1, 3, 32, 31], "FP32")  # not the model's shape
+    wrong.set_data_from_numpy(np.zeros((1, 3, 32, 31), np.float32))
+    with pytest.raises(InferenceServerException, match="shape"):
+        client.infer("digits", [wrong])
+    after = stats()
+    failed = after["inference_stats"]["fail"]["count"]
+    assert failed == before["inference_stats"]["fail"]["count"] + 1
+    ok = after["inference_stats"]["success"]
+    assert ok["count"] == before["inference_stats"]["success"]["count"] + 3
+    assert after["inference_count"] == before["inference_count"] + 7  # samples: 3 + 3 + 1
+    assert ok["ns"] > before["inference_stats"]["success"]["ns"]
+    # Each batch is counted once, under its size: their total is the execution count.
+    batches = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
+    assert sum(batches.values()) == after["execution_count"] >= before["execution_count"] + 2
+    assert after["name"] == "digits" and after["version"] == "1"
+    assert client.get_inference_statistics()["model_stats"] == [stats()]
+    with pytest.raises(InferenceServerException):
+        client.get_inference_statistics("nope")
+    client.close()

@@ -84,6 +84,8 @@ class BatchingStats:
     samples: int = 0
     max_batch: int = 0
     sizes: dict[int, int] = field(default_factory=dict)
+    compute_ns: dict[int, int] = field(default_factory=dict)
+    """Batch size -> nanoseconds spent computing batches of that size."""
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -363,6 +365,7 @@ class DynamicBatcher:
         self.stats.samples += size
         self.stats.max_batch = max(self.stats.max_batch, size)
         self.stats.sizes[size] = self.stats.sizes.get(size, 0) + 1
+        self.stats.compute_ns[size] = self.stats.compute_ns.get(size, 0) + int(compute_s * 1e9)
         if self.metrics is not None:
             self.metrics.batch_size.observe(size)
             self.metrics.compute_s.observe(compute_s)

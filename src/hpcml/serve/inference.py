@@ -149,6 +149,9 @@ async def run_infer(
             return x
 
         mv, result = await router.infer(name, version, prepare)
+        mv.stats.succeeded(
+            time.perf_counter() - started, result.queue_s, result.compute_s, len(result.output)
+        )
         code = "200" if protocol == "http" else "OK"
         if rt is not None:
             rt.computed(result, mv.version)
@@ -159,6 +162,8 @@ async def run_infer(
             rt.finish(code, "the client went away")
         raise
     except Exception as exc:
+        if chosen is not None:
+            chosen.stats.failed(time.perf_counter() - started)
         failure = failure_of(exc, name, chosen, config)
         code = str(failure.status) if protocol == "http" else failure.grpc_code
         if rt is not None:

@@ -28,6 +28,7 @@ from hpcml.serve.batcher import DynamicBatcher, InferResult
 from hpcml.serve.config import ModelServeConfig, ServeConfig, normalise_weights
 from hpcml.serve.drift import DriftMonitor
 from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.model_stats import InferStats
 from hpcml.serve.protocol import TensorSpec
 from hpcml.serve.repository import ModelSource, sorted_versions
 
@@ -95,6 +96,7 @@ class ModelVersion:
     config: ModelServeConfig
     batcher: DynamicBatcher
     started: bool = False
+    stats: InferStats = field(default_factory=InferStats)
 
     @property
     def ready(self) -> bool:
