@@ -6,14 +6,19 @@ import asyncio
 import re
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
+import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
 from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
 from hpcml.serve.protocol import encode_request_bytes
 from hpcml.serve.testing import running_server
 
@@ -144,3 +149,48 @@ def test_slow_bodies_get_408_and_model_readiness_is_exempt_from_the_limit(tmp_pa
 
     with running_server(build_app(export, cfg, name="digits")) as url:
         asyncio.run(main(url))
+
+
+def test_grpc_limit_covers_inference_only_and_pushes_back(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build_model("mlp", ARGS).eval()
+    export = save_export(tmp_path / "export", model, "mlp", ARGS, (2, 2), (10,))
+    # One request in flight at a time; a lone request waits 5 s in the queue for company, so
+    # it holds the only slot while the test looks (milliseconds of local calls).
+    cfg = ServeConfig.model_validate(
+        {
+            "grpc_port": 0,
+            "limit_concurrency": 1,
+            "retry_after_s": 2,
+            "defaults": {"isolation": "thread", "max_queue_delay_ms": 5000},
+        }
+    )
+    msg = pb.ModelInferRequest(model_name="digits")
+    msg.inputs.add(name="input", datatype="FP32", shape=[1, 2, 2])
+    msg.raw_input_contents.append(bytes(16))
+    app = build_app(export, cfg, name="digits")
+    with (
+        running_server(app) as url,
+        grpc.insecure_channel(f"127.0.0.1:{app.state.grpc_port}") as channel,
+    ):
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        first = infer.future(msg, timeout=60)
+        for _ in range(600):  # until it waits in the queue
+            if (
+                'hpcml_queue_depth{model="digits",version="1"} 1.0'
+                in httpx.get(url + "/metrics").text
+            ):
+                break
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(msg, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("grpc-retry-pushback-ms", "2000") in refused.value.trailing_metadata()
+        # Probes are not inference: they answer while the slot is taken (main: refused too).
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health.Check(health_pb2.HealthCheckRequest(service="digits"), timeout=30)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        ready = pb_grpc.GRPCInferenceServiceStub(channel).ModelReady(
+            pb.ModelReadyRequest(name="digits"), timeout=30
+        )
+        assert ready.ready and not first.done()
+        assert first.result().model_name == "digits"
