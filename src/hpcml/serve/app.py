@@ -78,6 +78,8 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     # gpt exports over bytes also generate text (/v1/completions); loaded now, like the CLI
     # loads the router before serving, so a bad export fails before the server starts.
     generators = text_services(router, config, metrics.registry)
+    for name, generator in generators.items():
+        router.also_ready[name] = generator.is_ready
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

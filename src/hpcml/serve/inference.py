@@ -186,6 +186,9 @@ async def run_infer(
 def model_is_ready(router: Router, name: str, version: str | None) -> bool:
     """A version's readiness, or for a model whether every version taking traffic is ready."""
     model = router.model(name)
+    also = router.also_ready.get(name)
+    if also is not None and not also():
+        return False
     if version:
         return model.version(version).ready
     return all(model.versions[v].ready for v in model.policy.weights)

@@ -220,6 +220,9 @@ class Router:
         self.worker_restarts = worker_restarts_counter(metrics)
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         """Coroutines run while the server runs (an alias follower); cancelled on close."""
+        self.also_ready: dict[str, Callable[[], bool]] = {}
+        """Model name -> readiness of another engine serving it (text generation), which the
+        model's and the server's readiness include."""
         self._background_tasks: list[asyncio.Task[None]] = []
         self.drift = DriftMonitor(config.drift, metrics)
         if config.drift.enabled:
@@ -228,7 +231,11 @@ class Router:
     @property
     def ready(self) -> bool:
         """Every served version is ready (the OIP server readiness)."""
-        return self._started and all(mv.ready for mv in self.all_versions())
+        return (
+            self._started
+            and all(mv.ready for mv in self.all_versions())
+            and all(ready() for ready in self.also_ready.values())
+        )
 
     @classmethod
     def from_source(
