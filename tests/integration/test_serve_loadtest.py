@@ -132,3 +132,21 @@ def test_cli_prints_json_and_writes_the_plot_and_timeline(url: str, tmp_path: Pa
     assert set(result["latency_ms"]) >= {"p50", "p90", "p99", "p99.9"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(json.loads(out.read_text())["timeline"]) == result["sent"]
+
+
+def test_a_client_that_sends_late_marks_its_result_invalid(url: str) -> None:
+    # A send lag is at least 1 us (the histogram's floor), so a bound of 0.0005 ms is always
+    # passed and one of a minute never: the rule, not this machine's scheduling, is tested.
+    late = loadtest(base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=5e-4)
+    assert not late.valid and late.send_lag_ms_p99 > 5e-4
+    assert late.invalid_reason is not None and "the client sent late" in late.invalid_reason
+    assert late.to_json()["valid"] is False
+    fine = loadtest(base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=6e4)
+    assert fine.valid and fine.invalid_reason is None
+    split = loadtest(
+        base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=5e-4, processes=2
+    )
+    assert not split.valid  # the merged histograms are judged too
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="must be a positive number of milliseconds"):
+            loadtest(base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=bad)

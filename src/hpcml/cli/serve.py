@@ -247,6 +247,11 @@ def loadtest(
         1, "--processes", help="Client processes sharing the load (for rates one loop can't drive)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    max_send_lag_ms: float = typer.Option(
+        10.0,
+        "--max-send-lag-ms",
+        help="Open loop: a client send lag p99 over this marks the result invalid.",
+    ),
     plot: Path | None = typer.Option(None, "--plot", help="Write a latency plot (PNG)."),
     out: Path | None = typer.Option(
         None, "--out", help="Write the result JSON (with the latency timeline) here."
@@ -300,6 +305,7 @@ def loadtest(
             timeout_s=timeout,
             progress=progress,
             processes=processes,
+            max_send_lag_ms=max_send_lag_ms,
         )
     if out is not None:
         write_json_atomic(out, result.to_json(with_timeline=True))
@@ -310,6 +316,8 @@ def loadtest(
         print_json(result.to_json())
     else:
         _print_loadtest(result)
+    if not result.valid:
+        err_console.print(f"[bold yellow]invalid result:[/] {result.invalid_reason}")
     if result.ok == 0:
         raise WorkFailed(f"no request to {result.url} succeeded (errors: {result.errors}).")
 

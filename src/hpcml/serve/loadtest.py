@@ -18,6 +18,7 @@ the load generator would take from the server under test.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable
@@ -60,6 +61,10 @@ class LoadtestResult:
     spectrum_ms: dict[str, float] = field(default_factory=dict)
     send_lag_ms_p99: float = 0.0
     """How late the client sent (open loop); large values mean the client, not the server, lagged."""
+    valid: bool = True
+    """False when the client fell behind its schedule (open loop: send lag p99 over
+    `max_send_lag_ms`): the latencies then measure the load generator, not the server."""
+    invalid_reason: str | None = None
     timeline: list[tuple[float, float, int]] = field(default_factory=list)
     """(seconds since start, latency ms, status) for up to 20k requests, for plots."""
 
@@ -176,6 +181,7 @@ async def run_loadtest(
     progress: Callable[[float, int, int, int], None] | None = None,
     recorder: _Recorder | None = None,
     headers: dict[str, str] | None = None,
+    max_send_lag_ms: float = 10.0,
 ) -> LoadtestResult:
     """Drive `base_url` for `duration_s`; exactly one of `rate` (open) or `concurrency` (closed).
 
@@ -191,6 +197,7 @@ async def run_loadtest(
         raise ConfigError(f"--concurrency {concurrency} must be positive.")
     if duration_s <= 0:
         raise ConfigError(f"--duration {duration_s} must be positive (seconds).")
+    _check_max_lag(max_send_lag_ms)
     base_url = base_url.rstrip("/")
     path = infer_path or (
         f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
@@ -248,7 +255,7 @@ async def run_loadtest(
         rec.elapsed = elapsed
     if progress is not None:
         progress(duration_s, rec.sent, rec.ok, sum(rec.errors.values()))
-    return _result(rec, url, duration_s, rate, concurrency, elapsed)
+    return _result(rec, url, duration_s, rate, concurrency, elapsed, 1, max_send_lag_ms)
 
 
 def _summary(h: Any) -> dict[str, float]:
@@ -271,6 +278,7 @@ def _result(
     concurrency: int | None,
     elapsed: float,
     processes: int = 1,
+    max_send_lag_ms: float = 10.0,
 ) -> LoadtestResult:
     result = LoadtestResult(
         mode="open" if rate is not None else "closed",
@@ -295,6 +303,13 @@ def _result(
         result.spectrum_ms = {f"{p:g}": h.get_value_at_percentile(p) / 1e3 for p in _SPECTRUM}
     if rec.lag.get_total_count():
         result.send_lag_ms_p99 = rec.lag.get_value_at_percentile(99.0) / 1e3
+        if result.send_lag_ms_p99 > max_send_lag_ms:
+            result.valid = False
+            result.invalid_reason = (
+                f"the client sent late (send lag p99 {result.send_lag_ms_p99:.3g} ms > "
+                f"{max_send_lag_ms:g} ms): it, not the server, set the latencies; use more "
+                "--processes, fewer cores for the server, or a lower rate."
+            )
     return result
 
 
@@ -365,9 +380,17 @@ async def _closed_loop(
     await asyncio.gather(*(client(i) for i in range(concurrency)))
 
 
+def _check_max_lag(max_send_lag_ms: float) -> None:
+    if not math.isfinite(max_send_lag_ms) or max_send_lag_ms <= 0:
+        raise ConfigError(
+            f"--max-send-lag-ms {max_send_lag_ms} must be a positive number of milliseconds."
+        )
+
+
 def loadtest(processes: int = 1, **kwargs: Any) -> LoadtestResult:
     """Synchronous `run_loadtest` (its own event loop); `processes > 1` splits the rate (or the
     clients) over that many client processes and merges what they measured."""
+    _check_max_lag(float(kwargs.get("max_send_lag_ms", 10.0)))
     if processes <= 1:
         return asyncio.run(run_loadtest(**kwargs))
     import multiprocessing
@@ -402,7 +425,9 @@ def loadtest(processes: int = 1, **kwargs: Any) -> LoadtestResult:
         rec.timeline.extend(part["timeline"][: _MAX_TIMELINE // processes])
     elapsed = max(p["elapsed"] for p in parts)
     first = parts[0]
-    return _result(rec, first["url"], kwargs["duration_s"], rate, concurrency, elapsed, processes)
+    max_lag = float(kwargs.get("max_send_lag_ms", 10.0))
+    duration_s = kwargs["duration_s"]
+    return _result(rec, first["url"], duration_s, rate, concurrency, elapsed, processes, max_lag)
 
 
 def _loadtest_part(kwargs: dict[str, Any]) -> dict[str, Any]:
