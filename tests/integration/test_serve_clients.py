@@ -351,3 +351,34 @@ def test_tritonclient_model_config_and_statistics(served: Served) -> None:
     with pytest.raises(InferenceServerException):
         client.get_inference_statistics("nope")
     client.close()
+
+
+def test_tritonclient_grpc_model_config_statistics_and_repository_index(served: Served) -> None:
+    # Unimplemented on main. tritonclient parses the answers with Triton's own full messages.
+    client = tgrpc.InferenceServerClient(served.grpc_address)
+    config = client.get_model_config("digits", as_json=True)["config"]
+    http = thttp.InferenceServerClient(served.http_address)
+    rest = http.get_model_config("digits")
+    assert config["name"] == rest["name"] == "digits"
+    assert int(config["max_batch_size"]) == rest["max_batch_size"] == 8
+    assert config["input"] == [
+        {"name": "input", "data_type": "TYPE_FP32", "dims": ["3", "32", "32"]}
+    ]
+    assert config["output"][0]["data_type"] == "TYPE_FP32" and config["output"][0]["dims"] == ["10"]
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    with pytest.raises(InferenceServerException, match="no version"):
+        client.get_model_config("digits", "9")
+    inp = tgrpc.InferInput("input", [2, 3, 32, 32], "FP32")
+    inp.set_data_from_numpy(_x(2))
+    client.infer("digits", [inp])
+    (grpc_stats,) = client.get_inference_statistics("digits", as_json=True)["model_stats"]
+    (rest_stats,) = http.get_inference_statistics("digits")["model_stats"]
+    # Both read the same counters (no request in between).
+    assert int(grpc_stats["inference_count"]) == rest_stats["inference_count"] >= 2
+    success = grpc_stats["inference_stats"]["success"]
+    assert int(success["count"]) == rest_stats["inference_stats"]["success"]["count"]
+    assert client.get_model_repository_index(as_json=True)["models"] == [
+        {"name": "digits", "version": "1", "state": "READY"}
+    ]
+    client.close()
+    http.close()

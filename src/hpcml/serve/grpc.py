@@ -2,7 +2,8 @@
 
 Serves ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer of
 KServe's `grpc_predict_v2.proto` (stubs in `oip_pb`), which Triton's `grpc_service.proto`
-extends with the same messages, so tritonclient's and KServe's gRPC clients both work. The
+extends with the same messages, so tritonclient's and KServe's gRPC clients both work; and
+Triton's ModelConfig, ModelStatistics and RepositoryIndex (`triton_grpc`). The
 server is a `grpc.aio` server on the HTTP server's event loop, started by the app's lifespan:
 requests go through the same router, batchers, errors and metrics as REST (`inference`).
 Inputs arrive as `raw_input_contents` (what stock clients send) or typed `contents`; outputs
@@ -53,6 +54,7 @@ from hpcml.serve.tensors import (
     from_raw,
     to_raw,
 )
+from hpcml.serve.triton_grpc import SERVICE, triton_handlers
 
 # How often readiness is read for the health service: the longest a Watch lags a change.
 HEALTH_POLL_S = 0.2
@@ -250,11 +252,15 @@ class _CheckedRegistrar:
         pass  # the same handlers arrive, checked, through add_registered_method_handlers
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        checked = self.add_generic(service, handlers)
+        self.server.add_registered_method_handlers(service, checked)
+
+    def add_generic(self, service: str, handlers: dict[str, Any]) -> dict[str, Any]:
         checked = {name: self._checked(name, h) for name, h in handlers.items()}
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, checked),)
         )
-        self.server.add_registered_method_handlers(service, checked)
+        return checked
 
     def _checked(self, method: str, handler: Any) -> Any:
         decode, behavior = handler.request_deserializer, handler.unary_unary
@@ -345,9 +351,12 @@ async def start_grpc_server(
         if method == "ModelInfer":  # counted like every other inference answer
             metrics.requests.labels("", "", "grpc", "INVALID_ARGUMENT").inc()
 
+    registrar = _CheckedRegistrar(server, malformed)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceServicer(router, config, metrics), _CheckedRegistrar(server, malformed)
+        InferenceServicer(router, config, metrics), registrar
     )
+    # Triton's extension methods of the same service (model config, statistics, index).
+    registrar.add_generic(SERVICE, triton_handlers(router))
     health_servicer = HealthServicer(router)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host = f"[{config.host}]" if ":" in config.host else config.host

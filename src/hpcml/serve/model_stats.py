@@ -4,7 +4,8 @@
 (`max_batch_size`, inputs and outputs with `TYPE_*` datatypes and per-sample `dims`, dynamic
 batching, instance count), and `GET /v2/models[/{m}[/versions/{v}]]/stats` its statistics
 (`inference_stats` success / fail / queue / compute, and `batch_stats` per batch size), so
-tritonclient's `get_model_config` and `get_inference_statistics` work unchanged. Counts and
+tritonclient's `get_model_config` and `get_inference_statistics` work unchanged (over gRPC
+too: `triton_grpc` parses these same dictionaries into Triton's messages). Counts and
 nanosecond totals are kept per version by `InferStats`, which `inference.run_infer` updates
 as requests end, and per batch size by the batcher's `BatchingStats`.
 """
