@@ -194,3 +194,31 @@ def test_grpc_limit_covers_inference_only_and_pushes_back(tmp_path: Path) -> Non
         )
         assert ready.ready and not first.done()
         assert first.result().model_name == "digits"
+
+
+def test_slow_headers_get_the_connection_closed(tmp_path: Path) -> None:
+    # uvicorn bounds no header read: on main a client sending half a request line kept its
+    # connection for as long as it liked.
+    torch.manual_seed(0)
+    model = build_model("mlp", ARGS).eval()
+    export = save_export(tmp_path / "export", model, "mlp", ARGS, (2, 2), (10,))
+    cfg = ServeConfig.model_validate({"header_timeout_s": 1, "defaults": {"isolation": "thread"}})
+
+    async def main(url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        silent = await asyncio.open_connection(host, int(port))  # sends nothing at all
+        slow = await asyncio.open_connection(host, int(port))
+        slow[1].write(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n")  # never ends its headers
+        await slow[1].drain()
+        for reader, writer in (silent, slow):
+            # Closed by the server: end of stream, no response (60 s: only if it never closes).
+            assert await asyncio.wait_for(reader.read(), 60) == b""
+            writer.close()
+        # A prompt client on a kept-alive connection is unaffected.
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            for _ in range(3):
+                assert (await c.get("/v2/health/live")).status_code == 200
+                await asyncio.sleep(0.6)  # 3 x 0.6 s > 1 s: the timer must not span requests
+
+    with running_server(build_app(export, cfg, name="digits")) as url:
+        asyncio.run(main(url))

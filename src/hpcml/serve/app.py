@@ -138,6 +138,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     )
     app.state.router = router
     app.state.metrics = metrics
+    app.state.config = config
     add_drift_routes(app, router.drift)
     app.state.grpc_port = None
     app.state.generators = generators
@@ -491,6 +492,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_protocol(config: ServeConfig) -> Any:
+    """uvicorn's `http` setting: httptools with a header deadline when one is configured."""
+    if config.header_timeout_s is None:
+        return "auto"
+    from hpcml.serve.header_timeout import header_timeout_protocol
+
+    return header_timeout_protocol(config.header_timeout_s)
+
+
 def uvicorn_server(app: FastAPI, config: ServeConfig, log_level: str = "warning") -> Any:
     import uvicorn
 
@@ -505,5 +515,6 @@ def uvicorn_server(app: FastAPI, config: ServeConfig, log_level: str = "warning"
             # Clients under load keep connections; a short keep-alive only adds reconnects.
             timeout_keep_alive=30,
             backlog=4096,
+            http=http_protocol(config),
         )
     )

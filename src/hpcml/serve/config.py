@@ -182,6 +182,9 @@ class ServeConfig(_Section):
     413 (gRPC: RESOURCE_EXHAUSTED), checked on the shapes they claim before anything is
     allocated. null: 4 x `max_body_bytes`, which holds any numeric body (JSON's shortest number,
     `0,`, is 2 bytes for an 8-byte FP64)."""
+    header_timeout_s: float | None = Field(default=10.0, gt=0.0, allow_inf_nan=False)
+    """A connection whose request headers are not complete within this long of the connection
+    opening (or of the request's first byte) is closed. null: no bound."""
     body_timeout_s: float | None = Field(default=30.0, gt=0.0, allow_inf_nan=False)
     """A request body not received in full within this long of the request's start gets 408,
     which frees its `limit_concurrency` slot (slow clients cannot hold them all). null: none."""
