@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -150,3 +151,22 @@ def test_a_client_that_sends_late_marks_its_result_invalid(url: str) -> None:
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="must be a positive number of milliseconds"):
             loadtest(base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=bad)
+
+
+def test_binary_mode_builds_tensor_data_the_server_accepts(url: str) -> None:
+    import aiohttp
+
+    from hpcml.serve.loadtest import fetch_payload
+    from hpcml.serve.protocol import parse_header_length, parse_infer_request
+
+    async def payload() -> tuple[bytes, dict[str, str]]:
+        async with aiohttp.ClientSession() as session:
+            return await fetch_payload(session, url, "digits", None, 2, binary=True)
+
+    body, headers = asyncio.run(payload())
+    assert headers["content-type"] == "application/octet-stream"
+    length = parse_header_length(headers["inference-header-content-length"], len(body))
+    assert length is not None and len(body) == length + 2 * 3 * 32 * 32 * 4  # raw FP32 after it
+    assert parse_infer_request(body, length).inputs["input"].shape == (2, 3, 32, 32)
+    r = loadtest(base_url=url, model="digits", concurrency=2, duration_s=0.5, binary=True, batch=2)
+    assert r.ok > 0 and r.ok == r.sent and r.errors == {}  # a malformed body would be 400s

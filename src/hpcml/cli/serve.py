@@ -247,6 +247,9 @@ def loadtest(
         1, "--processes", help="Client processes sharing the load (for rates one loop can't drive)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    binary: bool = typer.Option(
+        False, "--binary", help="Send binary tensor data (what tritonclient sends), not JSON."
+    ),
     max_send_lag_ms: float = typer.Option(
         10.0,
         "--max-send-lag-ms",
@@ -306,6 +309,7 @@ def loadtest(
             progress=progress,
             processes=processes,
             max_send_lag_ms=max_send_lag_ms,
+            binary=binary,
         )
     if out is not None:
         write_json_atomic(out, result.to_json(with_timeline=True))

@@ -118,10 +118,16 @@ class _Recorder:
 
 
 async def fetch_payload(
-    session: Any, base_url: str, model: str, version: str | None, batch: int
-) -> bytes:
-    """A random request body that fits the model's signature, read from its metadata."""
-    from hpcml.serve.protocol import DATATYPES, encode_request_bytes
+    session: Any,
+    base_url: str,
+    model: str,
+    version: str | None,
+    batch: int,
+    binary: bool = False,
+) -> tuple[bytes, dict[str, str]]:
+    """A random request body that fits the model's signature, read from its metadata, and its
+    headers: JSON, or with `binary` the binary tensor extension (what tritonclient sends)."""
+    from hpcml.serve.protocol import DATATYPES, encode_binary_request, encode_request_bytes
 
     path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
     try:
@@ -142,7 +148,9 @@ async def fetch_payload(
         x = rng.standard_normal(shape).astype(dtype)
     else:
         x = np.zeros(shape, dtype=dtype)
-    return encode_request_bytes(x, spec["name"])
+    if not binary:
+        return encode_request_bytes(x, spec["name"]), {}
+    return encode_binary_request(x, spec["name"])
 
 
 async def _send(
@@ -182,11 +190,14 @@ async def run_loadtest(
     recorder: _Recorder | None = None,
     headers: dict[str, str] | None = None,
     max_send_lag_ms: float = 10.0,
+    binary: bool = False,
 ) -> LoadtestResult:
     """Drive `base_url` for `duration_s`; exactly one of `rate` (open) or `concurrency` (closed).
 
     `headers` are added to every request (they override the JSON content-type), e.g. the
-    binary tensor extension's `Inference-Header-Content-Length` for a binary `payload`."""
+    binary tensor extension's `Inference-Header-Content-Length` for a binary `payload`. Without
+    a `payload`, one is built from the model's metadata: JSON, or binary tensor data with
+    `binary`."""
     import aiohttp
 
     if (rate is None) == (concurrency is None):
@@ -208,11 +219,11 @@ async def run_loadtest(
     limit = concurrency if concurrency is not None else max_inflight
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        body = (
-            payload
-            if payload is not None
-            else await fetch_payload(session, base_url, model, version, batch)
-        )
+        if payload is not None:
+            body = payload
+        else:
+            body, built = await fetch_payload(session, base_url, model, version, batch, binary)
+            send_headers.update(built)
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.05
         end = start + duration_s

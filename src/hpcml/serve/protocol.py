@@ -42,6 +42,7 @@ __all__ = [
     "datatype_of",
     "datatype_of_array",
     "decode_output",
+    "encode_binary_request",
     "encode_request",
     "encode_request_bytes",
     "error_body",
@@ -334,6 +335,23 @@ def encode_request_bytes(
     req = encode_request(array, input_name, request_id)
     req["inputs"][0]["data"] = to_json_data(array)
     return _dumps(req)
+
+
+def encode_binary_request(
+    array: np.ndarray, input_name: str = "input"
+) -> tuple[bytes, dict[str, str]]:
+    """A client-side helper: (body, headers) of a request with one input as binary tensor data
+    and binary outputs asked for, as tritonclient sends it."""
+    raw = to_raw(array)
+    tensor = {
+        "name": input_name,
+        "shape": list(array.shape),
+        "datatype": datatype_of_array(array),
+        "parameters": {"binary_data_size": len(raw)},
+    }
+    header = _dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}})
+    headers = {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+    return header + raw, headers
 
 
 def encode_request(
