@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -117,6 +118,8 @@ def test_cli_prints_json_and_writes_the_plot_and_timeline(url: str, tmp_path: Pa
             "--duration",
             "1",
             "--json",
+            "--seed",
+            "3",
             "--plot",
             str(plot),
             "--out",
@@ -129,6 +132,12 @@ def test_cli_prints_json_and_writes_the_plot_and_timeline(url: str, tmp_path: Pa
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
+    # The arrivals are the seed's: Poisson(40/s) for 1 s from random.Random(3) draws 36 of
+    # them (seed 0, the default, draws 31), all sent (no client in-flight limit reached).
+    rng, t, arrivals = random.Random(3), 0.0, 0
+    while (t := t + rng.expovariate(40)) < 1.0:
+        arrivals += 1
+    assert result["not_sent"] == 0 and result["sent"] == arrivals == 36
     assert result["ok"] == result["sent"] > 0
     assert set(result["latency_ms"]) >= {"p50", "p90", "p99", "p99.9"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

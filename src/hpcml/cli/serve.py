@@ -266,7 +266,9 @@ def loadtest(
     max_tokens: int = typer.Option(32, "--max-tokens", help="--llm: tokens per request."),
     ttft_slo_ms: float = typer.Option(1000.0, "--ttft-slo-ms", help="--llm: goodput's TTFT."),
     itl_slo_ms: float = typer.Option(100.0, "--itl-slo-ms", help="--llm: goodput's mean ITL."),
-    seed: int = typer.Option(0, "--seed", help="--llm: seed of arrivals and prompts."),
+    seed: int = typer.Option(
+        0, "--seed", help="Seed of open-loop arrivals (--llm: and prompts); one per repetition."
+    ),
 ) -> None:
     """Load-test an Open Inference Protocol server: open loop (--rate) or closed loop
     (--concurrency); with --llm, streaming OpenAI completions (TTFT, inter-token latency)."""
@@ -310,6 +312,7 @@ def loadtest(
             processes=processes,
             max_send_lag_ms=max_send_lag_ms,
             binary=binary,
+            seed=seed,
         )
     if out is not None:
         write_json_atomic(out, result.to_json(with_timeline=True))
