@@ -277,7 +277,7 @@ def loadtest(
     from hpcml.errors import WorkFailed
     from hpcml.records import write_json_atomic
     from hpcml.serve.loadtest import loadtest as run
-    from hpcml.serve.loadtest import plot_results
+    from hpcml.serve.loadtest_plot import plot_results
 
     check_url(url)
     if llm:

@@ -41,8 +41,7 @@ from hpcml.serve.inference import (
 )
 from hpcml.serve.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
 from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.model_stats import model_config, model_statistics
-from hpcml.serve.repository import sorted_versions
+from hpcml.serve.model_stats import add_triton_routes
 from hpcml.serve.router import NotFound, PolicyError, Router
 
 JSON = "application/json"
@@ -284,36 +283,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     async def server_metadata() -> dict[str, Any]:
         return {"name": "hpcml", "version": hpcml.__version__, "extensions": EXTENSIONS}
 
-    def versions_of(name: str | None, version: str | None) -> list[Any]:
-        if name is None:
-            return router.all_versions()
-        model = router.model(name)
-        if version is not None:
-            return [model.version(version)]
-        return [model.versions[v] for v in sorted_versions(list(model.versions))]
-
-    @app.get("/v2/models/{name}/config", tags=["metadata"])
-    @app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"])
-    async def model_config_route(name: str, version: str | None = None) -> Response:
-        """Triton's model configuration of the version named, or the newest."""
-        try:
-            model = router.model(name)
-            mv = model.version(version) if version is not None else model.newest
-        except NotFound as exc:
-            return _error(404, str(exc))
-        return JSONResponse(model_config(mv))
-
-    # Before /v2/models/{name}, which would take "stats" for a model's name.
-    @app.get("/v2/models/stats", tags=["metrics"])
-    @app.get("/v2/models/{name}/stats", tags=["metrics"])
-    @app.get("/v2/models/{name}/versions/{version}/stats", tags=["metrics"])
-    async def model_stats_route(name: str | None = None, version: str | None = None) -> Response:
-        """Triton's inference statistics: every version served, a model's, or one version's."""
-        try:
-            versions = versions_of(name, version)
-        except NotFound as exc:
-            return _error(404, str(exc))
-        return JSONResponse({"model_stats": [model_statistics(mv) for mv in versions]})
+    add_triton_routes(app, router, _error)  # before /v2/models/{name}: "stats" is no name
 
     def metadata_response(name: str, version: str | None) -> Response:
         try:

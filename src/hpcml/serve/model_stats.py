@@ -13,11 +13,17 @@ as requests end, and per batch size by the batcher's `BatchingStats`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+# At run time: FastAPI reads the routes' annotations from this module's globals.
+from fastapi.responses import JSONResponse, Response
+
 if TYPE_CHECKING:
-    from hpcml.serve.router import ModelVersion
+    from fastapi import FastAPI
+
+    from hpcml.serve.router import ModelVersion, Router
 
 # Triton's model-config datatype names for the protocol's.
 _CONFIG_TYPE = {"BYTES": "TYPE_STRING"}
@@ -113,3 +119,40 @@ def model_statistics(mv: ModelVersion) -> dict[str, Any]:
             for size, n in sorted(batching.sizes.items())
         ],
     }
+
+
+def add_triton_routes(app: FastAPI, router: Router, error: Callable[[int, str], Response]) -> None:
+    """The REST routes of both extensions; `error(status, message)` answers a failure."""
+    from hpcml.serve.repository import sorted_versions
+    from hpcml.serve.router import NotFound
+
+    def versions_of(name: str | None, version: str | None) -> list[Any]:
+        if name is None:
+            return router.all_versions()
+        model = router.model(name)
+        if version is not None:
+            return [model.version(version)]
+        return [model.versions[v] for v in sorted_versions(list(model.versions))]
+
+    @app.get("/v2/models/{name}/config", tags=["metadata"])
+    @app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"])
+    async def model_config_route(name: str, version: str | None = None) -> Response:
+        """Triton's model configuration of the version named, or the newest."""
+        try:
+            model = router.model(name)
+            mv = model.version(version) if version is not None else model.newest
+        except NotFound as exc:
+            return error(404, str(exc))
+        return JSONResponse(model_config(mv))
+
+    # Before /v2/models/{name}, which would take "stats" for a model's name.
+    @app.get("/v2/models/stats", tags=["metrics"])
+    @app.get("/v2/models/{name}/stats", tags=["metrics"])
+    @app.get("/v2/models/{name}/versions/{version}/stats", tags=["metrics"])
+    async def model_stats_route(name: str | None = None, version: str | None = None) -> Response:
+        """Triton's inference statistics: every version served, a model's, or one version's."""
+        try:
+            versions = versions_of(name, version)
+        except NotFound as exc:
+            return error(404, str(exc))
+        return JSONResponse({"model_stats": [model_statistics(mv) for mv in versions]})
