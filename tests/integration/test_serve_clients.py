@@ -382,3 +382,29 @@ def test_tritonclient_grpc_model_config_statistics_and_repository_index(served: 
     ]
     client.close()
     http.close()
+
+
+def test_the_load_generator_speaks_grpc(served: Served) -> None:
+    from hpcml.serve.loadtest import loadtest
+
+    def grpc_ok() -> float:
+        text = httpx.get(f"{served.url}/metrics").text
+        found = re.search(
+            r'^hpcml_requests_total\{code="OK",model="digits",protocol="grpc",version="1"\} (\S+)$',
+            text,
+            re.M,
+        )
+        return float(found.group(1)) if found else 0.0
+
+    before = grpc_ok()
+    r = loadtest(
+        base_url=served.url,
+        model="digits",
+        concurrency=2,
+        duration_s=0.5,
+        binary=True,
+        grpc_target=served.grpc_address,
+    )
+    assert r.ok == r.sent > 0 and r.errors == {}
+    assert r.url == f"grpc://{served.grpc_address}/digits"
+    assert grpc_ok() == before + r.ok  # every one of them arrived over gRPC

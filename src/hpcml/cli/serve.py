@@ -250,6 +250,9 @@ def loadtest(
     binary: bool = typer.Option(
         False, "--binary", help="Send binary tensor data (what tritonclient sends), not JSON."
     ),
+    grpc_target: str | None = typer.Option(
+        None, "--grpc", help="HOST:PORT of the gRPC endpoint: send ModelInfer calls there."
+    ),
     max_send_lag_ms: float = typer.Option(
         10.0,
         "--max-send-lag-ms",
@@ -313,6 +316,7 @@ def loadtest(
             max_send_lag_ms=max_send_lag_ms,
             binary=binary,
             seed=seed,
+            grpc_target=grpc_target,
         )
     if out is not None:
         write_json_atomic(out, result.to_json(with_timeline=True))

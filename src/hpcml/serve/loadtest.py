@@ -21,7 +21,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -190,13 +190,15 @@ async def run_loadtest(
     headers: dict[str, str] | None = None,
     max_send_lag_ms: float = 10.0,
     binary: bool = False,
+    grpc_target: str | None = None,
 ) -> LoadtestResult:
     """Drive `base_url` for `duration_s`; exactly one of `rate` (open) or `concurrency` (closed).
 
     `headers` are added to every request (they override the JSON content-type), e.g. the
     binary tensor extension's `Inference-Header-Content-Length` for a binary `payload`. Without
     a `payload`, one is built from the model's metadata: JSON, or binary tensor data with
-    `binary`."""
+    `binary`. With `grpc_target` (HOST:PORT) the requests go to the gRPC endpoint instead
+    (ModelInfer with raw contents), built from the same body."""
     import aiohttp
 
     if (rate is None) == (concurrency is None):
@@ -238,29 +240,28 @@ async def run_loadtest(
                         sum(rec.errors.values()),
                     )
 
+        channel = None
+        if grpc_target is not None:
+            from hpcml.serve.loadtest_grpc import grpc_sender
+
+            send, channel = grpc_sender(grpc_target, model, version, body, send_headers, timeout_s)
+            url = f"grpc://{grpc_target}/{model}"
+        else:
+
+            async def send() -> int | str:
+                return await _send(session, url, body, send_headers, timeout_s)
+
         tick = asyncio.create_task(ticker())
         try:
             if rate is not None:
-                await _open_loop(
-                    session,
-                    url,
-                    body,
-                    send_headers,
-                    rate,
-                    start,
-                    end,
-                    timeout_s,
-                    max_inflight,
-                    seed,
-                    rec,
-                )
+                await _open_loop(send, rate, start, end, max_inflight, seed, rec)
             else:
                 assert concurrency is not None
-                await _closed_loop(
-                    session, url, body, send_headers, concurrency, start, end, timeout_s, rec
-                )
+                await _closed_loop(send, concurrency, start, end, rec)
         finally:
             tick.cancel()
+            if channel is not None:
+                await channel.close()
         elapsed = max(loop.time() - start, 1e-9)
         rec.elapsed = elapsed
     if progress is not None:
@@ -324,14 +325,10 @@ def _result(
 
 
 async def _open_loop(
-    session: Any,
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
+    send: Callable[[], Awaitable[int | str]],
     rate: float,
     start: float,
     end: float,
-    timeout_s: float,
     max_inflight: int,
     seed: int,
     rec: _Recorder,
@@ -342,7 +339,7 @@ async def _open_loop(
 
     async def one(intended: float) -> None:
         rec.lag.record_value(max(1, int((loop.time() - intended) * 1e6)))
-        status = await _send(session, url, body, headers, timeout_s)
+        status = await send()
         rec.record(intended - start, loop.time() - intended, status)
 
     intended = start
@@ -367,14 +364,10 @@ async def _open_loop(
 
 
 async def _closed_loop(
-    session: Any,
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
+    send: Callable[[], Awaitable[int | str]],
     concurrency: int,
     start: float,
     end: float,
-    timeout_s: float,
     rec: _Recorder,
 ) -> None:
     loop = asyncio.get_running_loop()
@@ -384,7 +377,7 @@ async def _closed_loop(
         await asyncio.sleep(max(0.0, start - loop.time()) + 0.01 * i / concurrency)
         while (sent_at := loop.time()) < end:
             rec.sent += 1
-            status = await _send(session, url, body, headers, timeout_s)
+            status = await send()
             rec.record(sent_at - start, loop.time() - sent_at, status)
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
