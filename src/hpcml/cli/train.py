@@ -63,6 +63,7 @@ def train(
     )
     from hpcml.errors import HpcmlError
     from hpcml.launch.local import check_nproc
+    from hpcml.track.mlflow import check_resume_store
     from hpcml.train.entry import preflight, run_here
     from hpcml.train.fault import require_checkpoints_for_restarts
 
@@ -74,6 +75,7 @@ def train(
     if launched_by_torchrun():
         # A worker: torchrun (ours or the user's) chose the world; rank 0 checks the folder.
         try:
+            check_resume_store(cfg.tracking, run_dir, resume)
             summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)
         except HpcmlError as exc:
             if not getattr(exc, "reported", False):
@@ -87,6 +89,7 @@ def train(
         check_nproc(nproc)
         # With several processes, the whole resolved config is checked here, before torchrun.
         preflight(cfg, nproc if nproc > 1 else None)
+        check_resume_store(cfg.tracking, run_dir, resume)
         if nproc == 1:
             summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)
         else:

@@ -3,9 +3,11 @@
 The engine calls `start`, `log_steps`, `log_eval` and `finish`. Step metrics are reduced over
 windows of `tracking.log_every` steps, queued, and sent at most every `tracking.flush_every_s`
 with MLflow's asynchronous `log_batch`: the loop never waits on the store, and the store's
-background thread (about 10 ms per write on SQLite) rarely competes with it. `run_dir/tracking.json` remembers the MLflow run, so a
-resumed training run continues the same MLflow run. Tracking failures after `start` are warned
-about, never raised: an unreachable store must not kill a training run.
+background thread (about 10 ms per write on SQLite) rarely competes with it.
+`run_dir/tracking.json` remembers the MLflow store and run, so a resumed training run continues
+the same MLflow run from whatever working folder it is resumed in; a resume told to track in
+another store is refused before anything is written. Tracking failures after `start` are
+warned about, never raised: an unreachable store must not kill a training run.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from hpcml.config import TrackingConfig
 from hpcml.records import CONFIG, RUN_LOG, SUMMARY, write_json_atomic
-from hpcml.track.store import get_or_create_experiment, open_client, stringify
+from hpcml.track.store import (
+    TrackingError,
+    get_or_create_experiment,
+    open_client,
+    resolve_tracking_uri,
+    stringify,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -73,6 +81,36 @@ def reduce_window(records: list[dict[str, Any]]) -> dict[str, float]:
         else:
             out[key] = sum(vs) / len(vs)
     return out
+
+
+def resume_tracking_uri(cfg: TrackingConfig, run_dir: Path, state: dict[str, Any]) -> str:
+    """The store a resumed run tracks in: the one its tracking.json records, unless
+    `tracking.uri` (or $MLFLOW_TRACKING_URI) names another, which is refused in one sentence."""
+    recorded = state.get("tracking_uri")
+    explicit = cfg.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not isinstance(recorded, str) or not recorded:
+        return resolve_tracking_uri(explicit)
+    if explicit is None:
+        return recorded
+    uri = resolve_tracking_uri(explicit)
+    if uri != recorded:
+        raise TrackingError(
+            f"run folder {run_dir} is tracked in MLflow run {state['run_id']} of {recorded} "
+            f"({TRACKING_FILE}), but tracking.uri resolves to {uri}; resume with "
+            f"tracking.uri={recorded} (or leave it unset), or train into a new run folder to "
+            "start a new MLflow run."
+        )
+    return uri
+
+
+def check_resume_store(cfg: TrackingConfig, run_dir: Path | None, resume: str | None) -> None:
+    """Before a resumed training run writes anything: refuse (TrackingError) a `tracking.uri`
+    other than the store its tracking.json records. The tracker checks again at `start`."""
+    if resume is None or run_dir is None or cfg.backend != "mlflow":
+        return
+    state = read_tracking_state(run_dir)
+    if state is not None:
+        resume_tracking_uri(cfg, run_dir, state)
 
 
 def read_tracking_state(run_dir: Path) -> dict[str, Any] | None:
@@ -132,11 +170,13 @@ class MlflowTracker:
         """Open the MLflow run and log params and tags. With `resume` (a training run resumed
         from a checkpoint) the run tracking.json names is reopened; otherwise a new one is made.
 
-        Raises TrackingError when the store cannot be opened: better before training than after.
+        Raises TrackingError when the store cannot be opened, or a resume names another store
+        than the run's: better before training than after.
         """
-        client, uri = open_client(self.cfg.uri)
-        self._client, self.uri = client, uri
         state = read_tracking_state(self.run_dir) if resume else None
+        wanted = self.cfg.uri if state is None else resume_tracking_uri(self.cfg, self.run_dir, state)
+        client, uri = open_client(wanted)
+        self._client, self.uri = client, uri
         run = None
         if state is not None and state.get("tracking_uri") == uri:
             run = self._existing_run(state["run_id"])
