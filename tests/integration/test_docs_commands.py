@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests.conftest import system_binary
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [
@@ -49,6 +49,8 @@ LOOKS_LIKE_COMMANDS = re.compile(
 )
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s+(.*?)\s*-->", re.S)
 PAGE_TIMEOUT_S = 420
+# System programs the pages' commands call (.ci/install_docs_tools.sh installs them).
+DOCS_TOOLS = ("curl", "jq", "openssl")
 
 
 @dataclass(frozen=True)
@@ -245,10 +247,8 @@ def test_every_command_block_is_labelled_and_every_skip_names_its_test(page: Pat
     ids=_ids,
 )
 def test_the_page_commands_run_as_written(page: Path, tmp_path: Path) -> None:
-    for tool in ("curl", "jq", "openssl"):
-        assert shutil.which(tool), (
-            f"{tool} is needed by the docs' commands (.ci/install_docs_tools.sh)"
-        )
+    for tool in DOCS_TOOLS:
+        system_binary(tool, installer=".ci/install_docs_tools.sh")
     # The page's commands are typed in the repository's root; what they write lands here.
     for name in ("examples", "tests", "src", "benchmarks", "pyproject.toml"):
         (tmp_path / name).symlink_to(REPO / name)
