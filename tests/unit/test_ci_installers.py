@@ -41,8 +41,10 @@ def _system_binary_calls() -> list[tuple[str, str, str]]:
 def _needs() -> list[tuple[str, str, str]]:
     return [
         *_system_binary_calls(),
-        *[("tests/integration/test_docs_commands.py", t, ".ci/install_docs_tools.sh")
-          for t in DOCS_TOOLS],
+        *[
+            ("tests/integration/test_docs_commands.py", t, ".ci/install_docs_tools.sh")
+            for t in DOCS_TOOLS
+        ],
         *[("tests/e2e/test_slurm.py", p, ".ci/install_slurm.sh") for p in (*DAEMONS, *CLIENTS)],
     ]
 
