@@ -122,12 +122,12 @@ def shorten(script: str, ports: dict[str, int]) -> str:
             cmd = re.sub(r"--duration\s+\S+", "--duration 2", cmd)
         elif stripped.startswith("hpcml data prepare pystdlib"):
             cmd += " --max-bytes 1500000"
-        makes = MAKES_ONE_FOLDER.match(cmd.strip())
+        elif stripped.startswith("curl "):
+            cmd = "curl --fail-with-body " + stripped[len("curl ") :]
+        makes = MAKES_ONE_FOLDER.match(stripped)
         if makes:
             indent = cmd[: len(cmd) - len(cmd.lstrip())]
             cmd = f"{indent}docs_cached {makes.group(2)} {cmd.strip()}"
-        elif stripped.startswith("curl "):
-            cmd = "curl --fail-with-body " + stripped[len("curl ") :]
         if stripped.startswith("hpcml serve "):
             port = re.search(r"--port\s+(\d+)", cmd)
             background = stripped.endswith("&")
