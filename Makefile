@@ -37,6 +37,11 @@ docs: $(STAMP)
 test: lint docs
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests
 
+# The inner loop while changing code: unit and fuzz tests only (CONTRIBUTING.md gives its time).
+.PHONY: test-fast
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/unit tests/fuzz
+
 unit: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 

@@ -4,7 +4,12 @@
 # (AuthType=auth/none, SlurmUser=root): no service is enabled, no config written here.
 # Runs as root on Debian; idempotent. Without it the SLURM test skips and says why.
 set -euo pipefail
-if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null; then
+# Every program tests/e2e/slurm_cluster.py needs (DAEMONS and CLIENTS).
+installed() {
+  command -v slurmctld && command -v slurmd && command -v sbatch && command -v squeue \
+    && command -v scontrol && command -v scancel && command -v sinfo && command -v srun
+}
+if installed >/dev/null; then
   echo "slurm already installed: $(slurmctld -V)"
   exit 0
 fi
@@ -19,4 +24,5 @@ apt-get install -y -qq --no-install-recommends slurm-wlm >/dev/null
 if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
   systemctl disable --now slurmctld slurmd munge >/dev/null 2>&1 || true
 fi
+installed >/dev/null
 echo "installed: $(slurmctld -V)"

@@ -15,18 +15,24 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
 
+def in_ci() -> bool:
+    """CI=true (what `.ci/run` sets; 1 and yes too): a test whose system tool is missing fails."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
 def system_binary(*names: str, installer: str) -> str:
     """The path of a program a Debian package provides (the first of `names` found). Missing:
-    the test fails under CI=true (`.ci/run` runs `installer` first), else it skips saying how
-    to install it."""
+    the test fails under CI=true (`.ci/run` runs every `.ci/install_*.sh` first), else it skips
+    saying how to install it. tests/unit/test_ci_installers.py checks that `installer` exists
+    and names the program."""
     import shutil
 
     for name in names:
         path = shutil.which(name)
         if path is not None:
             return path
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{names[0]} is missing in CI; {installer} should install it.")
+    if in_ci():
+        pytest.fail(f"{names[0]} is missing in CI; {installer} should install it.", pytrace=False)
     pytest.skip(f"{names[0]} is not installed (bash {installer} installs it)")
 
 

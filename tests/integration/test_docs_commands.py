@@ -15,6 +15,9 @@ Short settings, and nothing else, are overridden (the same overrides for every p
   accuracy, is not checked here; the tests named on the page check it);
 - `hpcml loadtest`: `--duration 2`;
 - `hpcml data prepare pystdlib`: `--max-bytes 1500000`;
+- (not an override) an `hpcml train ... --run-dir DIR` or `hpcml data prepare ... --out DIR`
+  line that another page already ran, with the same inputs, gets a copy of that page's DIR and
+  output instead of running again (`docs_cache.py`: once per session, shared by the workers);
 - `curl` gets `--fail-with-body`, so an HTTP error fails the page instead of printing;
 - ports 8000 to 8009 are replaced by free ones, so pages can run beside other tests;
 - (a check, not an override) every number a `console` block shows under a command, or in its
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests.conftest import system_binary
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [
@@ -49,6 +52,8 @@ LOOKS_LIKE_COMMANDS = re.compile(
 )
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s+(.*?)\s*-->", re.S)
 PAGE_TIMEOUT_S = 420
+# System programs the pages' commands call (.ci/install_docs_tools.sh installs them).
+DOCS_TOOLS = ("curl", "jq", "openssl")
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,10 @@ def shorten(script: str, ports: dict[str, int]) -> str:
             cmd += " --max-bytes 1500000"
         elif stripped.startswith("curl "):
             cmd = "curl --fail-with-body " + stripped[len("curl ") :]
+        makes = MAKES_ONE_FOLDER.match(stripped)
+        if makes:
+            indent = cmd[: len(cmd) - len(cmd.lstrip())]
+            cmd = f"{indent}docs_cached {makes.group(2)} {cmd.strip()}"
         if stripped.startswith("hpcml serve "):
             port = re.search(r"--port\s+(\d+)", cmd)
             background = stripped.endswith("&")
@@ -130,8 +139,19 @@ def shorten(script: str, ports: dict[str, int]) -> str:
     return "\n".join(out)
 
 
+# A command whose whole product is one folder it names (docs_cache.py says what is shared).
+MAKES_ONE_FOLDER = re.compile(r"^hpcml (?:train|data prepare) [^|;&]*?--(run-dir|out) (\S+)")
+
 PRELUDE = """\
 set -eo pipefail
+docs_cached() {
+  local out=$1; shift
+  if [ -n "${HPCML_DOCS_CACHE:-}" ]; then
+    python "$HPCML_DOCS_CACHE_PY" "$HPCML_DOCS_CACHE" "$out" -- "$@"
+  else
+    "$@"
+  fi
+}
 stop_servers() {
   local rc=$? pids
   pids=$(jobs -p)
@@ -239,16 +259,22 @@ def test_every_command_block_is_labelled_and_every_skip_names_its_test(page: Pat
                 assert (REPO / path).exists(), f"{where}: {path} does not exist"
 
 
+@pytest.fixture(scope="session")
+def docs_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder per pytest session: under xdist the workers' base folders share a parent
+    that is new each session (a later session, perhaps with other code, never reads it)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-cache"
+
+
 @pytest.mark.parametrize(
     "page",
     [p for p in PAGES if any(b.lang in RUN and not b.skip for b in blocks(p))],
     ids=_ids,
 )
-def test_the_page_commands_run_as_written(page: Path, tmp_path: Path) -> None:
-    for tool in ("curl", "jq", "openssl"):
-        assert shutil.which(tool), (
-            f"{tool} is needed by the docs' commands (.ci/install_docs_tools.sh)"
-        )
+def test_the_page_commands_run_as_written(page: Path, tmp_path: Path, docs_cache: Path) -> None:
+    for tool in DOCS_TOOLS:
+        system_binary(tool, installer=".ci/install_docs_tools.sh")
     # The page's commands are typed in the repository's root; what they write lands here.
     for name in ("examples", "tests", "src", "benchmarks", "pyproject.toml"):
         (tmp_path / name).symlink_to(REPO / name)
@@ -261,6 +287,11 @@ def test_the_page_commands_run_as_written(page: Path, tmp_path: Path) -> None:
         "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
         "PYTHONPATH": str(REPO / "src"),
         "NO_COLOR": "1",
+        # One thread per process, as hpcml_env gives the other tests: two workers' runs of
+        # two processes each on 2 cores otherwise spin-wait on each other's cores.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "HPCML_DOCS_CACHE": str(docs_cache),
+        "HPCML_DOCS_CACHE_PY": str(Path(__file__).with_name("docs_cache.py")),
     }
     proc = subprocess.run(
         ["bash", "page.sh"],
@@ -289,6 +320,8 @@ def test_shorten_overrides_only_the_short_settings() -> None:
         "hpcml loadtest http://127.0.0.1:8000 --model m --rate 5 --duration 30 --json\n"
         "hpcml serve runs/a --name a --port 8000\n"
         "hpcml plan memory --model llama-7b --devices 64 \\\n    --zero 3\n"
+        "hpcml train examples/x.yaml --run-dir runs/b --quiet  # shared\n"
+        "  hpcml data prepare pystdlib --out data/p\n"
     )
     assert shorten(script, ports) == (
         "hpcml train examples/x.yaml --nproc 2 train.max_steps=3   # two processes\n"
@@ -296,6 +329,9 @@ def test_shorten_overrides_only_the_short_settings() -> None:
         "hpcml serve runs/a --name a --port 18000 &\n"
         "wait_ready 18000\n"
         "hpcml plan memory --model llama-7b --devices 64 \\\n    --zero 3\n"
+        "docs_cached runs/b hpcml train examples/x.yaml --run-dir runs/b --quiet"
+        " train.max_steps=3  # shared\n"
+        "  docs_cached data/p hpcml data prepare pystdlib --out data/p --max-bytes 1500000\n"
     )
 
 

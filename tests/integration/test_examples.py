@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -68,6 +69,8 @@ class Train:
     torchrun: bool = False
     """Start the workers with torchrun itself (the user's launcher) instead of --nproc."""
     run_dir: str | None = None
+    steps: int = 2
+    """The steps the run makes (SHORT's, or the file's own when it runs unshortened)."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,11 @@ EXAMPLES: dict[str, Train | Serve | Tune] = {
     "cifar10_resnet18.yaml": Train(
         2, (*SHORT, "data.batch_size=4"), 1, optimizer_shards=None, needs=CIFAR_HOW
     ),
-    # Header: "with --nproc 2". serve_digits.yaml's header trains it into runs/digits-int8.
-    "digits_cnn.yaml": Train(2, SHORT, 1, run_dir="runs/digits-int8"),
+    # Header: "with --nproc 2". Not shortened: this is the demo (`make demo`), whose accuracy
+    # test_the_demo_reaches_97_percent_and_the_pages_show_its_numbers checks on this very run
+    # (150 steps, about a minute on 2 cores). serve_digits.yaml's header trains it into
+    # runs/digits-int8.
+    "digits_cnn.yaml": Train(2, (), 1, run_dir="runs/digits-int8", steps=150),
     # Header: --nproc 8 as dp 4 x tp 2. Here dp 2 x tp 2 keeps the 2-D mesh: 4 processes, which
     # `hpcml train --nproc 4` refuses on 2 cores (one process per core), so torchrun starts
     # `hpcml train` itself, as on a cluster. Overridden because the real run cannot happen on
@@ -249,7 +255,7 @@ def _check_training(
 ) -> None:
     assert proc.returncode == 0, _fail_text(proc, f"hpcml train examples/{name}")
     s = summary(run)
-    assert s["status"] == "finished" and s["steps"] == 2
+    assert s["status"] == "finished" and s["steps"] == entry.steps
     assert s["world_size"] == entry.nproc
 
     # As written: every setting of the file reached the run, except the overridden ones.
@@ -451,3 +457,49 @@ def _check_serving(name: str, entry: Serve, work: Path, trained: Callable[[str],
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+# The demo's claim (README.md, docs/getting-started.md, the Makefile): >= 97% validation
+# accuracy with examples/digits_cnn.yaml as committed (train.seed=0). Seeds 0, 1 and 2 of that
+# config (`make demo` with train.seed=S, 2 processes, one 2-core x86-64 machine) reached
+# 0.9889, 0.9805 and 0.9889 (355, 352 and 355 of the 359 validation samples; 0.97 is 349):
+# the worst seed is 3 samples above the bar, the committed seed 6.
+DEMO = "digits_cnn.yaml"
+DEMO_MIN_ACCURACY = 0.97
+DEMO_PAGES = (ROOT / "README.md", ROOT / "docs" / "getting-started.md")
+# How far the pages' numbers (from a `make demo` run) may be from this run's. The same seed
+# on another CPU rounds differently: forcing this machine's kernels to AVX2
+# (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) moved val_loss 0.0546 -> 0.0553 and
+# scalar/SSE4.1 kernels to 0.0602, each one validation sample fewer right. Tolerances: 3 of
+# the 359 samples, and 0.01 of loss (1.8x the largest move seen); the pages' old 0.0430 was
+# 0.0116 off.
+DEMO_TOLERANCE = {"val_accuracy": 3 / 359, "val_loss": 0.01}
+
+
+def _demo_block(page: Path) -> dict[str, str]:
+    """The rows of the summary table the page shows for `make demo` (`│ key │ value │`)."""
+    text = page.read_text()
+    start = text.index("run runs/demo")
+    rows = re.findall(r"^│ ([^│]+?)\s+│\s+([^│]+?)\s*│$", text[start:], re.M)
+    return {key: value for key, value in rows if key != "..."}
+
+
+def test_the_demo_reaches_97_percent_and_the_pages_show_its_numbers(
+    trained: Callable[[str], Trained],
+) -> None:
+    proc, run = trained(DEMO)
+    assert proc.returncode == 0, _fail_text(proc, f"hpcml train examples/{DEMO}")
+    s = summary(run)
+    final = s["final"]
+    assert s["config"]["train"]["seed"] == 0 and s["steps"] == 150
+    assert final["val_accuracy"] >= DEMO_MIN_ACCURACY, final
+    for page in DEMO_PAGES:
+        shown = _demo_block(page)
+        where = f"{page.relative_to(ROOT)}'s demo output"
+        assert shown["steps"] == str(s["steps"]), where
+        assert shown["processes x device"] == f"{s['world_size']} x {s['device']['type']}", where
+        assert shown["precision"] == s["config"]["precision"], where
+        for key, tolerance in DEMO_TOLERANCE.items():
+            assert abs(float(shown[key]) - final[key]) <= tolerance, (
+                f"{where} shows {key} {shown[key]}; a fresh run gives {final[key]:.4f}"
+            )
