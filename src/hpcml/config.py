@@ -332,6 +332,26 @@ class ObserveConfig(_Section):
     without it the problems are printed and the run goes on. No effect on CPU runs."""
 
 
+class FinetuneConfig(_Section):
+    """Fine-tuning from `model.init_from` (hpcml.train.finetune; LoRA by Hugging Face PEFT)."""
+
+    method: Literal["full", "lora", "last_layer"] = "full"
+    """`full` trains every parameter; `lora` freezes the base and trains low-rank adapters on
+    the `target` modules; `last_layer` trains only the output layer."""
+    r: int = Field(8, gt=0)
+    """LoRA rank."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the adapter's update is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (training only)."""
+    target: list[str] | None = None
+    """Module names (a name matches when it is the module's full name or its last part) that
+    get adapters; null: the attention projections wq, wk, wv, wo of a gpt, every Linear and
+    Conv2d of other models."""
+    export_adapter: bool = False
+    """With lora: also write the adapter alone (PEFT's safetensors + config) to export/adapter."""
+
+
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
@@ -345,6 +365,7 @@ class RunConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig())
     fault: FaultConfig = Field(default_factory=lambda: FaultConfig())
     observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
+    finetune: FinetuneConfig = Field(default_factory=lambda: FinetuneConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -1,0 +1,166 @@
+"""LoRA fine-tuning (issue 34) of a small gpt export on byte tokens, through the real trainer:
+only the adapters train and are checkpointed, the base export is never written, the merged
+export gives the adapter model's outputs, a resume against another base is refused, and two
+DDP processes give one process's losses."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tests.conftest import hpcml_env, step_losses, summary
+from tests.integration.gpt_export import save_gpt_export
+
+from hpcml.config import load_config
+from hpcml.data.tokens import prepare_pystdlib
+from hpcml.errors import ConfigError
+from hpcml.models.export import load_export
+from hpcml.models.zoo import build_model
+from hpcml.train.validate import resolve
+
+pytestmark = [pytest.mark.timeout(300)]
+
+ARGS = {"n_layer": 2, "d_model": 64, "n_head": 4, "vocab_size": 256, "max_seq_len": 32}
+R, LAYERS, TARGETS, D = 4, 2, 4, 64  # finetune.r; gpt targets wq, wk, wv, wo (d x d each)
+CONFIG = """
+model: {{name: gpt-tiny, args: {{n_layer: 2, d_model: 64, n_head: 4}}, init_from: {base}}}
+data: {{source: tokens, path: {corpus}, seq_len: 32, batch_size: 4, eval_windows: 8}}
+optim: {{name: adamw, lr: 0.01, schedule: constant}}
+train: {{max_steps: 8, eval_every: 0, checkpoint_every: 4, keep_last: 2, log_every: 1, seed: 3}}
+finetune: {{method: lora, r: 4, alpha: 8, export_adapter: true}}
+"""
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def train(config: Path, run_dir: Path, nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, *(launch if nproc > 1 else []), "-m", "hpcml", "train", str(config)]
+    cmd += [*args, "--run-dir", str(run_dir), "--quiet"]
+    return subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=280)
+
+
+def ok(out: subprocess.CompletedProcess[str]) -> None:
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("finetune")
+    prepare_pystdlib(root / "corpus", val_fraction=0.2, max_bytes=200_000)
+    torch.manual_seed(0)
+    save_gpt_export(root / "base", build_model("gpt-tiny", ARGS), ARGS)
+    (root / "lora.yaml").write_text(CONFIG.format(base=root / "base", corpus=root / "corpus"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_run(root: Path) -> dict[str, Any]:
+    before = tree_digest(root / "base")
+    ok(train(root / "lora.yaml", root / "run", 1))
+    return {"run": root / "run", "base_before": before}
+
+
+def test_only_adapters_train_and_are_saved(root: Path, lora_run: dict[str, Any]) -> None:
+    run = lora_run["run"]
+    s = summary(run)["finetune"]
+    base_params = sum(t.numel() for k, t in load_file(str(root / "base/model.safetensors")).items()
+                      if k != "lm_head.weight")  # tied to emb.tok.weight: one parameter
+    # One (r x d) A and one (d x r) B per target Linear of each layer.
+    assert s["trainable_params"] == LAYERS * TARGETS * R * (D + D) == 4096
+    assert s["total_params"] == base_params + 4096
+    losses = step_losses(run)
+    assert losses[8] < losses[1] - 0.05  # the adapters learned (B starts at zero)
+    # The base export is never written.
+    assert tree_digest(root / "base") == lora_run["base_before"]
+    # The checkpoint holds the adapters and their AdamW moments only: every model and
+    # optimizer-state tensor DCP saved is a lora_ one.
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = run / "checkpoints/step-8"
+    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    tensors = [k for k in saved if k.startswith("model.") or k.startswith("optim.state.")]
+    assert tensors and all(".lora_" in k for k in tensors), tensors
+    assert sum(k.startswith("model.") for k in tensors) == LAYERS * TARGETS * 2
+    # Elements: the adapters, AdamW's exp_avg and exp_avg_sq (plus one step count each).
+    numel = sum(math.prod(saved[k].size) for k in tensors if not k.endswith(".step"))
+    assert numel == 3 * 4096
+
+
+def test_merged_export_serves_the_adapter_model(root: Path, lora_run: dict[str, Any]) -> None:
+    from peft import PeftModel
+
+    run = lora_run["run"]
+    merged, meta = load_export(run / "export")  # what `hpcml serve` loads: an ordinary export
+    assert meta["architecture"] == "gpt-tiny"
+    base, _ = load_export(root / "base")
+    unmerged = PeftModel.from_pretrained(base, str(run / "export/adapter")).eval()
+    x = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = unmerged(x)
+        got = merged(x)
+        plain = load_export(root / "base")[0](x)
+    # W + s*B@A folded into one matmul vs two matmuls summed: fp32 rounding, ~1e-6 here.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (got - plain).abs().max() > 1e-2  # the adapter changed the outputs
+
+
+def test_resume_against_another_base_is_refused(root: Path, lora_run: dict[str, Any]) -> None:
+    other = root / "other_base"
+    shutil.copytree(root / "base", other)
+    state = load_file(str(other / "model.safetensors"))
+    state["blocks.0.attn.wq.weight"] = state["blocks.0.attn.wq.weight"] + 0.01
+    save_file(state, str(other / "model.safetensors"))
+    before = tree_digest(lora_run["run"])
+    out = train(root / "lora.yaml", lora_run["run"], 1, f"model.init_from={other}",
+                "train.max_steps=12", "--resume", "auto")
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+    assert "sha256" in lines[-1] and "Traceback" not in out.stderr, out.stderr
+    assert tree_digest(lora_run["run"]) == before
+
+
+def test_ddp_two_processes_give_one_process_losses(root: Path, lora_run: dict[str, Any]) -> None:
+    run2 = root / "ddp"
+    ok(train(root / "lora.yaml", run2, 2, "data.batch_size=2", "parallel.strategy=ddp"))
+    want, got = step_losses(lora_run["run"]), step_losses(run2)
+    assert sorted(got) == list(range(1, 9))
+    for step in want:
+        # gloo averages the adapters' fp32 gradients in another order than one process sums
+        # them: a few ulps per step, grown by 8 AdamW steps (test_sharded_training's REL).
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+    assert summary(run2)["finetune"]["trainable_params"] == 4096
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("finetune.target=[nope]", "matches no module"),
+        ("finetune.target=[attn_norm]", "LoRA adapts Linear and Conv2d"),
+        ("model.init_from=null", "model.init_from is not set"),
+    ],
+)
+def test_bad_finetune_config_is_one_sentence(root: Path, override: str, says: str) -> None:
+    cfg = load_config(root / "lora.yaml", [override])
+    with pytest.raises(ConfigError, match=says) as err:
+        resolve(cfg, 1)
+    assert "\n" not in str(err.value)
+
+
+def test_rank_must_be_positive(root: Path) -> None:
+    with pytest.raises(ConfigError, match="finetune.r"):
+        load_config(root / "lora.yaml", ["finetune.r=0"])
