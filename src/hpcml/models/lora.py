@@ -34,7 +34,10 @@ def default_targets(model: nn.Module) -> list[str]:
 def lora_config(r: int, alpha: float, dropout: float, targets: list[str]) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
+    # peft annotates lora_alpha as int but only divides it by r: a float is taken as given.
+    return LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets  # type: ignore[arg-type]
+    )
 
 
 def matched_modules(model: nn.Module, config: Any) -> list[str]:

@@ -42,8 +42,7 @@ from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
 from hpcml.train import checkpoint as ckpt
-from hpcml.train import finetune
-from hpcml.train import memprobe, mfu, rundir
+from hpcml.train import finetune, memprobe, mfu, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
 from hpcml.train.evaluation import evaluate_model
