@@ -154,15 +154,20 @@ def test_resume_continues_with_the_same_losses(root: Path, lora_run: dict[str, A
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_give_one_process_losses(root: Path, lora_run: dict[str, Any]) -> None:
-    run2 = root / "ddp"
-    ok(train(root / "lora.yaml", run2, 2, "data.batch_size=2", "parallel.strategy=ddp"))
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_processes_give_one_process_losses(
+    root: Path, lora_run: dict[str, Any], strategy: str
+) -> None:
+    """The same global batch (2 x 2 windows vs 4): DDP all-reduces the adapters' gradients,
+    zero3 (FSDP2) shards frozen base and adapters alike and reduce-scatters the latter."""
+    run2 = root / strategy
+    ok(train(root / "lora.yaml", run2, 2, "data.batch_size=2", f"parallel.strategy={strategy}"))
     want, got = step_losses(lora_run["run"]), step_losses(run2)
     assert sorted(got) == list(range(1, 9))
     for step in want:
         # gloo averages the adapters' fp32 gradients in another order than one process sums
-        # them: a few ulps per step, grown by 8 AdamW steps (test_sharded_training's REL).
-        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+        # them: a few ulps per step (measured: 1e-7 relative over 8 steps); the issue's 1e-5.
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
     assert summary(run2)["finetune"]["trainable_params"] == 4096
 
 
@@ -184,3 +189,31 @@ def test_bad_finetune_config_is_one_sentence(root: Path, override: str, says: st
 def test_rank_must_be_positive(root: Path) -> None:
     with pytest.raises(ConfigError, match="finetune.r"):
         load_config(root / "lora.yaml", ["finetune.r=0"])
+
+
+def test_last_layer_trains_the_output_layer_only(root: Path) -> None:
+    """finetune.method last_layer: only gpt's lm_head (whose weight the token embedding
+    shares) trains; the checkpoint holds it alone; the export keeps the base's names."""
+    run = root / "last_layer"
+    s = fit(root, run, "finetune.method=last_layer", "train.max_steps=2", "train.checkpoint_every=0")
+    assert s["finetune"]["trainable_params"] == 256 * 64  # vocab x d_model, no bias
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(run / "checkpoints/step-2")).read_metadata()
+    model_keys = [k for k in saved.state_dict_metadata if k.startswith("model.")]
+    assert model_keys == ["model.emb.tok.weight", "model.lm_head.weight"]  # one tied tensor
+    base = load_file(str(root / "base/model.safetensors"))
+    tuned = load_file(str(run / "export/model.safetensors"))
+    assert sorted(tuned) == sorted(base)
+    changed = sorted(k for k in base if not torch.equal(base[k], tuned[k]))
+    assert changed == ["emb.tok.weight", "lm_head.weight"], changed
+
+
+def test_default_targets_of_a_cnn() -> None:
+    """Not a gpt: every Linear and Conv2d gets an adapter (simple_cnn: 3 convs, 2 linears)."""
+    from hpcml.models import lora
+
+    with torch.device("meta"):
+        model = build_model("simple_cnn", {})
+    names = lora.check_targets(model, lora.lora_config(4, 8, 0.0, lora.default_targets(model)))
+    assert names == ["features.0.0", "features.1.0", "features.2.0", "classifier.1", "classifier.3"]
