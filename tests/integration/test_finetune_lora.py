@@ -217,3 +217,31 @@ def test_default_targets_of_a_cnn() -> None:
         model = build_model("simple_cnn", {})
     names = lora.check_targets(model, lora.lora_config(4, 8, 0.0, lora.default_targets(model)))
     assert names == ["features.0.0", "features.1.0", "features.2.0", "classifier.1", "classifier.3"]
+
+
+def test_hpcml_serve_answers_with_the_adapter_model(root: Path, lora_run: dict[str, Any]) -> None:
+    """The merged export served as is (`hpcml serve`'s app on loopback): greedy /v1/completions
+    gives the text the unmerged base + adapter model gives by full recompute."""
+    import httpx
+    from peft import PeftModel
+    from tests.unit.generate_util import served_reference
+
+    from hpcml.serve.app import build_app
+    from hpcml.serve.config import ServeConfig
+    from hpcml.serve.testing import running_server
+
+    run = lora_run["run"]
+    unmerged = PeftModel.from_pretrained(load_export(root / "base")[0], str(run / "export/adapter"))
+    # 10 prompt + 16 new tokens fit the 32-token context; the reference asserts no near-ties.
+    want = served_reference(unmerged.eval(), "import os\n", 16)  # type: ignore[arg-type]
+    cfg = ServeConfig.model_validate(
+        {
+            "defaults": {"isolation": "thread"},
+            "generation": {"kv_cache_blocks": 16, "block_size": 8, "max_batched_tokens": 16},
+        }
+    )
+    with running_server(build_app(run / "export", cfg, name="tuned")) as url:
+        body = {"model": "tuned", "prompt": "import os\n", "max_tokens": 16, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
