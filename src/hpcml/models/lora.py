@@ -51,11 +51,12 @@ def check_targets(model: nn.Module, config: Any, where: str = "finetune.target")
     """The matched module names; a pattern that matches nothing, or a match that is not a
     Linear or Conv2d, is refused in one sentence."""
     names = matched_modules(model, config)
+    adaptable = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)]
     for pattern in config.target_modules:
         if not any(n == pattern or n.endswith("." + pattern) for n in names):
             raise ConfigError(
-                f"{where} '{pattern}' matches no module of this model; name modules as "
-                "`hpcml model info` lists them (e.g. wq, wv for a gpt)."
+                f"{where} '{pattern}' matches no module of this model; name Linear or Conv2d "
+                f"modules by their full name or its last part, e.g. {', '.join(adaptable[:4])}."
             )
     modules = dict(model.named_modules())
     for n in names:
