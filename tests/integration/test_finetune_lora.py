@@ -245,3 +245,21 @@ def test_hpcml_serve_answers_with_the_adapter_model(root: Path, lora_run: dict[s
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
+
+
+def test_activation_checkpointing_keeps_the_losses(root: Path, lora_run: dict[str, Any]) -> None:
+    """Blocks wrapped for activation checkpointing around PEFT's layers: the same losses (the
+    forward is recomputed with the same operations), and the checkpoint's names unchanged."""
+    run = root / "ac"
+    fit(root, run, "train.activation_checkpointing=full")
+    want, got = step_losses(lora_run["run"]), step_losses(run)
+    for step in want:  # recomputation repeats the same kernels on the same inputs
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+    import torch.distributed.checkpoint as dcp
+
+    names = [
+        sorted(k for k in dcp.FileSystemReader(str(r / "checkpoints/step-8")).read_metadata()
+               .state_dict_metadata if k.startswith("model."))
+        for r in (run, lora_run["run"])
+    ]
+    assert names[0] == names[1]
