@@ -31,6 +31,13 @@ class ModelConfig(_Section):
     only its shards."""
 
 
+class MixSource(_Section):
+    path: str
+    """A shard set: a folder written by `hpcml data shard`, or an s3:// URL holding one."""
+    weight: float = Field(gt=0)
+    """Its share of each epoch's samples: weight / the sum of the weights."""
+
+
 class DataConfig(_Section):
     source: str = "digits"
     """`digits`, `cifar10`, `synthetic`, `tokens`, `shards` (and sources later issues add)."""
@@ -87,12 +94,39 @@ class DataConfig(_Section):
     """data.source shards: shard files each reading process keeps open (memory-mapped); bounds
     its memory to about this many shards whatever the size of the shard set."""
     cache_dir: str | None = None
-    """data.source shards in a bucket: a local folder where downloaded shards are kept (named by
-    their sha256, written atomically, shared by the processes of a host) and memory-mapped
-    from; null downloads a shard each time a process needs it again."""
+    """data.source shards in a bucket: a local folder where downloaded shards are kept (in its
+    subfolder `hpcml-shard-cache`, which the cache owns: named by their sha256, written
+    atomically, shared by the processes of a host; other files in the folder are never touched)
+    and memory-mapped from; null downloads a shard each time a process needs it again."""
     cache_limit_gb: float = Field(10.0, gt=0)
     """data.cache_dir: bytes (in GB, 10^9) the cached shards may take; least recently used
-    ones are deleted above it."""
+    ones (only files the cache wrote) are deleted above it."""
+    allow_change: bool = False
+    """Resuming onto a shard set of another version than the checkpoint's (`hpcml train
+    --allow-data-change` sets it): false refuses in one sentence; true continues and records
+    every version read, in order (summary.json, the export's model.json, MLflow)."""
+    verify: Literal["full", "size", "none"] = "full"
+    """data.source shards, checked before training: `full` every shard's size and sha256 (a
+    local folder's hashing split over the ranks, each hashing its share once, and remembered
+    between runs while a file's size, times and inode are unchanged; a bucket's shards are
+    hashed when read), and each local shard's rows; `size` sizes and rows only; `none` nothing
+    before training (each shard's rows, and a remote one's sha256, are still checked when
+    read)."""
+    mix: list[MixSource] | None = None
+    """data.source shards: several shard sets read as one, `[{path: A, weight: 3}, {path: B,
+    weight: 1}]` (data.path unset). Each epoch has as many samples as the sets together, drawn
+    from each set in proportion to its weight (a set with fewer samples than its share is
+    repeated, in a new order each pass; one with more gives another random part each epoch),
+    interleaved by a seeded draw that keeps each set's own order, all from (`train.seed`,
+    epoch): deterministic and elastic like one set. The sets must have the same sample spec
+    and classes; validation is every set's validation split."""
+    shuffle_shards: int | None = Field(None, ge=1)
+    """data.source shards with data.shuffle: shards an epoch's order mixes at a time. The shard
+    order is shuffled, then the samples of each run of this many shards, both from
+    (`train.seed`, epoch), so a reading process needs only this many shards at once and reads
+    each once per epoch. null: all of them (one permutation over every sample: the best mix,
+    but any batch may need any shard) for a local folder; data.shard_cache - 1 (at least 1)
+    for a set in a bucket, where a shard that left the cache is downloaded again."""
     readahead: int | None = Field(None, ge=0)
     """data.source shards: shards fetched ahead in a background thread while the current one is
     read (within data.shard_cache); null means 1 for a set in a bucket, 0 for a local folder."""
@@ -352,6 +386,51 @@ class FinetuneConfig(_Section):
     """With lora: also write the adapter alone (PEFT's safetensors + config) to export/adapter."""
 
 
+class TuneParam(_Section):
+    """One dimension of `tune.space`: a range (`float`, `int`) or a list of `choices`."""
+
+    type: Literal["float", "int", "categorical"]
+    """`float` or `int` between `low` and `high` (inclusive), or `categorical` from `choices`."""
+    low: float | None = None
+    """float, int: the smallest value (above 0 with `log`)."""
+    high: float | None = None
+    """float, int: the largest value; above `low`."""
+    log: bool = False
+    """float, int: sample on a log scale (learning rates, weight decay)."""
+    step: float | None = Field(None, gt=0)
+    """float, int: values on a grid `low + k * step`; the grid sampler needs it for a float."""
+    choices: list[bool | int | float | str] | None = None
+    """categorical: the values to choose from (numbers, strings, booleans)."""
+
+
+class TuneConfig(_Section):
+    """`hpcml tune`: an Optuna study whose trials are `hpcml train` runs (hpcml.tune)."""
+
+    metric: str = "val_accuracy"
+    """The evaluation metric each trial reports at every evaluation and is judged by."""
+    direction: Literal["maximize", "minimize"] = "maximize"
+    """Whether a larger or a smaller `metric` is better."""
+    sampler: Literal["tpe", "random", "grid", "cmaes", "qmc"] = "tpe"
+    """Optuna's sampler: `tpe`, `random`, `grid` (every combination of the space), `cmaes` or
+    `qmc` (Sobol)."""
+    pruner: Literal["asha", "hyperband", "median", "none"] = "asha"
+    """Stops trials early from their evaluations: `asha` (successive halving), `hyperband`,
+    `median` or `none`; rungs start at the first evaluation (train.eval_every)."""
+    space: dict[str, TuneParam] = Field(default_factory=dict)
+    """Dotted config key (e.g. `optim.lr`) -> its distribution."""
+    trials: int = Field(20, gt=0)
+    """Trials the study holds when done; `--trials` overrides it."""
+    timeout_s: float | None = Field(None, gt=0)
+    """Start no trial after this many seconds of this invocation; null: no limit."""
+    seed: int = 0
+    """Seed of the sampler."""
+    device: str | None = None
+    """Hardware catalog key (`hpcml plan hardware`) of the device trials will train on: a
+    trial the planner predicts will not fit its memory is recorded infeasible, never started."""
+    catalog: list[str] = Field(default_factory=list)
+    """Extra hardware catalog YAML files for `device` (as `hpcml plan --catalog`)."""
+
+
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
@@ -365,6 +444,8 @@ class RunConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig())
     fault: FaultConfig = Field(default_factory=lambda: FaultConfig())
     observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
+    tune: TuneConfig | None = None
+    """Hyperparameter search (`hpcml tune`); `hpcml train` ignores it."""
     finetune: FinetuneConfig = Field(default_factory=lambda: FinetuneConfig())
 
     @model_validator(mode="after")

@@ -124,3 +124,30 @@ def test_resume_across_world_sizes_and_workers_sees_each_sample_once(root, tmp_p
     two = loader(root, workers=2)
     two.load_state_dict(state)
     check_exactly_once(before, rest_of_epoch(two), 1)
+
+
+def test_the_rest_of_an_epoch_after_a_resume_is_read_in_loader_workers(root):
+    """Issue 30: after a resume on another worker count or world size the rest of the epoch
+    ran with num_workers=0 (the remainder loader hard-coded it), so the training process read
+    every shard itself. Here the shard set object of this process must open no shard: the
+    loader workers (forked copies) do the reading, and the samples are the 0-worker ones."""
+    zero = loader(root)
+    for _ in range(6):
+        zero.next()
+    state = zero.state_dict()  # saved by a 0-worker run
+
+    def resumed(workers: int, how: str) -> tuple[list[int], int]:
+        ld = loader(root, workers=workers)
+        if how == "workers":  # 0 -> `workers` loader workers, same world size
+            ld.load_state_dict(state)
+        else:  # 2 -> 1 processes: the global position two ranks of 5 batches left
+            ld.resume_at(0, 5 * B * 2)
+        rest = rest_of_epoch(ld)
+        return rest, len(ld.dataset.slots)  # type: ignore[attr-defined]
+
+    for how in ("workers", "world"):
+        inline, opened_inline = resumed(0, how)
+        in_workers, opened_here = resumed(2, how)
+        assert opened_inline > 0  # the check can see reading in this process
+        assert opened_here == 0, f"{how}: this process opened {opened_here} shards itself"
+        assert in_workers == inline  # same samples, same order

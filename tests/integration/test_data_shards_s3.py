@@ -95,12 +95,21 @@ def test_info_reads_and_verifies_the_bucket(bucket: tuple[Path, str, object]) ->
 
 
 def test_training_from_the_bucket_equals_training_from_the_folder(
-    bucket: tuple[Path, str, object], tmp_path: Path
+    bucket: tuple[Path, str, object], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    from mlflow import MlflowClient
+    from tests.integration.mlflow_util import fresh_store
+
     local, url, _ = bucket
     env = {**hpcml_env(), **CREDENTIALS}
     on_disk, in_bucket = tmp_path / "disk", tmp_path / "bucket"
-    shards = ["data.source=shards", "data.num_workers=2"]
+    store = fresh_store(tmp_path_factory, "s3-mlflow")
+    # One order for both: by default a bucket mixes data.shard_cache - 1 shards at a time and
+    # a local folder all of them (tests/integration/test_data_shards_shuffle.py).
+    shards = [
+        "data.source=shards", "data.num_workers=2", "data.shuffle_shards=3",
+        "tracking.backend=mlflow", f"tracking.uri={store}",
+    ]  # fmt: skip
     run_hpcml(
         "train", CONFIG, *COMMON, *shards, f"data.path={local}", "--nproc", "2",
         "--run-dir", str(on_disk), env=env,
@@ -114,6 +123,20 @@ def test_training_from_the_bucket_equals_training_from_the_folder(
     # The run records the shard set's version, the same wherever the bytes came from.
     version = version_id(read_manifest(local))
     assert json.loads((in_bucket / "summary.json").read_text())["data"]["version"] == version
+    # MLflow's dataset input names where each run read it, with MLflow's source type for it
+    # (issue 30: a bucket was recorded as source_type "local").
+    client = MlflowClient(tracking_uri=store)
+    for run_dir, source_type, uri in (
+        (in_bucket, "s3", "s3://hpcml/digits"),
+        (on_disk, "local", str(local.resolve())),
+    ):
+        run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+        (given,) = client.get_run(run_id).inputs.dataset_inputs
+        assert given.dataset.digest == version[:36]
+        assert (given.dataset.source_type, json.loads(given.dataset.source)["uri"]) == (
+            source_type,
+            uri,
+        )
 
 
 def test_a_replaced_shard_object_is_refused_when_read(

@@ -31,6 +31,7 @@ from tests.integration.s3_server import CREDENTIALS, MotoServer, make_ca_and_ser
 from typer.testing import CliRunner
 
 from hpcml.cli.app import app
+from hpcml.data.shard_cache import SUBFOLDER, DiskCache
 from hpcml.data.shard_sources import shard
 from hpcml.data.shards import ShardSet, read_manifest, version_id
 
@@ -141,7 +142,7 @@ def test_the_disk_cache_serves_a_second_pass_without_a_get(
     assert server.shard_gets(mark) == []
     # A truncated file (size check) and a same-size corrupted one (sha256, in a new process
     # that has not hashed it yet) are fetched again, and the cache holds good copies after.
-    bad = sorted(cache.iterdir())
+    bad = sorted(DiskCache(cache, 10**9).files())
     short, flipped = bad[0], bad[1]
     short.write_bytes(short.read_bytes()[:-100])
     raw = bytearray(flipped.read_bytes())
@@ -169,9 +170,10 @@ def test_the_cache_stays_within_its_limit(tls: dict[str, object], tmp_path: Path
     limit = sum(ds.sizes) // 4  # a quarter of the set: most shards must be evicted
     ds = ShardSet(with_ca(tls), "train", with_ids=True, cache_dir=cache, cache_limit_bytes=limit)
     assert len(read_all(ds, shuffle=False)) == len(ds)
-    files = list(cache.iterdir())
-    assert 0 < sum(p.stat().st_size for p in files) <= limit
-    assert all(not p.name.startswith(".") for p in files)  # no temporary file left behind
+    files = list((cache / SUBFOLDER).iterdir())
+    shards = [p for p in files if p.suffix == ".arrow"]
+    assert 0 < sum(p.stat().st_size for p in shards) <= limit
+    assert not [p for p in files if p.name.startswith(".")]  # no temporary file left behind
 
 
 def test_readahead_fetches_the_next_shards_before_use_in_the_same_order(

@@ -84,3 +84,62 @@ def test_training_on_shards_equals_training_on_the_source(tmp_path, tmp_path_fac
     assert bad.exit_code == 2
     assert "train-00000.arrow does not match the sha256" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_a_resume_onto_another_shard_set_version_is_refused_unless_allowed(
+    tmp_path, tmp_path_factory
+):
+    """Issue 30: resuming onto a shard set of another version went on silently (rc 0), and the
+    export named the path but not the version. Refused now in one sentence, exit 2, the run
+    folder untouched; with --allow-data-change the run goes on and records both versions, in
+    order, in summary.json, model.json, the registry entry and MLflow's dataset inputs (the
+    source type and absolute location of each)."""
+    from mlflow import MlflowClient
+    from tests.integration.mlflow_util import fresh_store
+
+    from hpcml.track.registry import register_run
+
+    store = fresh_store(tmp_path_factory, "shards-versions")
+    cli = CliRunner()
+    versions = []
+    for name, size in (("a", "512KB"), ("b", "256KB")):  # same samples, other shards: 2 versions
+        made = cli.invoke(
+            app, ["data", "shard", "digits", "--out", str(tmp_path / name), "--shard-size", size,
+                  "--json"],
+        )  # fmt: skip
+        assert made.exit_code == 0, made.output
+        versions.append(json.loads(made.stdout)["version"])
+    va, vb = versions
+    assert va != vb
+    run = tmp_path / "run"
+    args = [*COMMON, "data.source=shards", "--run-dir", str(run)]
+    run_hpcml("train", CONFIG, *args, f"data.path={tmp_path / 'a'}", "train.max_steps=2")
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    resume = [*args, f"data.path={tmp_path / 'b'}", "train.max_steps=4", "--resume", "auto"]
+    refused = run_hpcml("train", CONFIG, *resume, check=False)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr
+    lines = [ln for ln in refused.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--allow-data-change" in lines[0], lines
+    assert f"shard set {va[:16]}" in lines[0] and f"shard set {vb[:16]}" in lines[0]
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+
+    run_hpcml("train", CONFIG, *resume, "--allow-data-change")
+    read = [{"version": va, "path": str(tmp_path / "a")}, {"version": vb, "path": str(tmp_path / "b")}]
+    s = summary(run)
+    assert s["data"]["version"] == vb and s["data"]["versions_read"] == read
+    meta = json.loads((run / "export" / "model.json").read_text())["metadata"]
+    assert (meta["data_version"], meta["data_versions_read"]) == (vb, read)
+    # Registering the (untracked) run logs it to MLflow with its dataset inputs.
+    entry = register_run(run, "versions-model", tracking_uri=store)
+    client = MlflowClient(tracking_uri=store)
+    run_id = client.get_model_version("versions-model", str(entry["version"])).run_id
+    inputs = client.get_run(run_id).inputs.dataset_inputs
+    got = sorted((i.dataset.digest, i.dataset.source_type, json.loads(i.dataset.source)["uri"])
+                 for i in inputs)  # fmt: skip
+    assert got == sorted(
+        [(va[:36], "local", str((tmp_path / "a").resolve())),
+         (vb[:36], "local", str((tmp_path / "b").resolve()))]
+    )  # fmt: skip
+    tags = client.get_model_version("versions-model", str(entry["version"])).tags
+    assert tags["data_version"] == vb and tags["data_versions_read"] == f"{va},{vb}"

@@ -81,7 +81,17 @@ class Serve:
     needs: str
 
 
-EXAMPLES: dict[str, Train | Serve] = {
+@dataclass(frozen=True)
+class Tune:
+    """`hpcml tune examples/NAME OVERRIDES --workers W --trials T --out RUN --json`."""
+
+    workers: int
+    trials: int
+    overrides: tuple[str, ...]
+    needs: str | None = None
+
+
+EXAMPLES: dict[str, Train | Serve | Tune] = {
     # Header: --nproc 8 on a GPU node; this machine runs at most 2 processes (one per core),
     # and DDP's layout is the same for any N. data.batch_size: the fake batches are small.
     "cifar10_resnet18.yaml": Train(
@@ -131,6 +141,8 @@ EXAMPLES: dict[str, Train | Serve] = {
     "serve_digits.yaml": Serve(
         "digits_cnn.yaml", ("1", "2", "3"), needs="hpcml train examples/digits_cnn.yaml"
     ),
+    # Header: --workers 2 (8 trials of 60 steps); here 2 trials of 4 steps, evaluated every 2.
+    "tune_digits.yaml": Tune(2, 2, ("train.max_steps=4", "train.eval_every=2")),
     # Header names no command: one process. Fewer random samples and a smaller batch.
     "synthetic_cnn.yaml": Train(1, (*SHORT, "data.synthetic_samples=64", "data.batch_size=16"), 1),
 }
@@ -282,6 +294,24 @@ def _check_training(
         assert s["data"]["train_samples"] == 5 * CIFAR_SAMPLES_PER_BATCH
 
 
+def _check_tuning(name: str, entry: Tune, work: Path) -> None:
+    out = work / "runs" / Path(name).stem
+    args = ["tune", f"examples/{name}", *entry.overrides, "--workers", str(entry.workers)]
+    proc = _hpcml([*args, "--trials", str(entry.trials), "--out", str(out), "--json"], work)
+    assert proc.returncode == 0, _fail_text(proc, f"hpcml tune examples/{name}")
+    result = json.loads(proc.stdout)
+    n = result["trials"]
+    assert n["complete"] + n["pruned"] == entry.trials and n["complete"] >= 1, result
+    # Every dimension of the file's space was searched, within its range or choices.
+    space = yaml.safe_load((EXAMPLES_DIR / name).read_text())["tune"]["space"]
+    assert set(result["best_params"]) == set(space)
+    for key, value in result["best_params"].items():
+        dim = space[key]
+        assert value in dim["choices"] if "choices" in dim else dim["low"] <= value <= dim["high"]
+    used = yaml.safe_load((Path(result["best_run"]) / "config.yaml").read_text())
+    assert used["optim"]["lr"] == result["best_params"]["optim.lr"]
+
+
 @pytest.mark.parametrize("name", EXAMPLE_FILES)
 def test_example_runs_as_written(name: str, request: pytest.FixtureRequest) -> None:
     entry = EXAMPLES.get(name)
@@ -295,6 +325,8 @@ def test_example_runs_as_written(name: str, request: pytest.FixtureRequest) -> N
     if isinstance(entry, Train):
         proc, run = trained(name)
         _check_training(name, entry, proc, run, work)
+    elif isinstance(entry, Tune):
+        _check_tuning(name, entry, work)
     else:
         _check_serving(name, entry, work, trained)
 

@@ -7,6 +7,7 @@ talk to one `hpcml serve` app, whose /metrics scrape must then pass `promtool ch
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -284,3 +285,126 @@ def test_metrics_pass_promtool_and_count_both_protocols(served: Served) -> None:
     )
     # promtool exits 0 and prints nothing when every metric follows the conventions.
     assert check.returncode == 0 and check.stdout + check.stderr == "", check.stdout + check.stderr
+
+
+def test_a_malformed_protobuf_is_invalid_argument_and_counted(served: Served) -> None:
+    # Bytes that are no ModelInferRequest (a field tag with a varint that never ends): grpcio
+    # alone answered UNKNOWN/INTERNAL with a Python class name, and nothing counted it.
+    def counted() -> float:
+        text = httpx.get(f"{served.url}/metrics").text
+        found = re.search(
+            r'^hpcml_requests_total\{code="INVALID_ARGUMENT",model="",protocol="grpc",version=""\}'
+            r" (\S+)$",
+            text,
+            re.M,
+        )
+        return float(found.group(1)) if found else 0.0
+
+    before = counted()
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "not a valid protobuf message" in err.value.details()
+    assert counted() == before + 1
+
+
+def test_tritonclient_model_config_and_statistics(served: Served) -> None:
+    client = thttp.InferenceServerClient(served.http_address)
+    config = client.get_model_config("digits")
+    assert config["max_batch_size"] == 8 and config["name"] == "digits"
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [3, 32, 32]}]
+    assert config["output"] == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}]
+    assert client.get_model_config("digits", "1") == config
+    with pytest.raises(InferenceServerException, match="no version"):
+        client.get_model_config("digits", "9")
+
+    def stats() -> dict[str, Any]:
+        (entry,) = client.get_inference_statistics("digits")["model_stats"]
+        return entry
+
+    before = stats()
+    inp = thttp.InferInput("input", [3, 3, 32, 32], "FP32")
+    inp.set_data_from_numpy(_x(3))
+    for _ in range(2):
+        client.infer("digits", [inp])
+    one = thttp.InferInput("input", [1, 3, 32, 32], "FP32")
+    one.set_data_from_numpy(_x(1))
+    client.infer("digits", [one])
+    wrong = thttp.InferInput("input", [1, 3, 32, 31], "FP32")  # not the model's shape
+    wrong.set_data_from_numpy(np.zeros((1, 3, 32, 31), np.float32))
+    with pytest.raises(InferenceServerException, match="shape"):
+        client.infer("digits", [wrong])
+    after = stats()
+    failed = after["inference_stats"]["fail"]["count"]
+    assert failed == before["inference_stats"]["fail"]["count"] + 1
+    ok = after["inference_stats"]["success"]
+    assert ok["count"] == before["inference_stats"]["success"]["count"] + 3
+    assert after["inference_count"] == before["inference_count"] + 7  # samples: 3 + 3 + 1
+    assert ok["ns"] > before["inference_stats"]["success"]["ns"]
+    # Each batch is counted once, under its size: their total is the execution count.
+    batches = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
+    assert sum(batches.values()) == after["execution_count"] >= before["execution_count"] + 2
+    assert after["name"] == "digits" and after["version"] == "1"
+    assert client.get_inference_statistics()["model_stats"] == [stats()]
+    with pytest.raises(InferenceServerException):
+        client.get_inference_statistics("nope")
+    client.close()
+
+
+def test_tritonclient_grpc_model_config_statistics_and_repository_index(served: Served) -> None:
+    # Unimplemented on main. tritonclient parses the answers with Triton's own full messages.
+    client = tgrpc.InferenceServerClient(served.grpc_address)
+    config = client.get_model_config("digits", as_json=True)["config"]
+    http = thttp.InferenceServerClient(served.http_address)
+    rest = http.get_model_config("digits")
+    assert config["name"] == rest["name"] == "digits"
+    assert int(config["max_batch_size"]) == rest["max_batch_size"] == 8
+    assert config["input"] == [
+        {"name": "input", "data_type": "TYPE_FP32", "dims": ["3", "32", "32"]}
+    ]
+    assert config["output"][0]["data_type"] == "TYPE_FP32" and config["output"][0]["dims"] == ["10"]
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    with pytest.raises(InferenceServerException, match="no version"):
+        client.get_model_config("digits", "9")
+    inp = tgrpc.InferInput("input", [2, 3, 32, 32], "FP32")
+    inp.set_data_from_numpy(_x(2))
+    client.infer("digits", [inp])
+    (grpc_stats,) = client.get_inference_statistics("digits", as_json=True)["model_stats"]
+    (rest_stats,) = http.get_inference_statistics("digits")["model_stats"]
+    # Both read the same counters (no request in between).
+    assert int(grpc_stats["inference_count"]) == rest_stats["inference_count"] >= 2
+    success = grpc_stats["inference_stats"]["success"]
+    assert int(success["count"]) == rest_stats["inference_stats"]["success"]["count"]
+    assert client.get_model_repository_index(as_json=True)["models"] == [
+        {"name": "digits", "version": "1", "state": "READY"}
+    ]
+    client.close()
+    http.close()
+
+
+def test_the_load_generator_speaks_grpc(served: Served) -> None:
+    from hpcml.serve.loadtest import loadtest
+
+    def grpc_ok() -> float:
+        text = httpx.get(f"{served.url}/metrics").text
+        found = re.search(
+            r'^hpcml_requests_total\{code="OK",model="digits",protocol="grpc",version="1"\} (\S+)$',
+            text,
+            re.M,
+        )
+        return float(found.group(1)) if found else 0.0
+
+    before = grpc_ok()
+    r = loadtest(
+        base_url=served.url,
+        model="digits",
+        concurrency=2,
+        duration_s=0.5,
+        binary=True,
+        grpc_target=served.grpc_address,
+    )
+    assert r.ok == r.sent > 0 and r.errors == {}
+    assert r.url == f"grpc://{served.grpc_address}/digits"
+    assert grpc_ok() == before + r.ok  # every one of them arrived over gRPC

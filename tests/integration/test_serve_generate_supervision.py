@@ -150,7 +150,11 @@ def test_an_engine_that_cannot_start_again_fails_requests_at_once_until_it_can(
         while (r := _greedy(url)).status_code != 503:
             assert r.status_code == 200 and time.monotonic() < deadline, r.text
             time.sleep(0.05)  # answered by the old process's waiters only after a failed start
-        assert "retry" in r.json()["error"]["message"]
+        assert "retry" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
+        # Readiness tells the truth: no engine can serve (main: 200 from both, the OIP
+        # version being fine).
+        assert httpx.get(f"{url}/v2/health/ready").status_code == 400
+        assert httpx.get(f"{url}/v2/models/{NAME}/ready").status_code == 400
         t0 = time.monotonic()
         assert _greedy(url).status_code == 503
         assert time.monotonic() - t0 < 30, "a request waited on an engine that cannot start"
@@ -159,6 +163,8 @@ def test_an_engine_that_cannot_start_again_fails_requests_at_once_until_it_can(
             assert r.status_code == 503 and time.monotonic() < deadline, r.text
             time.sleep(0.1)
         assert r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+        assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+        assert httpx.get(f"{url}/v2/models/{NAME}/ready").status_code == 200
         assert proc.poll() is None
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -116,6 +118,8 @@ def test_cli_prints_json_and_writes_the_plot_and_timeline(url: str, tmp_path: Pa
             "--duration",
             "1",
             "--json",
+            "--seed",
+            "3",
             "--plot",
             str(plot),
             "--out",
@@ -128,7 +132,50 @@ def test_cli_prints_json_and_writes_the_plot_and_timeline(url: str, tmp_path: Pa
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
+    # The arrivals are the seed's: Poisson(40/s) for 1 s from random.Random(3) draws 36 of
+    # them (seed 0, the default, draws 31), all sent (no client in-flight limit reached).
+    rng, t, arrivals = random.Random(3), 0.0, 0
+    while (t := t + rng.expovariate(40)) < 1.0:
+        arrivals += 1
+    assert result["not_sent"] == 0 and result["sent"] == arrivals == 36
     assert result["ok"] == result["sent"] > 0
     assert set(result["latency_ms"]) >= {"p50", "p90", "p99", "p99.9"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(json.loads(out.read_text())["timeline"]) == result["sent"]
+
+
+def test_a_client_that_sends_late_marks_its_result_invalid(url: str) -> None:
+    # A send lag is at least 1 us (the histogram's floor), so a bound of 0.0005 ms is always
+    # passed and one of a minute never: the rule, not this machine's scheduling, is tested.
+    late = loadtest(base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=5e-4)
+    assert not late.valid and late.send_lag_ms_p99 > 5e-4
+    assert late.invalid_reason is not None and "the client sent late" in late.invalid_reason
+    assert late.to_json()["valid"] is False
+    fine = loadtest(base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=6e4)
+    assert fine.valid and fine.invalid_reason is None
+    split = loadtest(
+        base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=5e-4, processes=2
+    )
+    assert not split.valid  # the merged histograms are judged too
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="must be a positive number of milliseconds"):
+            loadtest(base_url=url, model="digits", rate=50, duration_s=0.5, max_send_lag_ms=bad)
+
+
+def test_binary_mode_builds_tensor_data_the_server_accepts(url: str) -> None:
+    import aiohttp
+
+    from hpcml.serve.loadtest import fetch_payload
+    from hpcml.serve.protocol import parse_header_length, parse_infer_request
+
+    async def payload() -> tuple[bytes, dict[str, str]]:
+        async with aiohttp.ClientSession() as session:
+            return await fetch_payload(session, url, "digits", None, 2, binary=True)
+
+    body, headers = asyncio.run(payload())
+    assert headers["content-type"] == "application/octet-stream"
+    length = parse_header_length(headers["inference-header-content-length"], len(body))
+    assert length is not None and len(body) == length + 2 * 3 * 32 * 32 * 4  # raw FP32 after it
+    assert parse_infer_request(body, length).inputs["input"].shape == (2, 3, 32, 32)
+    r = loadtest(base_url=url, model="digits", concurrency=2, duration_s=0.5, binary=True, batch=2)
+    assert r.ok > 0 and r.ok == r.sent and r.errors == {}  # a malformed body would be 400s

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from tests.conftest import run_hpcml
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
@@ -235,3 +236,51 @@ def test_promote_and_rollback_under_load_fail_no_request(
     assert set(before) == {"1"}
     assert after_promote and set(after_promote) == {"2"}
     assert after_rollback and set(after_rollback) == {"1"}
+
+
+def test_weights_whose_sum_overflows_are_normalised_and_requests_keep_flowing(
+    served: tuple[str, dict[str, torch.nn.Module]],
+) -> None:
+    # Each weight is finite but their sum is not (1e308 + 1e308 = inf): main accepted this
+    # and then answered every unversioned request with 500.
+    url, _ = served
+    x = encode_request_bytes(np.zeros((1, 3, 32, 32), dtype=np.float32))
+    with httpx.Client(base_url=url, headers={**AUTH, **JSON}) as c:
+        r = c.post("/admin/models/digits/traffic", content=b'{"weights": {"1": 1e308, "2": 1e308}}')
+        assert r.status_code == 200 and r.json()["traffic"] == {"1": 0.5, "2": 0.5}
+        versions = set()
+        for _ in range(40):
+            r = c.post("/v2/models/digits/infer", content=x)
+            assert r.status_code == 200, r.text
+            versions.add(r.json()["model_version"])
+    # Both versions take half: missing one in 40 draws has probability 2 x 2^-40.
+    assert versions == {"1", "2"}
+
+
+def test_an_unexpected_error_in_an_admin_route_answers_json(tmp_path: Path) -> None:
+    # A route that fails as a bug would (the admin endpoints on main answered a plain-text
+    # "Internal Server Error" when a NaN policy made the status unserialisable).
+    _versions(tmp_path / "repo")
+    cfg = ServeConfig.model_validate({"defaults": {"isolation": "thread"}})
+    app = build_app(tmp_path / "repo", cfg, seed=0)
+
+    async def broken() -> None:
+        raise ValueError("Out of range float values are not JSON compliant")
+
+    app.add_api_route("/admin/broken", broken)
+    with running_server(app) as url, httpx.Client(base_url=url) as c:
+        r = c.get("/admin/broken")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": "internal error (ValueError); see the server log."}
+
+
+def test_a_serve_config_with_nan_traffic_exits_2_in_one_sentence(tmp_path: Path) -> None:
+    # main started with it, showed "nan%" and answered the admin status with a plain-text 500.
+    _versions(tmp_path / "repo")
+    config = tmp_path / "serve.yaml"
+    config.write_text("models:\n  digits:\n    traffic: {1: .nan, 2: 1}\n")
+    r = run_hpcml("serve", str(tmp_path / "repo"), "--config", str(config), "--port", "0",
+                  check=False, timeout=120)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
+    assert "models.digits.traffic" in r.stderr and "got '1': nan" in r.stderr, r.stderr

@@ -243,3 +243,52 @@ def test_uri_rule_env_then_cwd_default(tmp_path: Path, monkeypatch: pytest.Monke
     assert resolve_tracking_uri("sqlite:///rel.db") == f"sqlite:///{tmp_path.resolve()}/rel.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
     assert resolve_tracking_uri(None) == "http://tracking.example:5000"
+
+
+def test_resume_from_another_folder_continues_the_run_and_another_store_is_refused(
+    store: str,
+    client: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No tracking.uri and no $MLFLOW_TRACKING_URI: the store is the working folder's
+    # mlruns.db. On main a resume from another folder silently began a new MLflow run in that
+    # folder's database and overwrote tracking.json.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # The first working folder holds a migrated mlruns.db already (migrations take seconds).
+    first_cwd = Path(fresh_store(tmp_path_factory, "cwd").removeprefix("sqlite:///")).parent
+    other_cwd = tmp_path / "other"
+    other_cwd.mkdir()
+    run_dir = tmp_path / "run"
+    monkeypatch.chdir(first_cwd)
+    first = MlflowTracker(_cfg(None, experiment="anywhere"), run_dir)
+    first.start({"train.max_steps": 40}, {})
+    first.log_steps(_steps(1, 20))
+    first.finish({"steps": 20}, "preempted", run_dir)
+    recorded = (run_dir / TRACKING_FILE).read_bytes()
+
+    monkeypatch.chdir(other_cwd)
+    second = MlflowTracker(_cfg(None, experiment="anywhere"), run_dir)
+    second.start({"train.max_steps": 40}, {})
+    assert second.resumed and second.run_id == first.run_id
+    assert second.uri == f"sqlite:///{first_cwd.resolve()}/mlruns.db"
+    second.log_steps(_steps(21, 40))
+    second.finish({"steps": 40}, "finished", run_dir)
+    assert not (other_cwd / "mlruns.db").exists()
+    assert (run_dir / TRACKING_FILE).read_bytes() == recorded
+
+    # Told to track elsewhere (here: the module's store), the resume is refused in one sentence
+    # before anything is written.
+    third = MlflowTracker(_cfg(store, experiment="anywhere"), run_dir)
+    with pytest.raises(TrackingError, match="tracking.uri resolves to") as info:
+        third.start({"train.max_steps": 40}, {})
+    assert info.value.exit_code == 2 and len(info.value.message.splitlines()) == 1
+    assert f"resume with tracking.uri=sqlite:///{first_cwd.resolve()}/mlruns.db" in str(info.value)
+    assert (run_dir / TRACKING_FILE).read_bytes() == recorded
+    assert client.get_experiment_by_name("anywhere") is None  # nothing created there
+    # The same store named explicitly is no change: the run continues.
+    fourth = MlflowTracker(_cfg(f"sqlite:///{first_cwd}/mlruns.db", experiment="anywhere"), run_dir)
+    fourth.start({"train.max_steps": 40}, {})
+    assert fourth.resumed and fourth.run_id == first.run_id
+    fourth.finish({"steps": 40}, "finished", run_dir)

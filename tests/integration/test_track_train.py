@@ -149,6 +149,21 @@ def test_crashed_run_is_failed_and_resume_continues_it(
     assert "injected crash" in run.data.tags["hpcml.error"]
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [5]
 
+    # Resumed into another store: refused in one sentence before anything is written (on main
+    # it began a second MLflow run there and overwrote tracking.json).
+    files = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    elsewhere = f"sqlite:///{tmp_path}/elsewhere.db"
+    refused = train(*args, "--resume", "auto", store=elsewhere, cwd=tmp_path, extra_path=tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines() == [
+        f"error: run folder {run_dir} is tracked in MLflow run {run_id} of {store} "
+        f"(tracking.json), but tracking.uri resolves to {elsewhere}; resume with "
+        f"tracking.uri={store} (or leave it unset), or train into a new run folder to start a "
+        "new MLflow run."
+    ]
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == files
+    assert not (tmp_path / "elsewhere.db").exists()
+
     resumed = train(*args, "--resume", "auto", store=store, cwd=tmp_path, extra_path=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id

@@ -98,7 +98,7 @@ def test_serve_config_reads_integer_version_keys_and_rejects_unknown_keys(tmp_pa
         "    versions:\n      3: {path: /somewhere}\n"
     )
     cfg = load_serve_config(good)
-    assert cfg.models["digits"].traffic == {"1": 90, "2": 10}
+    assert cfg.models["digits"].traffic == {"1": 0.9, "2": 0.1}  # normalised when read
     assert cfg.models["digits"].shadow is not None and cfg.models["digits"].shadow.version == "3"
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  digits:\n    max_batch: 8\n")
@@ -142,7 +142,7 @@ def test_example_serve_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "serve_digits.yaml"
     cfg = load_serve_config(example)
     digits = cfg.models["digits"]
-    assert digits.traffic == {"1": 90, "2": 10} and digits.shadow is not None
+    assert digits.traffic == {"1": 0.9, "2": 0.1}  # normalised when read and digits.shadow is not None
     assert digits.versions["3"].backend == "onnx-int8"
 
 
@@ -205,15 +205,64 @@ def test_bytes_tensors_round_trip_length_prefixed() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        (struct.pack("<I", 5) + b"abc", "claims 5 bytes but only 3 remain"),
-        (struct.pack("<I", 1) + b"a", "for 1 elements but its shape needs 2"),
+        (struct.pack("<I", 5) + b"abcd", "claims 5 bytes but only 4 remain"),
+        (struct.pack("<I", 4) + b"abcd", "for 1 elements but its shape needs 2"),
         (struct.pack("<I", 0) * 2 + b"x", "1 bytes of BYTES data beyond"),
-        (b"\x01\x00", "for 0 elements"),
+        (struct.pack("<I", 1) + b"a", "5 bytes of binary BYTES data, too few for the 2 elements"),
+        (b"\x01\x00", "too few for the 2 elements"),
     ],
 )
 def test_malformed_bytes_tensors_are_refused(raw: bytes, message: str) -> None:
     with pytest.raises(oip.ProtocolError, match=re.escape(message)):
         tensors.from_raw(raw, "BYTES", (2,), "input 'x'")
+
+
+def test_bytes_count_the_data_cannot_hold_is_refused_before_allocating() -> None:
+    # 2^40 pointers would be 8 TiB: refused from the 5 bytes present, before np.empty runs.
+    with pytest.raises(oip.ProtocolError, match="too few for the 1099511627776 elements"):
+        tensors.deserialize_bytes(struct.pack("<I", 1) + b"a", 2**40, "input 'x'")
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_decoded_size_budget_covers_every_input_of_a_request(binary: bool) -> None:
+    # Two FP32 inputs of 100 elements (400 bytes each) and one BYTES input of 2 elements
+    # (2 x 41 bytes): 882 bytes decoded. A budget of 881 refuses the request, 882 admits it.
+    inputs, raw = [], b""
+    for name in ("a", "b"):
+        data = np.arange(100, dtype=np.float32)
+        tensor: dict = {"name": name, "shape": [100], "datatype": "FP32"}
+        if binary:
+            tensor["parameters"] = {"binary_data_size": data.nbytes}
+            raw += data.tobytes()
+        else:
+            tensor["data"] = data.tolist()
+        inputs.append(tensor)
+    inputs.append({"name": "s", "shape": [2], "datatype": "BYTES", "data": ["x", "yz"]})
+    header = json.dumps({"inputs": inputs}).encode()
+    length = len(header) if binary else None
+    assert set(oip.parse_infer_request(header + raw, length, 882).inputs) == {"a", "b", "s"}
+    with pytest.raises(oip.ProtocolError, match="limit of 881 decoded bytes") as err:
+        oip.parse_infer_request(header + raw, length, 881)
+    assert err.value.status == 413
+
+
+def test_grpc_decoded_size_budget() -> None:
+    from hpcml.serve.grpc import request_from_grpc
+    from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+
+    msg = pb.ModelInferRequest(model_name="m")
+    msg.inputs.add(name="a", datatype="FP64", shape=[3]).contents.fp64_contents.extend([1, 2, 3])
+    assert request_from_grpc(msg, 24).inputs["a"].tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(oip.ProtocolError, match="limit of 23 decoded bytes") as err:
+        request_from_grpc(msg, 23)
+    assert err.value.status == 413
+
+
+def test_decoded_limit_defaults_to_four_bodies() -> None:
+    from hpcml.serve.config import ServeConfig
+
+    assert ServeConfig(max_body_bytes=1000).decoded_limit_bytes == 4000
+    assert ServeConfig(max_body_bytes=1000, max_decoded_bytes=10).decoded_limit_bytes == 10
 
 
 FP32_16 = np.arange(4, dtype=np.float32).tobytes()
@@ -360,4 +409,62 @@ def test_numeric_version_names_are_names_under_defaults_as_under_models(tmp_path
     loaded = load_serve_config(cfg)
     assert list(loaded.defaults.versions) == ["2"]
     assert loaded.defaults.shadow is not None and loaded.defaults.shadow.version == "2"
-    assert loaded.models["digits"].traffic == {"1": 90, "2": 10}
+    assert loaded.models["digits"].traffic == {"1": 0.9, "2": 0.1}  # normalised when read
+
+
+@pytest.mark.parametrize(
+    ("traffic", "message"),
+    [
+        ("{1: .nan, 2: 1}", "finite and non-negative numbers, got '1': nan"),
+        ("{1: .inf}", "finite and non-negative numbers, got '1': inf"),
+        ("{1: -1, 2: 3}", "finite and non-negative numbers, got '1': -1.0"),
+        ("{1: 0, 2: 0}", "needs a positive weight on some version"),
+    ],
+)
+def test_serve_config_traffic_is_checked_as_a_whole(
+    tmp_path: Path, traffic: str, message: str
+) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"models:\n  digits:\n    traffic: {traffic}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_serve_config(path)
+
+
+def test_serve_config_traffic_is_normalised_even_when_its_sum_overflows(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("defaults:\n  traffic: {1: 1.0e+308, 2: 1.0e+308, 3: 0}\n")
+    assert load_serve_config(path).defaults.traffic == {"1": 0.5, "2": 0.5, "3": 0.0}
+    path.write_text("defaults:\n  traffic: {1: 1, 2: 3}\n")
+    assert load_serve_config(path).defaults.traffic == {"1": 0.25, "2": 0.75}
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_floats_are_refused_in_binary_and_grpc_as_in_json(
+    datatype: str, bad: float
+) -> None:
+    from hpcml.serve.grpc import request_from_grpc
+    from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+
+    values = np.array([1.0, bad, 3.0, 4.0], dtype=tensors.DATATYPES[datatype])
+    message = "holds NaN or infinite"
+    # JSON cannot carry them: a null or an overflowing number is refused (the existing rule).
+    with pytest.raises(oip.ProtocolError, match="null or values too large"):
+        oip.parse_infer_request(_body(datatype=datatype, data=[1, None, 3, 4]))
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 2, 2], "datatype": datatype,
+                                     "parameters": {"binary_data_size": values.nbytes}}]}).encode()  # fmt: skip
+    with pytest.raises(oip.ProtocolError, match=message):
+        oip.parse_infer_request(header + values.tobytes(), len(header))
+    raw = pb.ModelInferRequest(model_name="m", raw_input_contents=[values.tobytes()])
+    raw.inputs.add(name="input", datatype=datatype, shape=[1, 2, 2])
+    with pytest.raises(oip.ProtocolError, match=message):
+        request_from_grpc(raw)
+    if datatype != "FP16":  # FP16 has no typed contents field
+        typed = pb.ModelInferRequest(model_name="m")
+        t = typed.inputs.add(name="input", datatype=datatype, shape=[1, 2, 2])
+        getattr(t.contents, f"{datatype.lower()}_contents").extend(values.tolist())
+        with pytest.raises(oip.ProtocolError, match=message):
+            request_from_grpc(typed)
+    # Finite values of the same tensor pass.
+    values[1] = 2.0
+    assert oip.parse_infer_request(header + values.tobytes(), len(header)).inputs["input"].size == 4

@@ -21,6 +21,7 @@ from hpcml.cli import registry as registry_cli
 from hpcml.cli import report as report_cli
 from hpcml.cli import serve as serve_cli
 from hpcml.cli import train as train_cli
+from hpcml.cli import tune as tune_cli
 from hpcml.cli.common import fail
 from hpcml.errors import HpcmlError
 
@@ -123,6 +124,7 @@ app.add_typer(observe_cli.app, name="observe")
 serve_cli.register(app)
 app.command("report", help=report_cli.report.__doc__)(report_cli.report)
 app.command("profile", help=profile_cli.profile.__doc__)(profile_cli.profile)
+app.command("tune", help=tune_cli.tune.__doc__)(tune_cli.tune)
 
 
 def main() -> None:

@@ -72,6 +72,24 @@ def shard(
     val_fraction: float = typer.Option(0.2, "--val-fraction", help="Share held out."),
     image_size: int = typer.Option(32, "--image-size", help="Image folders: resize to N x N."),
     label: str = typer.Option("label", "--label", help="Tables: the label column."),
+    features: str | None = typer.Option(
+        None,
+        "--features",
+        help="Tables: the feature columns, comma-separated (default: every column but the "
+        "label); each must hold numbers.",
+    ),
+    encoded: bool = typer.Option(
+        False,
+        "--encoded",
+        help="Image folders: store each image file's bytes as they are and decode (convert, "
+        "resize to --image-size) when read, in the loader's workers.",
+    ),
+    fill: float | None = typer.Option(
+        None,
+        "--fill",
+        help="Tables: the number written for an empty (null) feature value (default: such a "
+        "value is refused, naming its column).",
+    ),
     seq_len: int = typer.Option(256, "--seq-len", help="tokens: tokens per window."),
     synthetic_samples: int = typer.Option(4096, "--synthetic-samples", help="synthetic: samples."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -90,6 +108,9 @@ def shard(
         label=label,
         seq_len=seq_len,
         synthetic_samples=synthetic_samples,
+        features=[c.strip() for c in features.split(",") if c.strip()] if features else None,
+        fill=fill,
+        encoded=encoded,
     )
     if json_out:
         print_json(_info(result["manifest"], result["out"]))

@@ -247,6 +247,17 @@ def loadtest(
         1, "--processes", help="Client processes sharing the load (for rates one loop can't drive)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    binary: bool = typer.Option(
+        False, "--binary", help="Send binary tensor data (what tritonclient sends), not JSON."
+    ),
+    grpc_target: str | None = typer.Option(
+        None, "--grpc", help="HOST:PORT of the gRPC endpoint: send ModelInfer calls there."
+    ),
+    max_send_lag_ms: float = typer.Option(
+        10.0,
+        "--max-send-lag-ms",
+        help="Open loop: a client send lag p99 over this marks the result invalid.",
+    ),
     plot: Path | None = typer.Option(None, "--plot", help="Write a latency plot (PNG)."),
     out: Path | None = typer.Option(
         None, "--out", help="Write the result JSON (with the latency timeline) here."
@@ -258,7 +269,9 @@ def loadtest(
     max_tokens: int = typer.Option(32, "--max-tokens", help="--llm: tokens per request."),
     ttft_slo_ms: float = typer.Option(1000.0, "--ttft-slo-ms", help="--llm: goodput's TTFT."),
     itl_slo_ms: float = typer.Option(100.0, "--itl-slo-ms", help="--llm: goodput's mean ITL."),
-    seed: int = typer.Option(0, "--seed", help="--llm: seed of arrivals and prompts."),
+    seed: int = typer.Option(
+        0, "--seed", help="Seed of open-loop arrivals (--llm: and prompts); one per repetition."
+    ),
 ) -> None:
     """Load-test an Open Inference Protocol server: open loop (--rate) or closed loop
     (--concurrency); with --llm, streaming OpenAI completions (TTFT, inter-token latency)."""
@@ -267,7 +280,7 @@ def loadtest(
     from hpcml.errors import WorkFailed
     from hpcml.records import write_json_atomic
     from hpcml.serve.loadtest import loadtest as run
-    from hpcml.serve.loadtest import plot_results
+    from hpcml.serve.loadtest_plot import plot_results
 
     check_url(url)
     if llm:
@@ -300,6 +313,10 @@ def loadtest(
             timeout_s=timeout,
             progress=progress,
             processes=processes,
+            max_send_lag_ms=max_send_lag_ms,
+            binary=binary,
+            seed=seed,
+            grpc_target=grpc_target,
         )
     if out is not None:
         write_json_atomic(out, result.to_json(with_timeline=True))
@@ -310,6 +327,8 @@ def loadtest(
         print_json(result.to_json())
     else:
         _print_loadtest(result)
+    if not result.valid:
+        err_console.print(f"[bold yellow]invalid result:[/] {result.invalid_reason}")
     if result.ok == 0:
         raise WorkFailed(f"no request to {result.url} succeeded (errors: {result.errors}).")
 

@@ -41,6 +41,12 @@ def train(
         help="With --resume auto: when checkpoints exist but none is complete, move them to "
         "checkpoints/corrupt/ and start from step 0 (without it, the run refuses).",
     ),
+    allow_data_change: bool = typer.Option(
+        False,
+        "--allow-data-change",
+        help="Resume onto a shard set of another version than the checkpoint's, recording "
+        "every version read (data.allow_change); without it such a resume is refused.",
+    ),
     strict_health: bool = typer.Option(
         False,
         "--strict-health",
@@ -57,15 +63,19 @@ def train(
     )
     from hpcml.errors import HpcmlError
     from hpcml.launch.local import check_nproc
+    from hpcml.track.mlflow import check_resume_store
     from hpcml.train.entry import preflight, run_here
     from hpcml.train.fault import require_checkpoints_for_restarts
 
     if strict_health:
         overrides = [*(overrides or []), "observe.strict_health=true"]
+    if allow_data_change:
+        overrides = [*(overrides or []), "data.allow_change=true"]
     cfg = load_config(config, overrides or [])
     if launched_by_torchrun():
         # A worker: torchrun (ours or the user's) chose the world; rank 0 checks the folder.
         try:
+            check_resume_store(cfg.tracking, run_dir, resume)
             summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)
         except HpcmlError as exc:
             if not getattr(exc, "reported", False):
@@ -79,6 +89,7 @@ def train(
         check_nproc(nproc)
         # With several processes, the whole resolved config is checked here, before torchrun.
         preflight(cfg, nproc if nproc > 1 else None)
+        check_resume_store(cfg.tracking, run_dir, resume)
         if nproc == 1:
             summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)
         else:

@@ -10,6 +10,7 @@ ranks. Token windows (`make_sampler`) draw per world size and restart at the nex
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hpcml.config import DataConfig
+from hpcml.data.order import OrderSampler
 
 # torchdata 0.11 calls a deprecated torch API on every iterator; the warning says nothing to users.
 warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -39,10 +41,19 @@ class EpochLoader:
         pin_memory: bool,
     ) -> None:
         make_sampler = getattr(dataset, "make_sampler", None)  # e.g. random token windows
-        self.sampler: Any = (
-            make_sampler(rank, world_size, seed)
-            if make_sampler is not None
-            else DistributedSampler(
+        # A shard set shuffled a window of shards at a time, or a mix of sets (whose order
+        # draws from the sets by weight even unshuffled: `order_always`).
+        ordered = getattr(dataset, "has_epoch_order", False) and (
+            cfg.shuffle or getattr(dataset, "order_always", False)
+        )
+        self.sampler: Any
+        if make_sampler is not None:
+            self.sampler = make_sampler(rank, world_size, seed)
+        elif ordered:
+            order_of = functools.partial(dataset.epoch_order, seed)  # type: ignore[attr-defined]
+            self.sampler = OrderSampler(order_of, len(dataset), rank, world_size)  # type: ignore[arg-type]
+        else:
+            self.sampler = DistributedSampler(
                 dataset,
                 num_replicas=world_size,
                 rank=rank,
@@ -50,24 +61,16 @@ class EpochLoader:
                 seed=seed,
                 drop_last=True,
             )
-        )
         keyed = getattr(dataset, "epoch_keyed", False)
         workers = cfg.num_workers
         generator = torch.Generator().manual_seed(seed + rank)
-        kwargs: dict[str, Any] = {}
-        if workers > 0:
-            kwargs["persistent_workers"] = cfg.persistent_workers
-            if cfg.prefetch_factor is not None:
-                kwargs["prefetch_factor"] = cfg.prefetch_factor
         self.loader = StatefulDataLoader(
             dataset,
             batch_size=cfg.batch_size,
             sampler=EpochKeys(self.sampler, seed) if keyed else self.sampler,
             drop_last=True,
-            num_workers=workers,
-            pin_memory=pin_memory,
             generator=generator,
-            **kwargs,
+            **_worker_args(cfg, pin_memory, cfg.persistent_workers),
         )
         if len(self.loader) == 0:
             from hpcml.errors import DataError
@@ -83,6 +86,7 @@ class EpochLoader:
         self.shuffle, self.seed, self.dataset = cfg.shuffle, seed, dataset
         self.keyed = keyed
         self.workers = workers
+        self.cfg, self.pin_memory = cfg, pin_memory
         self._it: Iterator[Any] | None = None
         self._remainder = False
         self._base = 0
@@ -113,7 +117,7 @@ class EpochLoader:
 
     @property
     def elastic(self) -> bool:
-        return isinstance(self.sampler, DistributedSampler)
+        return isinstance(self.sampler, (DistributedSampler, OrderSampler))
 
     def position(self) -> dict[str, int]:
         """Where the epoch stands globally: samples all ranks together have taken."""
@@ -167,27 +171,35 @@ class EpochLoader:
             self.load_state_dict({"epoch": epoch + 1, "loader": None})
             return
         else:
-            rest = RemainderSampler(
-                len(self.dataset),  # type: ignore[arg-type]
-                self.seed,
-                epoch,
-                self.shuffle,
-                samples,  # type: ignore[arg-type]
-                self.rank,
-                self.world_size,
-            )
+            if isinstance(self.sampler, OrderSampler):
+                order = self.sampler.order(epoch).tolist()
+            else:
+                order = _permutation(len(self.dataset), self.seed, epoch, self.shuffle)  # type: ignore[arg-type]
+            rest = RemainderSampler(order, samples, self.rank, self.world_size)
+        # The configured workers, prefetch and pinned memory, as in any other epoch; workers
+        # that persist would outlive this one-epoch loader, so they do not.
         remainder = torch.utils.data.DataLoader(
             self.dataset,
             batch_size=self.batch_size,
             sampler=EpochKeys(rest, self.seed, epoch) if self.keyed else rest,
             drop_last=True,
-            num_workers=0,
             generator=torch.Generator().manual_seed(self.seed + self.rank + epoch),
+            **_worker_args(self.cfg, self.pin_memory, persistent=False),
         )
         self.epoch = epoch
         self._it = iter(remainder)
         self._remainder = True
         self._base, self.taken = samples, 0
+
+
+def _worker_args(cfg: DataConfig, pin_memory: bool, persistent: bool) -> dict[str, Any]:
+    """DataLoader arguments for the configured loader workers."""
+    kwargs: dict[str, Any] = {"num_workers": cfg.num_workers, "pin_memory": pin_memory}
+    if cfg.num_workers > 0:
+        kwargs["persistent_workers"] = persistent
+        if cfg.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = cfg.prefetch_factor
+    return kwargs
 
 
 def _other_workers(state: dict[str, Any], workers: int) -> bool:
@@ -214,19 +226,19 @@ class EpochKeys(torch.utils.data.Sampler[tuple[int, int, int]]):
         return ((self.seed, epoch, int(i)) for i in self.inner)
 
 
-class RemainderSampler(torch.utils.data.Sampler[int]):
-    """DistributedSampler's global order of one epoch from `start` on, strided over the ranks
-    (its permutation of (seed, epoch), the same code path: torch.randperm on a seeded
-    generator)."""
+def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """DistributedSampler's global order of one epoch (its permutation of (seed, epoch), the
+    same code path: torch.randperm on a seeded generator)."""
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g).tolist()
 
-    def __init__(
-        self, n: int, seed: int, epoch: int, shuffle: bool, start: int, rank: int, world: int
-    ) -> None:
-        if shuffle:
-            g = torch.Generator().manual_seed(seed + epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
+
+class RemainderSampler(torch.utils.data.Sampler[int]):
+    """An epoch's global `order` from position `start` on, strided over the ranks."""
+
+    def __init__(self, order: list[int], start: int, rank: int, world: int) -> None:
         rest = order[start:]
         usable = len(rest) // world * world
         self.indices = rest[rank:usable:world]

@@ -12,6 +12,7 @@ and the hpcml version.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,11 @@ import numpy as np
 from hpcml import __version__
 from hpcml.config import DataConfig
 from hpcml.data import shards
-from hpcml.data.store import is_remote
+from hpcml.data.shard_loading import check_shards as check_shards  # re-exported, as before
+from hpcml.data.shard_loading import device_normalize as device_normalize
+from hpcml.data.shard_loading import is_image_set as is_image_set
+from hpcml.data.shard_loading import load_shard_source as load_shard_source
+from hpcml.data.shard_loading import shuffle_window as shuffle_window
 from hpcml.errors import DataError
 
 BUILTIN = ("digits", "cifar10", "synthetic", "tokens")
@@ -105,8 +110,11 @@ def from_tokens(cfg: DataConfig) -> tuple[Samples, dict[str, Any]]:
 
 
 def from_image_folder(
-    root: Path, image_size: int, val_fraction: float
+    root: Path, image_size: int, val_fraction: float, encoded: bool = False
 ) -> tuple[Samples, dict[str, Any]]:
+    """An image folder's images resized to `image_size` and stored as pixels, or with `encoded`
+    stored as their files' bytes (each checked to decode) and resized when read, in the
+    loader's workers."""
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise DataError(
@@ -141,12 +149,20 @@ def from_image_folder(
                     f"image {root / rel} cannot be read ({type(exc).__name__}); remove or "
                     "replace it."
                 ) from None
+            if encoded:
+                raw = np.frombuffer((root / rel).read_bytes(), dtype=np.uint8)
+                yield sid, raw, np.asarray(label, dtype=np.int64)
+                continue
             chw = np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
             yield sid, chw, np.asarray(label, dtype=np.int64)
 
+    resize = {"convert": "RGB", "resize": [image_size, image_size], "filter": "bilinear"}
+    read: dict[str, Any] = {"scale": 1 / 255, "mean": [0.5] * 3, "std": [0.5] * 3}
+    if encoded:
+        read["decode"] = resize
     header = {
         "sample": {
-            "layout": "tensor",
+            "layout": "encoded" if encoded else "tensor",
             "x": shards.spec(np.uint8, (3, image_size, image_size)),
             "y": shards.spec(np.int64, ()),
         },
@@ -154,16 +170,26 @@ def from_image_folder(
         "classes": classes,
         "source": {"name": "image_folder", "path": str(root), "files": len(files)},
         "transform": {
-            "write": {"convert": "RGB", "resize": [image_size, image_size], "filter": "bilinear"},
+            "write": {"stored": "file bytes"} if encoded else resize,
             "val_fraction": val_fraction,
-            "read": {"scale": 1 / 255, "mean": [0.5] * 3, "std": [0.5] * 3},
+            "read": read,
         },
     }
     return {"train": items("train"), "val": items("val")}, header
 
 
-def from_table(path: Path, label: str, val_fraction: float) -> tuple[Samples, dict[str, Any]]:
+def from_table(
+    path: Path,
+    label: str,
+    val_fraction: float,
+    features: list[str] | None = None,
+    fill: float | None = None,
+) -> tuple[Samples, dict[str, Any]]:
+    """A Parquet or Arrow table: `label` holds class numbers, `features` (default every other
+    column) must be numeric. An empty (null) feature value is refused, naming the column,
+    unless `fill` gives the number to write in its place; an empty label always is."""
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.dataset as pads
 
     fmt = "parquet" if path.suffix.lower() == ".parquet" else "ipc"
@@ -177,49 +203,83 @@ def from_table(path: Path, label: str, val_fraction: float) -> tuple[Samples, di
             f"table {path} has no column {label!r} (columns: {', '.join(schema.names)}); pass "
             "the label column with --label."
         )
-    numeric = [
-        f.name
-        for f in schema
-        if f.name != label and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))
-    ]
-    if not numeric:
-        raise DataError(f"table {path} has no numeric feature columns besides {label!r}.")
-    labels = ds.to_table(columns=[label]).column(0).to_numpy()
+    names = _feature_columns(path, schema, label, features)
+    if fill is not None and not math.isfinite(fill):
+        raise DataError(f"--fill {fill} must be a finite number.")
+    label_col = ds.to_table(columns=[label]).column(0)
+    if label_col.null_count:
+        raise DataError(
+            f"column {label!r} (the label) of table {path} has {label_col.null_count} empty "
+            "(null) values; every row needs a class number."
+        )
+    labels = label_col.to_numpy()
     if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
         raise DataError(
             f"column {label!r} of {path} must hold class numbers 0..C-1 (found {labels.dtype})."
         )
     num_classes = int(labels.max()) + 1
 
+    def column(batch: Any, i: int, first_row: int) -> np.ndarray:
+        col = batch.column(i)
+        if col.null_count:
+            if fill is None:
+                at = first_row + int(pc.index(pc.is_null(col), True).as_py())
+                raise DataError(
+                    f"column {names[i]!r} of table {path} has empty (null) values (the first in "
+                    f"row {at}); fill them in the table, or pass --fill VALUE to write VALUE "
+                    "in their place."
+                )
+            col = pc.fill_null(col.cast(pa.float64()), fill)
+        return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float32)
+
     def items(split: str) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         row = 0
-        for batch in ds.to_batches(columns=[*numeric, label], batch_size=4096):
-            feats = np.stack(
-                [batch.column(i).to_numpy(zero_copy_only=False) for i in range(len(numeric))],
-                axis=1,
-            ).astype(np.float32)
-            ys = batch.column(len(numeric)).to_numpy(zero_copy_only=False)
+        for batch in ds.to_batches(columns=[*names, label], batch_size=4096):
+            feats = np.stack([column(batch, i, row) for i in range(len(names))], axis=1)
+            ys = batch.column(len(names)).to_numpy(zero_copy_only=False)
             for j in range(batch.num_rows):
                 if _val(str(row), val_fraction) == (split == "val"):
                     yield row, feats[j], np.asarray(ys[j], dtype=np.int64)
                 row += 1
 
+    write: dict[str, Any] = {"features": names, "label": label, "dtype": "float32"}
+    if fill is not None:
+        write["fill"] = fill
     header = {
         "sample": {
             "layout": "tensor",
-            "x": shards.spec(np.float32, (len(numeric),)),
+            "x": shards.spec(np.float32, (len(names),)),
             "y": shards.spec(np.int64, ()),
         },
         "num_classes": num_classes,
-        "features": numeric,
+        "features": names,
         "source": {"name": "table", "path": str(path), "rows": int(len(labels))},
-        "transform": {
-            "write": {"features": numeric, "label": label, "dtype": "float32"},
-            "val_fraction": val_fraction,
-            "read": {},
-        },
+        "transform": {"write": write, "val_fraction": val_fraction, "read": {}},
     }
     return {"train": items("train"), "val": items("val")}, header
+
+
+def _feature_columns(path: Path, schema: Any, label: str, features: list[str] | None) -> list[str]:
+    """The feature columns: `features`, or every column but the label; each must hold numbers
+    (integers, floats or booleans), or the column is named in one sentence."""
+    import pyarrow as pa
+
+    names = features if features is not None else [n for n in schema.names if n != label]
+    for n in names:
+        if n not in schema.names or n == label:
+            raise DataError(
+                f"--features names {n!r}, which is {'the label' if n == label else 'not a column'}"
+                f" of table {path} (columns: {', '.join(schema.names)})."
+            )
+        t = schema.field(n).type
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+            raise DataError(
+                f"column {n!r} of table {path} holds {t}, not numbers; convert it to numbers in "
+                "the table, or name the columns to use with --features (comma-separated)."
+            )
+    if not names:
+        raise DataError(f"table {path} has no feature columns besides {label!r}.")
+    return names
 
 
 def shard(
@@ -234,11 +294,16 @@ def shard(
     label: str = "label",
     seq_len: int = 256,
     synthetic_samples: int = 4096,
+    features: list[str] | None = None,
+    fill: float | None = None,
+    encoded: bool = False,
 ) -> dict[str, Any]:
     """Write the shard set of `source` (a built-in name, an image folder or a table file)."""
     shard_bytes = shards.parse_size(shard_size)
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1).")
+    if source in BUILTIN and encoded:
+        raise DataError(f"--encoded applies to image folders; {source!r} is a built-in source.")
     if source in BUILTIN:
         cfg = DataConfig(
             source=source,
@@ -251,9 +316,11 @@ def shard(
     else:
         p = Path(source).expanduser()
         if p.is_dir():
-            samples, header = from_image_folder(p, image_size, val_fraction)
+            samples, header = from_image_folder(p, image_size, val_fraction, encoded)
+        elif encoded:
+            raise DataError(f"--encoded applies to image folders; {source!r} is not one.")
         elif p.is_file() and p.suffix.lower() in TABLE_SUFFIXES:
-            samples, header = from_table(p, label, val_fraction)
+            samples, header = from_table(p, label, val_fraction, features, fill)
         else:
             raise DataError(
                 f"SOURCE {source!r} is neither a data source ({', '.join(BUILTIN)}), an image "
@@ -262,82 +329,3 @@ def shard(
     header["hpcml"] = __version__
     manifest = shards.write_shard_set(out, samples, header, shard_bytes, compression)
     return {"out": str(out), "version": shards.version_id(manifest), "manifest": manifest}
-
-
-def load_shard_source(cfg: DataConfig) -> Any:
-    """`data.source: shards`: the shard set at data.path, verified against its manifest."""
-    from hpcml.data.sources import Splits
-
-    root = check_shards(cfg)
-    manifest = shards.read_manifest(root)
-    shards.verify(root, manifest)
-    normalize = device_normalize(cfg, manifest)
-    train, val = (
-        shards.ShardSet(
-            root,
-            split,
-            manifest,
-            cache_shards=cfg.shard_cache,
-            cache_dir=cfg.cache_dir,
-            cache_limit_bytes=int(cfg.cache_limit_gb * 10**9),
-            readahead=cfg.readahead,
-            raw=normalize is not None,
-        )
-        for split in ("train", "val")
-    )
-    sample = manifest["sample"]
-    version = shards.version_id(manifest)
-    if sample["layout"] == "tokens":
-        seq = int(manifest["seq_len"])
-        return Splits(
-            train,
-            val,
-            (seq,),
-            int(manifest["num_classes"]),
-            version,
-            input_dtype="int64",
-            target_shape=(seq,),
-            version=version,
-        )
-    return Splits(
-        train,
-        val,
-        tuple(sample["x"]["shape"]),
-        int(manifest["num_classes"]),
-        version,
-        version=version,
-        device_normalize=normalize,
-    )
-
-
-def is_image_set(manifest: dict[str, Any]) -> bool:
-    """Samples are (C, H, W) images, which crop, flip, mixup and cutmix apply to."""
-    sample = manifest["sample"]
-    return sample["layout"] == "tensor" and len(sample["x"]["shape"]) == 3
-
-
-def device_normalize(cfg: DataConfig, manifest: dict[str, Any]) -> Any:
-    """With data.augment_on: device, an image set stored as uint8 pixels is read as stored and
-    normalized on the device (`hpcml.data.device_augment`); None where the reader normalizes."""
-    from hpcml.data.device_augment import DeviceNormalize
-    from hpcml.data.sources import pixels_on_device
-
-    t = manifest.get("transform", {}).get("read", {})
-    x = manifest["sample"]["x"]
-    if not (pixels_on_device(cfg) and is_image_set(manifest) and np.dtype(x["dtype"]) == np.uint8):
-        return None
-    if not shards.is_pixel_transform(t):
-        return None
-    return DeviceNormalize(float(t["scale"]), tuple(t["mean"]), tuple(t["std"]))
-
-
-def check_shards(cfg: DataConfig) -> str | Path:
-    """data.path of a shard set: a local folder, or an s3:// URL (`hpcml.data.store`)."""
-    if cfg.path is None:
-        raise DataError(
-            "data source 'shards' needs data.path: a folder written by "
-            "`hpcml data shard SOURCE --out DIR`, or an s3://BUCKET/PREFIX holding one."
-        )
-    root: str | Path = cfg.path if is_remote(cfg.path) else Path(cfg.path).expanduser()
-    shards.read_manifest(root)
-    return root

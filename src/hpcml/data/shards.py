@@ -31,10 +31,7 @@ shard's sha256), so two shard sets with the same id hold the same bytes.
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
-import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,62 +40,19 @@ import torch
 from torch.utils.data import Dataset
 
 from hpcml.data.device_augment import normalize_pixels
+from hpcml.data.manifest import (
+    MANIFEST,
+    SPLITS,
+    check_shard,
+    read_manifest,
+)
+from hpcml.data.manifest import canonical as canonical  # re-exported: the version id's input
+from hpcml.data.manifest import version_id as version_id
+from hpcml.data.order import shard_window_order
 from hpcml.data.readahead import ShardSlots
 from hpcml.data.shard_cache import DiskCache
 from hpcml.data.store import Store, is_remote
 from hpcml.errors import DataError
-
-FORMAT = "hpcml-shards/1"
-MANIFEST = "manifest.json"
-SPLITS = ("train", "val")
-COMPRESSIONS = ("none", "lz4", "zstd")
-
-
-# ---------------------------------------------------------------- manifest
-
-
-def canonical(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-
-
-def version_id(manifest: dict[str, Any]) -> str:
-    """The shard set's version: sha256 over its canonical manifest."""
-    return hashlib.sha256(canonical(manifest)).hexdigest()
-
-
-def read_manifest(folder: str | Path) -> dict[str, Any]:
-    """The manifest of the shard set at `folder`: a local folder or an s3:// URL
-    (`hpcml.data.store`)."""
-    store = Store(folder)
-    path = store.describe(MANIFEST)
-    if not store.is_set():
-        raise DataError(
-            f"shard folder {store.describe()} does not exist; write one with "
-            f"`hpcml data shard SOURCE --out {store.describe()}`."
-        )
-    if store.size(MANIFEST) is None:
-        raise DataError(
-            f"{store.describe()} holds no {MANIFEST}, so it is not a shard set; write one with "
-            f"`hpcml data shard SOURCE --out DIR`."
-        )
-    try:
-        manifest: dict[str, Any] = json.loads(store.read_bytes(MANIFEST).decode())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise DataError(f"{path} is not valid JSON; write the shard set again.") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise DataError(
-            f"{path} has format {found!r}, not {FORMAT!r}; write the shard set again with this hpcml."
-        )
-    return manifest
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):  # 4 MiB at a time: bounded memory
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(
@@ -106,28 +60,67 @@ def verify(
     manifest: dict[str, Any],
     splits: Iterable[str] = SPLITS,
     deep: bool | None = None,
+    shared: bool = False,
 ) -> None:
     """Every shard of `splits` exists with the size the manifest records and, when `deep`, the
-    sha256. By default deep for a local folder; for a remote set only sizes are checked here,
-    since every shard's sha256 is checked when it is read (`Store.open_shard`)."""
+    sha256; a local set's shards also have the columns and rows it records. By default deep for
+    a local folder; for a remote set only sizes are checked here, since every shard's sha256 is
+    checked when it is read (`Store.open_shard`). `shared` (`data.verify: full` in training):
+    the hashing is split over the ranks of the process group, each hashing its share once, and
+    a local file's digest is remembered while the file is unchanged (`hpcml.data.hash_cache`)."""
     store = Store(folder)
     deep = not store.remote if deep is None else deep
     manifest_at = store.describe(MANIFEST)
+    entries = [s for split in splits for s in manifest["splits"].get(split, {}).get("shards", [])]
+    for shard in entries:
+        size = store.size(shard["file"])
+        if size is None:
+            raise DataError(
+                f"shard {store.describe(shard['file'])} named in {manifest_at} is missing; copy "
+                "the whole shard set again or write it anew."
+            )
+        if size != shard["bytes"]:
+            _changed(store, shard["file"], manifest_at)
+    if deep:
+        names = [s["file"] for s in entries]
+        if shared:
+            from hpcml.data.hash_cache import HashCache
+            from hpcml.distributed.runtime import split_work
+
+            cache = HashCache()
+            hash_one = (
+                (lambda n: cache.sha256(store.root / n)) if not store.remote else store.sha256
+            )
+            digests = split_work(names, hash_one)
+        else:
+            digests = [store.sha256(n) for n in names]
+        for shard, digest in zip(entries, digests, strict=True):
+            if digest != shard["sha256"]:
+                _changed(store, shard["file"], manifest_at)
+    if not store.remote:  # a remote shard's rows are checked when it is read
+        check_rows(store, manifest, splits)
+
+
+def _changed(store: Store, name: str, manifest_at: str) -> None:
+    raise DataError(
+        f"shard {store.describe(name)} does not match the sha256 in {manifest_at} (corrupted "
+        "or changed after writing); copy the shard set again or write it anew."
+    )
+
+
+def check_rows(store: Store, manifest: dict[str, Any], splits: Iterable[str] = SPLITS) -> None:
+    """Every shard of a local set has the columns and rows its manifest says (from each file's
+    Arrow metadata: a footer and one record batch per shard)."""
+    import pyarrow as pa
+
     for split in splits:
-        for shard in manifest["splits"].get(split, {}).get("shards", []):
-            name = shard["file"]
-            size = store.size(name)
-            if size is None:
-                raise DataError(
-                    f"shard {store.describe(name)} named in {manifest_at} is missing; copy the "
-                    "whole shard set again or write it anew."
-                )
-            if size != shard["bytes"] or (deep and store.sha256(name) != shard["sha256"]):
-                raise DataError(
-                    f"shard {store.describe(name)} does not match the sha256 in {manifest_at} "
-                    "(corrupted or changed after writing); copy the shard set again or write "
-                    "it anew."
-                )
+        for k, shard in enumerate(manifest["splits"].get(split, {}).get("shards", [])):
+            where = store.describe(shard["file"])
+            try:
+                reader = pa.ipc.open_file(pa.memory_map(where, "r"))
+            except (OSError, pa.ArrowInvalid) as exc:
+                raise DataError(f"shard {where} cannot be read ({exc}); write it again.") from None
+            check_shard(reader, manifest, split, k, where)
 
 
 # ---------------------------------------------------------------- reading
@@ -160,6 +153,7 @@ class ShardSet(Dataset[Any]):
         cache_dir: str | Path | None = None,
         cache_limit_bytes: int = 10 * 10**9,
         readahead: int | None = None,
+        shuffle_shards: int | None = None,
     ) -> None:
         self._store_args = (str(folder), cache_dir, cache_limit_bytes)
         self.store = _store(*self._store_args)
@@ -173,6 +167,9 @@ class ShardSet(Dataset[Any]):
         self.sha256 = [s["sha256"] for s in entry["shards"]]
         self.sizes = [int(s["bytes"]) for s in entry["shards"]]
         counts = [int(s["samples"]) for s in entry["shards"]]
+        self.counts = counts
+        self.shuffle_shards = shuffle_shards
+        """Shards a shuffled epoch mixes at a time (`hpcml.data.order`); None: all of them."""
         self.starts = list(np.cumsum([0, *counts])[:-1].tolist())
         self.length = int(sum(counts))
         self.rows_per_batch = int(entry["rows_per_batch"])
@@ -214,13 +211,15 @@ class ShardSet(Dataset[Any]):
 
         path = self.store.describe(self.files[k])
         try:
-            return self.store.open_shard(self.files[k], self.sha256[k], self.sizes[k])
+            reader = self.store.open_shard(self.files[k], self.sha256[k], self.sizes[k])
         except (OSError, pa.ArrowInvalid) as exc:
             raise DataError(
                 f"shard {path} cannot be read ({exc}); check the shard set with "
                 f"`hpcml data info {self.root} --verify`, or lower data.shard_cache if memory "
                 "is short."
             ) from None
+        check_shard(reader, self.manifest, self.split, k, path)
+        return reader
 
     def _reader(self, k: int, ahead: bool = True) -> Any:
         first_use = not self.slots.is_open(k)
@@ -228,6 +227,16 @@ class ShardSet(Dataset[Any]):
         if first_use and ahead:  # one sample at a time: guess the file order
             self.slots.prefetch(range(k + 1, min(k + 1 + self.readahead, len(self.files))), k)
         return reader
+
+    @property
+    def has_epoch_order(self) -> bool:
+        """A shuffled epoch takes `epoch_order` (a window of shards) over one permutation."""
+        return self.shuffle_shards is not None
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+        """The shuffled order of one epoch, `shuffle_shards` shards at a time."""
+        window = self.shuffle_shards or len(self.counts)
+        return shard_window_order(self.counts, window, seed, epoch)
 
     def shard_of(self, i: int) -> int:
         return bisect.bisect_right(self.starts, i) - 1
@@ -266,10 +275,31 @@ class ShardSet(Dataset[Any]):
         if not 0 <= i < self.length:
             raise IndexError(i)
         xb, yb, sid = self._row(i)
-        x = np.frombuffer(xb, dtype=self.x_dtype).reshape(self.x_shape)
+        if self.layout == "encoded":  # an image file's bytes: decoded here, in the worker
+            x = self._decode_image(xb, sid)
+        else:
+            x = np.frombuffer(xb, dtype=self.x_dtype).reshape(self.x_shape)
         y = np.frombuffer(yb, dtype=self.y_dtype).reshape(self.y_shape)
         xt, yt = self._decode(x, y)
         return (xt, yt, sid) if self.with_ids else (xt, yt)
+
+    def _decode_image(self, data: memoryview, sid: int) -> np.ndarray:
+        """(3, H, W) uint8 pixels of a stored image file, converted and resized as the manifest's
+        `transform.read.decode` says (the same Pillow calls as resizing at write time)."""
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        h, w = self.x_shape[1:]
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                rgb = im.convert("RGB").resize((w, h), Image.Resampling.BILINEAR)
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+            raise DataError(
+                f"sample {sid} of shard set {self.root} is not a readable image "
+                f"({type(exc).__name__}); write the shard set again from good images."
+            ) from None
+        return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
 
     def _decode(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layout == "tokens":  # one stored window of seq_len + 1 tokens
@@ -304,158 +334,20 @@ def _store(location: str, cache_dir: str | Path | None, cache_limit_bytes: int) 
 
 
 def _cell(arr: Any, j: int) -> memoryview:
-    """Bytes of row j of a fixed-size binary column, without copying the column."""
+    """Bytes of row j of a binary column, without copying the column."""
+    import pyarrow as pa
+
+    if not pa.types.is_fixed_size_binary(arr.type):  # variable size (encoded images)
+        return memoryview(arr[j].as_buffer())
     width = arr.type.byte_width
     data = arr.buffers()[1]
     start = (arr.offset + j) * width
     return memoryview(data)[start : start + width]
 
 
-# ---------------------------------------------------------------- writing
-
-
-def parse_size(text: str) -> int:
-    """'64MB', '512KiB', '1GB' or a number of bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    s = text.strip().upper()
-    num = s.rstrip("KMGIB")
-    unit = s[len(num) :]
-    try:
-        value = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise DataError(
-            f"--shard-size {text!r} is not a size; write e.g. 64MB, 512KiB or a number of bytes."
-        ) from None
-    if value < 1:
-        raise DataError(f"--shard-size {text!r} must be at least 1 byte.")
-    return int(value)
-
-
-class ShardWriter:
-    """Writes one split's samples into shards of about `shard_bytes` of sample data each."""
-
-    def __init__(
-        self,
-        root: Path,
-        split: str,
-        x_spec: tuple[np.dtype[Any], tuple[int, ...]],
-        y_spec: tuple[np.dtype[Any], tuple[int, ...]],
-        shard_bytes: int,
-        compression: str,
-    ) -> None:
-        self.root, self.split, self.compression = root, split, compression
-        self.x_width = int(np.prod(x_spec[1], dtype=np.int64)) * x_spec[0].itemsize
-        self.y_width = int(np.prod(y_spec[1], dtype=np.int64)) * y_spec[0].itemsize
-        self.per_shard = max(1, shard_bytes // (self.x_width + self.y_width))
-        # Compressed batches are decompressed whole on a read: keep them near 64 KiB.
-        self.rows_per_batch = (
-            max(1, 65536 // self.x_width) if compression != "none" else self.per_shard
-        )
-        self.x_spec, self.y_spec = x_spec, y_spec
-        self.shards: list[dict[str, Any]] = []
-        self._ids: list[int] = []
-        self._xs: list[bytes] = []
-        self._ys: list[bytes] = []
-
-    def add(self, sid: int, x: np.ndarray, y: np.ndarray) -> None:
-        self._ids.append(sid)
-        self._xs.append(np.ascontiguousarray(x, dtype=self.x_spec[0]).tobytes())
-        self._ys.append(np.ascontiguousarray(y, dtype=self.y_spec[0]).tobytes())
-        if len(self._ids) >= self.per_shard:
-            self.flush()
-
-    def flush(self) -> None:
-        import pyarrow as pa
-
-        if not self._ids:
-            return
-        n = len(self._ids)
-        table = pa.table(
-            {
-                "id": pa.array(self._ids, type=pa.int64()),
-                "x": pa.array(self._xs, type=pa.binary(self.x_width)),
-                "y": pa.array(self._ys, type=pa.binary(self.y_width)),
-            }
-        )
-        name = f"{self.split}-{len(self.shards):05d}.arrow"
-        path = self.root / name
-        codec = None if self.compression == "none" else self.compression
-        options = pa.ipc.IpcWriteOptions(compression=codec)
-        with (
-            pa.OSFile(str(path), "wb") as sink,
-            pa.ipc.new_file(sink, table.schema, options=options) as writer,
-        ):
-            writer.write_table(table, max_chunksize=self.rows_per_batch)
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        self.shards.append(
-            {
-                "file": name,
-                "samples": n,
-                "bytes": path.stat().st_size,
-                "sha256": sha256_file(path),
-                "first_id": self._ids[0],
-            }
-        )
-        self._ids, self._xs, self._ys = [], [], []
-
-    def summary(self) -> dict[str, Any]:
-        self.flush()
-        return {
-            "samples": sum(s["samples"] for s in self.shards),
-            "rows_per_batch": self.rows_per_batch,
-            "shards": self.shards,
-        }
-
-
-def spec(dtype: Any, shape: Iterable[int]) -> dict[str, Any]:
-    return {"dtype": np.dtype(dtype).str, "shape": [int(s) for s in shape]}
-
-
-def write_shard_set(
-    out: Path,
-    samples: dict[str, Iterator[tuple[int, np.ndarray, np.ndarray]]],
-    header: dict[str, Any],
-    shard_bytes: int,
-    compression: str,
-) -> dict[str, Any]:
-    """Write `samples[split]` (id, x, y) into `out` and return the manifest (written last,
-    atomically: a folder without a manifest is not a shard set). `header` holds format-level
-    facts: sample spec, source, transform, classes."""
-    if compression not in COMPRESSIONS:
-        raise DataError(
-            f"--compression {compression!r} is not known; use one of {', '.join(COMPRESSIONS)}."
-        )
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(
-            f"--out {out} already exists and is not an empty folder; pass a new folder "
-            "(shard sets are never overwritten)."
-        )
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"--out {out} cannot be created ({exc.strerror or exc}).") from None
-    sample = header["sample"]
-    x_spec = (np.dtype(sample["x"]["dtype"]), tuple(sample["x"]["shape"]))
-    y_spec = (np.dtype(sample["y"]["dtype"]), tuple(sample["y"]["shape"]))
-    splits: dict[str, Any] = {}
-    try:
-        for split, items in samples.items():
-            writer = ShardWriter(out, split, x_spec, y_spec, shard_bytes, compression)
-            for sid, x, y in items:
-                writer.add(sid, x, y)
-            splits[split] = writer.summary()
-    except BaseException:
-        for p in out.iterdir():  # only files this call wrote: the folder was empty
-            p.unlink()
-        if created:
-            out.rmdir()
-        raise
-    manifest = {"format": FORMAT, **header, "compression": compression, "splits": splits}
-    tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
-    tmp.replace(out / MANIFEST)
-    return manifest
+# Writing lives in its own module; its names stay reachable here, where callers found them.
+from hpcml.data.hash_cache import sha256_of as sha256_file  # noqa: E402, F401
+from hpcml.data.shard_write import ShardWriter as ShardWriter  # noqa: E402
+from hpcml.data.shard_write import parse_size as parse_size  # noqa: E402
+from hpcml.data.shard_write import spec as spec  # noqa: E402
+from hpcml.data.shard_write import write_shard_set as write_shard_set  # noqa: E402

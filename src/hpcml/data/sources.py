@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,31 +23,14 @@ from torch.utils.data import Dataset, TensorDataset
 
 from hpcml.config import DataConfig
 from hpcml.data.device_augment import DeviceNormalize
+from hpcml.data.splits import Splits as Splits  # re-exported: where callers have found it
+from hpcml.data.splits import pixels_on_device as pixels_on_device
 from hpcml.errors import DataError
 
 # The validation split must not move when the training seed changes: fixed split seed.
 SPLIT_SEED = 1234
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
-
-
-@dataclass
-class Splits:
-    train: Dataset
-    val: Dataset
-    input_shape: tuple[int, ...]
-    num_classes: int
-    fingerprint: str
-    """sha256 over the bytes read, so a run can be traced to exactly the data it saw."""
-    input_dtype: str = "float32"
-    """Per-sample input dtype: token sources give int64 ids."""
-    target_shape: tuple[int, ...] = ()
-    """Per-sample target shape: () for one class per sample, (seq_len,) for next tokens."""
-    version: str | None = None
-    """A shard set's version id (sha256 of its manifest); None for other sources."""
-    device_normalize: DeviceNormalize | None = None
-    """Set where the source hands over uint8 pixels and leaves normalization to the training
-    device (`data.augment_on: device`); every batch, train and eval, goes through it."""
 
 
 def _split(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,11 +197,6 @@ def load_cifar10(cfg: DataConfig) -> Splits:
     )
 
 
-def pixels_on_device(cfg: DataConfig) -> bool:
-    """The source hands over uint8 pixels and the device normalizes them."""
-    return cfg.augment and cfg.augment_on == "device"
-
-
 def load_synthetic(cfg: DataConfig) -> Splits:
     g = torch.Generator().manual_seed(SPLIT_SEED)
     shape = tuple(cfg.synthetic_shape)
@@ -243,7 +220,11 @@ def load_token_source(cfg: DataConfig) -> Splits:
 
 
 def load_shards(cfg: DataConfig) -> Splits:
-    from hpcml.data.shard_sources import load_shard_source
+    if cfg.mix is not None:
+        from hpcml.data.mix import load_mix
+
+        return load_mix(cfg)
+    from hpcml.data.shard_loading import load_shard_source
 
     return load_shard_source(cfg)  # type: ignore[no-any-return]
 
@@ -269,8 +250,12 @@ def check_source(cfg: DataConfig) -> None:
         from hpcml.data.tokens import check_tokens
 
         check_tokens(cfg)
-    if cfg.source == "shards":
-        from hpcml.data.shard_sources import check_shards
+    if cfg.source == "shards" and cfg.mix is not None:
+        from hpcml.data.mix import check_mix
+
+        check_mix(cfg)
+    elif cfg.source == "shards":
+        from hpcml.data.shard_loading import check_shards
 
         check_shards(cfg)
 

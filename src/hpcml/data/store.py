@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
 
+from hpcml.data.hash_cache import sha256_of
 from hpcml.data.shard_cache import DiskCache
 from hpcml.errors import DataError
 
@@ -120,9 +121,7 @@ class Store:
 
     def sha256(self, name: str) -> str:
         if not self.remote:
-            from hpcml.data.shards import sha256_file
-
-            return sha256_file(self.root / name)
+            return sha256_of(self.root / name)
         return hashlib.sha256(memoryview(self._read_buffer(name))).hexdigest()
 
     def _key(self, name: str) -> str:

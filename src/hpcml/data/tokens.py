@@ -167,7 +167,7 @@ def check_tokens(cfg: DataConfig) -> None:
 
 
 def load_tokens(cfg: DataConfig) -> Any:
-    from hpcml.data.sources import Splits
+    from hpcml.data.splits import Splits
 
     train_path, val_path, meta = _files(cfg)
     if os.path.getsize(train_path) % 2:

@@ -216,6 +216,21 @@ def all_gather_object(rt: Runtime, obj: Any) -> list[Any]:
     return out
 
 
+def split_work(items: list[Any], fn: Any) -> list[Any]:
+    """`fn(item)` for every item, each computed on one rank of the default process group (rank
+    r takes items r, r + W, ...), the results on every rank in item order; in one process (no
+    group), all of them here. For work every rank would otherwise repeat (hashing a data set),
+    called by every rank at the same point."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [fn(item) for item in items]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {i: fn(items[i]) for i in range(rank, len(items), world)}
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, mine)
+    merged = {i: v for share in shares for i, v in share.items()}
+    return [merged[i] for i in range(len(items))]
+
+
 def device_info(rt: Runtime) -> dict[str, Any]:
     if rt.device.type == "cuda":
         props = torch.cuda.get_device_properties(rt.device)

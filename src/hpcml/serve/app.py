@@ -39,8 +39,9 @@ from hpcml.serve.inference import (
     model_metadata,
     run_infer,
 )
-from hpcml.serve.limits import BodyLimit, BodyTooLarge, ConcurrencyLimit
+from hpcml.serve.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
 from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.model_stats import add_triton_routes
 from hpcml.serve.router import NotFound, PolicyError, Router
 
 JSON = "application/json"
@@ -76,23 +77,25 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     # gpt exports over bytes also generate text (/v1/completions); loaded now, like the CLI
     # loads the router before serving, so a bad export fails before the server starts.
     generators = text_services(router, config, metrics.registry)
+    for name, generator in generators.items():
+        router.also_ready[name] = generator.is_ready
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
         for generator in generators.values():
             await generator.start()
-        grpc_server = None
+        grpc_endpoint = None
         if config.grpc_port is not None:
             from hpcml.serve.grpc import start_grpc_server
 
-            grpc_server, app.state.grpc_port = await start_grpc_server(router, config, metrics)
+            grpc_endpoint, app.state.grpc_port = await start_grpc_server(router, config, metrics)
         # Everything allocated so far (torch, FastAPI, models) lives as long as the server;
         # frozen, the cyclic GC stops rescanning it, which otherwise shows up as p99 spikes.
         gc.freeze()
         yield
-        if grpc_server is not None:
-            await grpc_server.stop(config.graceful_timeout_s)
+        if grpc_endpoint is not None:
+            await grpc_endpoint.stop(config.graceful_timeout_s)
         for generator in generators.values():
             await generator.close()
         await router.close()
@@ -103,17 +106,38 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         description="Open Inference Protocol v2 (KServe / Triton REST) with dynamic batching.",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    def count_refused(path: str, status: int) -> None:
+        """Inference requests the limits refuse never reach run_infer: counted here."""
+        parts = path.strip("/").split("/")
+        # v2/models/NAME/infer or v2/models/NAME/versions/V/infer
+        if parts[:2] != ["v2", "models"] or parts[-1:] != ["infer"] or len(parts) not in (4, 6):
+            return
+        name = parts[2] if parts[2] in router.models else ""
+        version = ""
+        if name and len(parts) == 6 and parts[4] in router.models[name].versions:
+            version = parts[4]
+        metrics.requests.labels(name, version, "http", str(status)).inc()
+
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=config.max_body_bytes,
+        timeout_s=config.body_timeout_s,
+        on_refused=count_refused,
+    )
     if config.limit_concurrency is not None:
         # Added last, so it runs first: a refused request costs no body read.
         app.add_middleware(
-            ConcurrencyLimit, limit=config.limit_concurrency, retry_after_s=config.retry_after_s
+            ConcurrencyLimit,
+            limit=config.limit_concurrency,
+            retry_after_s=config.retry_after_s,
+            on_refused=count_refused,
         )
     metrics.watch_readiness(
         lambda: [(mv.model, mv.version, mv.ready) for mv in router.all_versions()]
     )
     app.state.router = router
     app.state.metrics = metrics
+    app.state.config = config
     add_drift_routes(app, router.drift)
     app.state.grpc_port = None
     app.state.generators = generators
@@ -130,6 +154,12 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         if exc.status_code == 404 and message == "Not Found":
             message = "no such endpoint; see /docs for the API."
         return _error(exc.status_code, message, dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(_: Request, exc: Exception) -> Response:
+        # A bug of ours: Starlette logs the traceback after this answer; the client still gets
+        # the protocol's JSON error form, never a plain-text page.
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log.")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -154,11 +184,15 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             body = await request.body()
         except BodyTooLarge as exc:
             raise oip.ProtocolError(str(exc), status=413) from None
+        except BodyTooSlow as exc:
+            raise oip.ProtocolError(str(exc), status=408) from None
         header_length = oip.parse_header_length(headers.get(oip.HEADER_LENGTH), len(body))
         if len(body) >= config.json_offload_bytes:
             # A large body takes milliseconds to parse: off the loop, others keep being served.
-            return await asyncio.to_thread(oip.parse_infer_request, body, header_length)
-        return oip.parse_infer_request(body, header_length)
+            return await asyncio.to_thread(
+                oip.parse_infer_request, body, header_length, config.decoded_limit_bytes
+            )
+        return oip.parse_infer_request(body, header_length, config.decoded_limit_bytes)
 
     async def infer(request: Request, name: str, version: str | None) -> Response:
         try:
@@ -248,6 +282,8 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     @app.get("/v2", response_model=schemas.ServerMetadata, tags=["metadata"])
     async def server_metadata() -> dict[str, Any]:
         return {"name": "hpcml", "version": hpcml.__version__, "extensions": EXTENSIONS}
+
+    add_triton_routes(app, router, _error)  # before /v2/models/{name}: "stats" is no name
 
     def metadata_response(name: str, version: str | None) -> Response:
         try:
@@ -426,6 +462,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_protocol(config: ServeConfig) -> Any:
+    """uvicorn's `http` setting: httptools with a header deadline when one is configured."""
+    if config.header_timeout_s is None:
+        return "auto"
+    from hpcml.serve.header_timeout import header_timeout_protocol
+
+    return header_timeout_protocol(config.header_timeout_s)
+
+
 def uvicorn_server(app: FastAPI, config: ServeConfig, log_level: str = "warning") -> Any:
     import uvicorn
 
@@ -440,5 +485,6 @@ def uvicorn_server(app: FastAPI, config: ServeConfig, log_level: str = "warning"
             # Clients under load keep connections; a short keep-alive only adds reconnects.
             timeout_keep_alive=30,
             backlog=4096,
+            http=http_protocol(config),
         )
     )

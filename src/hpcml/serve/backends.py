@@ -208,8 +208,8 @@ def _serve_in_child(
 ) -> None:
     """Body of a ProcessBackend child: load, then answer batches until told to stop.
 
-    Batches come in over `requests`; answers go out as length-prefixed pickles on the raw
-    `answers` pipe, which the parent reads from its event loop.
+    Batches come in and answers go out as length-prefixed pickles (`write_frame`) on raw pipes,
+    which the parent writes and reads from its event loop without ever blocking it.
     """
     # The parent decides when to stop (it drains first); Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -226,9 +226,10 @@ def _serve_in_child(
         answer(("error", (isinstance(exc, ModelError), str(getattr(exc, "message", exc)))))
         return
     answer(("ready", None))
+    inp = requests.fileno()
     while True:
         try:
-            batch = requests.recv()
+            batch = pickle.loads(read_frame(inp))  # from our own parent: trusted
         except EOFError:  # the server is gone
             return
         if batch is None:
@@ -293,8 +294,10 @@ class ProcessBackend:
 
     The batcher awaits `infer_async`, which writes the batch and is woken by the event loop
     when the answer is in: no thread sits between them (on a busy CPU every thread hop is a
-    scheduler wake-up, worth milliseconds). `infer` is the blocking form for use without a
-    loop; once `infer_async` has run, the answer pipe belongs to the loop.
+    scheduler wake-up, worth milliseconds). The batch goes out through a non-blocking write
+    transport, so a child that stopped reading (SIGSTOP, a wedged forward pass) cannot block
+    the loop, and `kill` ends it whatever state it is in. `infer` is the blocking form for use
+    without a loop; once `infer_async` has run, both pipes belong to the loop.
     """
 
     def __init__(
@@ -314,6 +317,7 @@ class ProcessBackend:
         self._answers: Connection | None = None
         self._frames: _Frames | None = None
         self._transport: asyncio.BaseTransport | None = None
+        self._writer: asyncio.WriteTransport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None
         self._on_lost: Callable[[], None] | None = None
@@ -335,6 +339,9 @@ class ProcessBackend:
         # A duplicate descriptor: the transport closes its own, the Connection its own.
         pipe = os.fdopen(os.dup(self._answers.fileno()), "rb", buffering=0)
         self._transport, _ = await loop.connect_read_pipe(lambda: frames, pipe)
+        assert self._requests is not None
+        out = os.fdopen(os.dup(self._requests.fileno()), "wb", buffering=0)
+        self._writer, _ = await loop.connect_write_pipe(asyncio.Protocol, out)
         self._frames, self._loop = frames, loop
 
     def restart(self) -> None:
@@ -385,7 +392,7 @@ class ProcessBackend:
         if self._requests is None or self._frames is not None:
             raise RuntimeError("the backend is not loaded (or is driven by infer_async)")
         try:
-            self._requests.send(batch)
+            write_frame(self._requests.fileno(), pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
             return self._result(*self._read_blocking())
         except (EOFError, BrokenPipeError, ConnectionResetError):
             raise self._died() from None
@@ -400,12 +407,11 @@ class ProcessBackend:
         if self._frames.closed:
             raise self._died()
         answer: asyncio.Future[bytes] = loop.create_future()
-        try:
-            # One batch at a time per instance: the child is reading (or finishing the batch
-            # of a caller that gave up), so this write drains as fast as the pipe copies.
-            self._requests.send(batch)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            raise self._died() from None
+        assert self._writer is not None
+        if self._writer.is_closing():
+            raise self._died()
+        # Buffered by the transport when the pipe is full: never blocks the loop.
+        self._writer.write(frame(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)))
         self._frames.pending.append(answer)
         try:
             payload = await answer
@@ -413,13 +419,22 @@ class ProcessBackend:
             raise self._died() from None
         return self._result(*pickle.loads(payload))
 
+    def kill(self) -> None:
+        """SIGKILL the child: the one signal a stopped or wedged process cannot delay."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+
     def close(self) -> None:
         if self._frames is not None:
             self._frames.on_lost = None  # closing on purpose is not a death
             self._frames = None
+        if self._writer is not None and self._writer.get_write_buffer_size():
+            self.kill()  # it stopped reading mid-batch: a stop frame could not get through
         if self._requests is not None:
+            # Best effort: a small frame goes in whole or not at all (the loop's transport
+            # made the pipe non-blocking), and a child that reads no more is killed below.
             with contextlib.suppress(OSError):  # the child may be gone already
-                self._requests.send(None)
+                os.write(self._requests.fileno(), frame(pickle.dumps(None)))
             self._requests.close()
             self._requests = None
         if self._proc is not None:
@@ -427,13 +442,18 @@ class ProcessBackend:
             if self._proc.is_alive():
                 self._proc.terminate()
                 self._proc.join(5)
-        if self._transport is not None:
+            if self._proc.is_alive():  # stopped: SIGTERM waits for a SIGCONT that never comes
+                self._proc.kill()
+                self._proc.join(5)
+        for transport in (self._transport, self._writer):
+            if transport is None:
+                continue
             # Transports belong to their loop's thread; close() may run in another.
             if self._loop is not None and self._loop.is_running():
-                self._loop.call_soon_threadsafe(self._transport.close)
+                self._loop.call_soon_threadsafe(transport.close)
             else:
-                self._transport.close()
-            self._transport = None
+                transport.close()
+        self._transport = self._writer = None
         if self._answers is not None:
             self._answers.close()
             self._answers = None

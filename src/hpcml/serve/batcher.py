@@ -11,7 +11,10 @@ Supervision: an instance whose child process dies (`WorkerDied`, or its pipe clo
 idle) is restarted by its worker task with exponential backoff. Its in-flight batch fails with
 `WorkerLost` (retryable: HTTP 503 + Retry-After); while no instance is alive the batcher is not
 `healthy`, queued requests fail with `WorkerLost` at once and new ones are refused the same way,
-so readiness probes and clients see the outage instead of waiting on it.
+so readiness probes and clients see the outage instead of waiting on it. An instance that can
+be killed (a child process) and does not answer a batch within `batch_timeout_s` is taken as
+hung (stopped, wedged): it is killed, its batch fails with `WorkerLost`, and it is restarted
+like one that died.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -81,6 +84,8 @@ class BatchingStats:
     samples: int = 0
     max_batch: int = 0
     sizes: dict[int, int] = field(default_factory=dict)
+    compute_ns: dict[int, int] = field(default_factory=dict)
+    """Batch size -> nanoseconds spent computing batches of that size."""
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -99,6 +104,7 @@ class DynamicBatcher:
         metrics: BatcherMetrics | None = None,
         restart_backoff_s: tuple[float, float] = (0.5, 30.0),
         on_restart: Callable[[], None] | None = None,
+        batch_timeout_s: float | None = None,
     ) -> None:
         if not instances:
             raise ValueError("a batcher needs at least one backend instance")
@@ -118,6 +124,8 @@ class DynamicBatcher:
         self.restart_backoff_s = restart_backoff_s
         """(first delay, longest delay): doubled per restart that did not stay up 30 s."""
         self.on_restart = on_restart
+        self.batch_timeout_s = batch_timeout_s
+        """A killable instance that takes longer for one batch is hung; None: never."""
         self.restarts = 0
         self._down: set[int] = set()
         """Indexes of instances whose process died and is being restarted."""
@@ -312,6 +320,20 @@ class DynamicBatcher:
         self._wake()
         return True
 
+    async def _within_deadline(self, backend: Backend, answer: Awaitable[np.ndarray]) -> np.ndarray:
+        kill = getattr(backend, "kill", None)
+        if self.batch_timeout_s is None or kill is None:
+            return await answer
+        try:
+            return await asyncio.wait_for(answer, self.batch_timeout_s)
+        except TimeoutError:
+            log.warning(
+                "an inference process answered no batch in %g s (hung or stopped); killing it",
+                self.batch_timeout_s,
+            )
+            kill()
+            raise WorkerDied(f"no answer within {self.batch_timeout_s:g} s") from None
+
     async def _run(
         self, loop: asyncio.AbstractEventLoop, backend: Backend, batch: list[_Item]
     ) -> bool:
@@ -323,7 +345,7 @@ class DynamicBatcher:
             # Backends that can be driven from the loop skip the thread hop.
             infer_async = getattr(backend, "infer_async", None)
             if infer_async is not None:
-                out = await infer_async(x)
+                out = await self._within_deadline(backend, infer_async(x))
             else:
                 out = await loop.run_in_executor(self._executor, backend.infer, x)
             if out.shape[0] != size:
@@ -343,6 +365,7 @@ class DynamicBatcher:
         self.stats.samples += size
         self.stats.max_batch = max(self.stats.max_batch, size)
         self.stats.sizes[size] = self.stats.sizes.get(size, 0) + 1
+        self.stats.compute_ns[size] = self.stats.compute_ns.get(size, 0) + int(compute_s * 1e9)
         if self.metrics is not None:
             self.metrics.batch_size.observe(size)
             self.metrics.compute_s.observe(compute_s)

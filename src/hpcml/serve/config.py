@@ -6,6 +6,7 @@ override its top-level fields. Unknown keys are errors, as in the training confi
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +16,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hpcml.errors import ConfigError
 
 BackendName = Literal["torch", "compile", "onnx", "onnx-int8"]
+
+
+def normalise_weights(weights: dict[str, float]) -> dict[str, float]:
+    """Traffic weights as shares summing to 1, or ValueError saying what is wrong.
+
+    Checked as a whole: each weight finite and non-negative, and one positive. Weights whose sum
+    overflows (1e308 + 1e308) are divided by the largest first, so the shares stay finite."""
+    bad = [f"{v!r}: {w!r}" for v, w in weights.items() if not math.isfinite(w) or w < 0]
+    if bad:
+        raise ValueError(f"traffic weights must be finite and non-negative numbers, got {bad[0]}")
+    largest = max(weights.values(), default=0.0)
+    if largest <= 0:
+        raise ValueError("traffic needs a positive weight on some version")
+    total = sum(weights.values())
+    if not math.isfinite(total):
+        weights = {v: w / largest for v, w in weights.items()}
+        total = sum(weights.values())
+    return {v: w / total for v, w in weights.items()}
 
 
 class _Section(BaseModel):
@@ -56,6 +75,11 @@ class ModelServeConfig(_Section):
     """Samples allowed to wait; beyond it requests are refused at once (503 or 429)."""
     timeout_ms: float = Field(default=10_000.0, gt=0.0)
     """A request not answered within this time gets 504 and its result is dropped."""
+    hang_timeout_s: float = Field(default=10.0, gt=0.0, allow_inf_nan=False)
+    """An inference process (`isolation: process`) that answers no batch for this long is
+    taken as hung (stopped, wedged): it is killed and restarted, its requests get 503 with
+    Retry-After, and the version is not ready until the new process has loaded. Keep it above
+    the slowest batch's compute time."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where torch backends compute; auto picks cuda when present (ONNX Runtime picks its own)."""
     threads: int | None = Field(default=None, gt=0)
@@ -65,7 +89,8 @@ class ModelServeConfig(_Section):
     """Settings per version name (a number such as `2:` is read as the name "2"): `path` adds the version or replaces its
     folder from the served PATH, `backend` overrides the model's; empty: the versions in PATH."""
     traffic: dict[str, float] = Field(default_factory=dict)
-    """Weights of versions for unversioned requests (canary); empty sends all to the newest."""
+    """Weights of versions for unversioned requests (canary): finite, non-negative, one positive;
+    kept as shares summing to 1. Empty sends all to the newest."""
     shadow: ShadowConfig | None = None
     """Mirror a `fraction` of unversioned requests to a candidate `version`, whose answers are
     compared (metrics, admin status) and discarded; it must be served and must not take all the
@@ -81,11 +106,7 @@ class ModelServeConfig(_Section):
     @field_validator("traffic")
     @classmethod
     def _weights(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(w < 0 for w in v.values()):
-            raise ValueError("traffic weights must not be negative")
-        if v and sum(v.values()) <= 0:
-            raise ValueError("traffic weights must not all be zero")
-        return v
+        return normalise_weights(v) if v else v
 
     @model_validator(mode="after")
     def _sizes_fit(self) -> ModelServeConfig:
@@ -155,6 +176,18 @@ class ServeConfig(_Section):
     picks a free port (refused with `--prometheus-targets`)."""
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     """Larger request bodies get 413 before they are read in full."""
+    max_decoded_bytes: int | None = Field(default=None, gt=0)
+    """Most memory the decoded input tensors of one request may take (elements x item size; a
+    BYTES element counts 41 bytes besides its data), HTTP and gRPC alike; larger requests get
+    413 (gRPC: RESOURCE_EXHAUSTED), checked on the shapes they claim before anything is
+    allocated. null: 4 x `max_body_bytes`, which holds any numeric body (JSON's shortest number,
+    `0,`, is 2 bytes for an 8-byte FP64)."""
+    header_timeout_s: float | None = Field(default=10.0, gt=0.0, allow_inf_nan=False)
+    """A connection whose request headers are not complete within this long of the connection
+    opening (or of the request's first byte) is closed. null: no bound."""
+    body_timeout_s: float | None = Field(default=30.0, gt=0.0, allow_inf_nan=False)
+    """A request body not received in full within this long of the request's start gets 408,
+    which frees its `limit_concurrency` slot (slow clients cannot hold them all). null: none."""
     overload_status: Literal[503, 429] = 503
     """Status when a queue is full: 503, or 429 with a Retry-After header."""
     retry_after_s: int = Field(default=1, ge=0)
@@ -181,6 +214,11 @@ class ServeConfig(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     drift: DriftConfig = Field(default_factory=DriftConfig)
     models: dict[str, ModelServeConfig] = Field(default_factory=dict)
+
+    @property
+    def decoded_limit_bytes(self) -> int:
+        """`max_decoded_bytes`, or its default of 4 x `max_body_bytes`."""
+        return self.max_decoded_bytes or 4 * self.max_body_bytes
 
     def for_model(self, name: str) -> ModelServeConfig:
         return self.models.get(name, self.defaults)

@@ -2,19 +2,30 @@
 
 Serves ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer of
 KServe's `grpc_predict_v2.proto` (stubs in `oip_pb`), which Triton's `grpc_service.proto`
-extends with the same messages, so tritonclient's and KServe's gRPC clients both work. The
+extends with the same messages, so tritonclient's and KServe's gRPC clients both work; and
+Triton's ModelConfig, ModelStatistics and RepositoryIndex (`triton_grpc`). The
 server is a `grpc.aio` server on the HTTP server's event loop, started by the app's lifespan:
 requests go through the same router, batchers, errors and metrics as REST (`inference`).
 Inputs arrive as `raw_input_contents` (what stock clients send) or typed `contents`; outputs
 always leave as `raw_output_contents`, as Triton answers.
+
+Beside it runs the standard `grpc.health.v1.Health` service (grpcio-health-checking): the
+service "" is SERVING while every model is ready, each model name while its versions taking
+traffic are; Watch streams the changes. Only ModelInfer counts against `limit_concurrency`, so
+probes answer while inference is saturated; refusals a retry may cure carry Retry-After's
+gRPC form, `grpc-retry-pushback-ms` trailing metadata.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import hpcml
 from hpcml.errors import ConfigError
@@ -33,7 +44,9 @@ from hpcml.serve.protocol import InferRequest
 from hpcml.serve.router import NotFound, Router
 from hpcml.serve.tensors import (
     DATATYPES,
+    DecodeBudget,
     ProtocolError,
+    check_finite,
     check_shape,
     datatype_of_array,
     dtype_of,
@@ -41,7 +54,10 @@ from hpcml.serve.tensors import (
     from_raw,
     to_raw,
 )
+from hpcml.serve.triton_grpc import SERVICE, triton_handlers
 
+# How often readiness is read for the health service: the longest a Watch lags a change.
+HEALTH_POLL_S = 0.2
 # Typed `contents` field of each datatype (FP16 has none: it must be sent raw).
 _CONTENTS_FIELD = {
     "BOOL": "bool_contents",
@@ -81,7 +97,7 @@ def _from_contents(contents: Any, datatype: str, shape: tuple[int, ...], where: 
             raise ProtocolError(f"{where} holds values outside the range of {datatype}.")
         array = wide.astype(dtype)
     else:
-        array = np.array(values, dtype=dtype)
+        array = check_finite(np.array(values, dtype=dtype), datatype, where)
     return array.reshape(shape)
 
 
@@ -89,8 +105,10 @@ def _param(value: Any) -> Any:
     return getattr(value, value.WhichOneof("parameter_choice") or "string_param")
 
 
-def request_from_grpc(msg: Any) -> InferRequest:
-    """An `InferRequest` from a ModelInferRequest; client mistakes raise ProtocolError."""
+def request_from_grpc(msg: Any, max_decoded_bytes: int | None = None) -> InferRequest:
+    """An `InferRequest` from a ModelInferRequest; client mistakes raise ProtocolError.
+
+    `max_decoded_bytes` bounds the decoded size of all inputs, as in `parse_infer_request`."""
     if not msg.inputs:
         raise ProtocolError("request has no inputs; send at least one input tensor.")
     raw = msg.raw_input_contents
@@ -103,6 +121,7 @@ def request_from_grpc(msg: Any) -> InferRequest:
     if "classification" in params:
         raise ProtocolError("the classification extension is not supported; omit 'classification'.")
     request = InferRequest({}, msg.id or None, None, params)
+    budget = DecodeBudget(max_decoded_bytes)
     for i, tensor in enumerate(msg.inputs):
         if not tensor.name:
             raise ProtocolError(f"input #{i} has no name; every input tensor needs one.")
@@ -111,6 +130,7 @@ def request_from_grpc(msg: Any) -> InferRequest:
             raise ProtocolError(f"{where} appears twice; send each input once.")
         shape = check_shape(list(tensor.shape), where)
         dtype_of(tensor.datatype, where)
+        budget.charge(shape, tensor.datatype, where)
         if raw:
             if tensor.HasField("contents"):
                 raise ProtocolError(f"{where} has contents and raw_input_contents; send one.")
@@ -129,6 +149,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.router = router
         self.config = config
         self.metrics = metrics
+        self.in_flight = 0
+
+    def _pushback(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc-retry-pushback-ms", str(self.config.retry_after_s * 1000)),)
 
     async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC names
         return pb.ServerLiveResponse(live=True)
@@ -164,8 +188,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         async def read() -> InferRequest:
-            return request_from_grpc(request)
+            return request_from_grpc(request, self.config.decoded_limit_bytes)
 
+        limit = self.config.limit_concurrency
+        if limit is not None and self.in_flight >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is handling its limit of {limit} concurrent requests; retry later.",
+                trailing_metadata=self._pushback(),
+            )
+        self.in_flight += 1
         try:
             answer = await run_infer(
                 self.router,
@@ -177,7 +209,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 read,
             )
         except InferFailure as failure:
-            await context.abort(grpc.StatusCode[failure.grpc_code], failure.message)
+            retry = self._pushback() if "Retry-After" in failure.headers else ()
+            await context.abort(
+                grpc.StatusCode[failure.grpc_code], failure.message, trailing_metadata=retry
+            )
+        finally:
+            self.in_flight -= 1
         out = answer.output
         mv = answer.version
         response = pb.ModelInferResponse(
@@ -196,22 +233,132 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+class _Malformed:
+    """What a request that is not its message type's protobuf decodes to."""
+
+
+_MALFORMED = _Malformed()
+
+
+class _CheckedRegistrar:
+    """Stands in for the server while the generated code registers the service: each method's
+    handler gets a deserializer that cannot raise and a behavior that answers a malformed
+    message INVALID_ARGUMENT (grpcio alone answers INTERNAL/UNKNOWN with a Python class name)."""
+
+    def __init__(self, server: Any, on_malformed: Any) -> None:
+        self.server, self.on_malformed = server, on_malformed
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers arrive, checked, through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        checked = self.add_generic(service, handlers)
+        self.server.add_registered_method_handlers(service, checked)
+
+    def add_generic(self, service: str, handlers: dict[str, Any]) -> dict[str, Any]:
+        checked = {name: self._checked(name, h) for name, h in handlers.items()}
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, checked),)
+        )
+        return checked
+
+    def _checked(self, method: str, handler: Any) -> Any:
+        decode, behavior = handler.request_deserializer, handler.unary_unary
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except DecodeError:
+                return _MALFORMED
+
+        async def answer(request: Any, context: Any) -> Any:
+            if request is _MALFORMED:
+                self.on_malformed(method)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the {method} request is not a valid protobuf message of its type "
+                    "(inference.GRPCInferenceService); send one built from the service's proto.",
+                )
+            return await behavior(request, context)
+
+        return handler._replace(request_deserializer=deserialize, unary_unary=answer)
+
+
+def _health_statuses(router: Router) -> dict[str, Any]:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    statuses = {
+        name: serving if model_is_ready(router, name, None) else not_serving
+        for name in router.models
+    }
+    statuses[""] = serving if router.ready else not_serving
+    return statuses
+
+
+class HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1.Health whose statuses follow the router's readiness: read at each Check,
+    and every HEALTH_POLL_S for Watch streams."""
+
+    def __init__(self, router: Router) -> None:
+        super().__init__()
+        self.router = router
+        self.known: dict[str, Any] = {}
+
+    async def refresh(self) -> None:
+        for service, status in _health_statuses(self.router).items():
+            if self.known.get(service) != status:
+                await self.set(service, status)
+                self.known[service] = status
+
+    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC names
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def follow(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(HEALTH_POLL_S)
+
+
+class GrpcEndpoint:
+    """The running gRPC server and the task that keeps its health service current."""
+
+    def __init__(self, server: Any, servicer: HealthServicer, follower: asyncio.Task[None]) -> None:
+        self.server, self.health, self.follower = server, servicer, follower
+
+    async def stop(self, grace_s: float) -> None:
+        self.follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.follower
+        await self.health.enter_graceful_shutdown()  # Watchers see NOT_SERVING
+        await self.server.stop(grace_s)
+
+
 async def start_grpc_server(
     router: Router, config: ServeConfig, metrics: ServeMetrics
-) -> tuple[Any, int]:
-    """Start the gRPC endpoint on `config.host:config.grpc_port`; returns (server, bound port)."""
+) -> tuple[GrpcEndpoint, int]:
+    """Start the gRPC endpoint on `config.host:config.grpc_port`; returns it and its port."""
     assert config.grpc_port is not None
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=config.limit_concurrency,
         options=[
             ("grpc.max_receive_message_length", config.max_body_bytes),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
         ],
     )
+
+    def malformed(method: str) -> None:
+        if method == "ModelInfer":  # counted like every other inference answer
+            metrics.requests.labels("", "", "grpc", "INVALID_ARGUMENT").inc()
+
+    registrar = _CheckedRegistrar(server, malformed)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceServicer(router, config, metrics), server
+        InferenceServicer(router, config, metrics), registrar
     )
+    # Triton's extension methods of the same service (model config, statistics, index).
+    registrar.add_generic(SERVICE, triton_handlers(router))
+    health_servicer = HealthServicer(router)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host = f"[{config.host}]" if ":" in config.host else config.host
     try:
         port = server.add_insecure_port(f"{host}:{config.grpc_port}")
@@ -223,4 +370,6 @@ async def start_grpc_server(
             "address of this machine); pick another --grpc-port."
         )
     await server.start()
-    return server, port
+    await health_servicer.refresh()
+    follower = asyncio.get_running_loop().create_task(health_servicer.follow())
+    return GrpcEndpoint(server, health_servicer, follower), port

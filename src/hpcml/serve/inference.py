@@ -43,6 +43,7 @@ EXTENSIONS = ["binary_tensor_data"]
 GRPC_CODE_OF_HTTP = {
     400: "INVALID_ARGUMENT",
     404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
     413: "RESOURCE_EXHAUSTED",
     429: "UNAVAILABLE",
     500: "INTERNAL",
@@ -92,7 +93,11 @@ def failure_of(
         timeout = chosen.config.timeout_ms if chosen is not None else 0.0
         return InferFailure(504, f"request to model '{name}' timed out after {timeout:g} ms.")
     if isinstance(exc, BatcherClosed):
-        return InferFailure(503, "the server is shutting down; retry on another replica.")
+        return InferFailure(
+            503,
+            "the server is shutting down; retry on another replica.",
+            {"Retry-After": str(config.retry_after_s)},
+        )
     if isinstance(exc, WorkerLost):
         return InferFailure(
             503,
@@ -144,6 +149,9 @@ async def run_infer(
             return x
 
         mv, result = await router.infer(name, version, prepare)
+        mv.stats.succeeded(
+            time.perf_counter() - started, result.queue_s, result.compute_s, len(result.output)
+        )
         code = "200" if protocol == "http" else "OK"
         if rt is not None:
             rt.computed(result, mv.version)
@@ -154,6 +162,8 @@ async def run_infer(
             rt.finish(code, "the client went away")
         raise
     except Exception as exc:
+        if chosen is not None:
+            chosen.stats.failed(time.perf_counter() - started)
         failure = failure_of(exc, name, chosen, config)
         code = str(failure.status) if protocol == "http" else failure.grpc_code
         if rt is not None:
@@ -176,6 +186,9 @@ async def run_infer(
 def model_is_ready(router: Router, name: str, version: str | None) -> bool:
     """A version's readiness, or for a model whether every version taking traffic is ready."""
     model = router.model(name)
+    also = router.also_ready.get(name)
+    if also is not None and not also():
+        return False
     if version:
         return model.version(version).ready
     return all(model.versions[v].ready for v in model.policy.weights)

@@ -18,11 +18,11 @@ the load generator would take from the server under test.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,10 @@ class LoadtestResult:
     spectrum_ms: dict[str, float] = field(default_factory=dict)
     send_lag_ms_p99: float = 0.0
     """How late the client sent (open loop); large values mean the client, not the server, lagged."""
+    valid: bool = True
+    """False when the client fell behind its schedule (open loop: send lag p99 over
+    `max_send_lag_ms`): the latencies then measure the load generator, not the server."""
+    invalid_reason: str | None = None
     timeline: list[tuple[float, float, int]] = field(default_factory=list)
     """(seconds since start, latency ms, status) for up to 20k requests, for plots."""
 
@@ -113,10 +117,16 @@ class _Recorder:
 
 
 async def fetch_payload(
-    session: Any, base_url: str, model: str, version: str | None, batch: int
-) -> bytes:
-    """A random request body that fits the model's signature, read from its metadata."""
-    from hpcml.serve.protocol import DATATYPES, encode_request_bytes
+    session: Any,
+    base_url: str,
+    model: str,
+    version: str | None,
+    batch: int,
+    binary: bool = False,
+) -> tuple[bytes, dict[str, str]]:
+    """A random request body that fits the model's signature, read from its metadata, and its
+    headers: JSON, or with `binary` the binary tensor extension (what tritonclient sends)."""
+    from hpcml.serve.protocol import DATATYPES, encode_binary_request, encode_request_bytes
 
     path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
     try:
@@ -137,7 +147,9 @@ async def fetch_payload(
         x = rng.standard_normal(shape).astype(dtype)
     else:
         x = np.zeros(shape, dtype=dtype)
-    return encode_request_bytes(x, spec["name"])
+    if not binary:
+        return encode_request_bytes(x, spec["name"]), {}
+    return encode_binary_request(x, spec["name"])
 
 
 async def _send(
@@ -176,11 +188,17 @@ async def run_loadtest(
     progress: Callable[[float, int, int, int], None] | None = None,
     recorder: _Recorder | None = None,
     headers: dict[str, str] | None = None,
+    max_send_lag_ms: float = 10.0,
+    binary: bool = False,
+    grpc_target: str | None = None,
 ) -> LoadtestResult:
     """Drive `base_url` for `duration_s`; exactly one of `rate` (open) or `concurrency` (closed).
 
     `headers` are added to every request (they override the JSON content-type), e.g. the
-    binary tensor extension's `Inference-Header-Content-Length` for a binary `payload`."""
+    binary tensor extension's `Inference-Header-Content-Length` for a binary `payload`. Without
+    a `payload`, one is built from the model's metadata: JSON, or binary tensor data with
+    `binary`. With `grpc_target` (HOST:PORT) the requests go to the gRPC endpoint instead
+    (ModelInfer with raw contents), built from the same body."""
     import aiohttp
 
     if (rate is None) == (concurrency is None):
@@ -191,6 +209,7 @@ async def run_loadtest(
         raise ConfigError(f"--concurrency {concurrency} must be positive.")
     if duration_s <= 0:
         raise ConfigError(f"--duration {duration_s} must be positive (seconds).")
+    _check_max_lag(max_send_lag_ms)
     base_url = base_url.rstrip("/")
     path = infer_path or (
         f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
@@ -201,11 +220,11 @@ async def run_loadtest(
     limit = concurrency if concurrency is not None else max_inflight
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        body = (
-            payload
-            if payload is not None
-            else await fetch_payload(session, base_url, model, version, batch)
-        )
+        if payload is not None:
+            body = payload
+        else:
+            body, built = await fetch_payload(session, base_url, model, version, batch, binary)
+            send_headers.update(built)
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.05
         end = start + duration_s
@@ -221,34 +240,33 @@ async def run_loadtest(
                         sum(rec.errors.values()),
                     )
 
+        channel = None
+        if grpc_target is not None:
+            from hpcml.serve.loadtest_grpc import grpc_sender
+
+            send, channel = grpc_sender(grpc_target, model, version, body, send_headers, timeout_s)
+            url = f"grpc://{grpc_target}/{model}"
+        else:
+
+            async def send() -> int | str:
+                return await _send(session, url, body, send_headers, timeout_s)
+
         tick = asyncio.create_task(ticker())
         try:
             if rate is not None:
-                await _open_loop(
-                    session,
-                    url,
-                    body,
-                    send_headers,
-                    rate,
-                    start,
-                    end,
-                    timeout_s,
-                    max_inflight,
-                    seed,
-                    rec,
-                )
+                await _open_loop(send, rate, start, end, max_inflight, seed, rec)
             else:
                 assert concurrency is not None
-                await _closed_loop(
-                    session, url, body, send_headers, concurrency, start, end, timeout_s, rec
-                )
+                await _closed_loop(send, concurrency, start, end, rec)
         finally:
             tick.cancel()
+            if channel is not None:
+                await channel.close()
         elapsed = max(loop.time() - start, 1e-9)
         rec.elapsed = elapsed
     if progress is not None:
         progress(duration_s, rec.sent, rec.ok, sum(rec.errors.values()))
-    return _result(rec, url, duration_s, rate, concurrency, elapsed)
+    return _result(rec, url, duration_s, rate, concurrency, elapsed, 1, max_send_lag_ms)
 
 
 def _summary(h: Any) -> dict[str, float]:
@@ -271,6 +289,7 @@ def _result(
     concurrency: int | None,
     elapsed: float,
     processes: int = 1,
+    max_send_lag_ms: float = 10.0,
 ) -> LoadtestResult:
     result = LoadtestResult(
         mode="open" if rate is not None else "closed",
@@ -295,18 +314,21 @@ def _result(
         result.spectrum_ms = {f"{p:g}": h.get_value_at_percentile(p) / 1e3 for p in _SPECTRUM}
     if rec.lag.get_total_count():
         result.send_lag_ms_p99 = rec.lag.get_value_at_percentile(99.0) / 1e3
+        if result.send_lag_ms_p99 > max_send_lag_ms:
+            result.valid = False
+            result.invalid_reason = (
+                f"the client sent late (send lag p99 {result.send_lag_ms_p99:.3g} ms > "
+                f"{max_send_lag_ms:g} ms): it, not the server, set the latencies; use more "
+                "--processes, fewer cores for the server, or a lower rate."
+            )
     return result
 
 
 async def _open_loop(
-    session: Any,
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
+    send: Callable[[], Awaitable[int | str]],
     rate: float,
     start: float,
     end: float,
-    timeout_s: float,
     max_inflight: int,
     seed: int,
     rec: _Recorder,
@@ -317,7 +339,7 @@ async def _open_loop(
 
     async def one(intended: float) -> None:
         rec.lag.record_value(max(1, int((loop.time() - intended) * 1e6)))
-        status = await _send(session, url, body, headers, timeout_s)
+        status = await send()
         rec.record(intended - start, loop.time() - intended, status)
 
     intended = start
@@ -342,14 +364,10 @@ async def _open_loop(
 
 
 async def _closed_loop(
-    session: Any,
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
+    send: Callable[[], Awaitable[int | str]],
     concurrency: int,
     start: float,
     end: float,
-    timeout_s: float,
     rec: _Recorder,
 ) -> None:
     loop = asyncio.get_running_loop()
@@ -359,15 +377,23 @@ async def _closed_loop(
         await asyncio.sleep(max(0.0, start - loop.time()) + 0.01 * i / concurrency)
         while (sent_at := loop.time()) < end:
             rec.sent += 1
-            status = await _send(session, url, body, headers, timeout_s)
+            status = await send()
             rec.record(sent_at - start, loop.time() - sent_at, status)
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
 
 
+def _check_max_lag(max_send_lag_ms: float) -> None:
+    if not math.isfinite(max_send_lag_ms) or max_send_lag_ms <= 0:
+        raise ConfigError(
+            f"--max-send-lag-ms {max_send_lag_ms} must be a positive number of milliseconds."
+        )
+
+
 def loadtest(processes: int = 1, **kwargs: Any) -> LoadtestResult:
     """Synchronous `run_loadtest` (its own event loop); `processes > 1` splits the rate (or the
     clients) over that many client processes and merges what they measured."""
+    _check_max_lag(float(kwargs.get("max_send_lag_ms", 10.0)))
     if processes <= 1:
         return asyncio.run(run_loadtest(**kwargs))
     import multiprocessing
@@ -402,7 +428,9 @@ def loadtest(processes: int = 1, **kwargs: Any) -> LoadtestResult:
         rec.timeline.extend(part["timeline"][: _MAX_TIMELINE // processes])
     elapsed = max(p["elapsed"] for p in parts)
     first = parts[0]
-    return _result(rec, first["url"], kwargs["duration_s"], rate, concurrency, elapsed, processes)
+    max_lag = float(kwargs.get("max_send_lag_ms", 10.0))
+    duration_s = kwargs["duration_s"]
+    return _result(rec, first["url"], duration_s, rate, concurrency, elapsed, processes, max_lag)
 
 
 def _loadtest_part(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -422,45 +450,6 @@ def _loadtest_part(kwargs: dict[str, Any]) -> dict[str, Any]:
         "timeline": rec.timeline,
         "elapsed": rec.elapsed,
     }
-
-
-def plot_results(runs: list[tuple[str, LoadtestResult]], out: Path, title: str = "latency") -> Path:
-    """Latency by percentile (HdrHistogram style) and latency over time, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, r in runs:
-        if not r.spectrum_ms:
-            continue
-        ps = [float(p) for p in r.spectrum_ms if float(p) < 100.0]
-        xs = [1.0 / (1.0 - p / 100.0) for p in ps]
-        ax1.plot(xs, [r.spectrum_ms[f"{p:g}"] for p in ps], marker="o", ms=3, label=label)
-        if r.timeline:
-            t = sorted(r.timeline)
-            ax2.scatter([p[0] for p in t], [p[1] for p in t], s=2, alpha=0.4, label=label)
-    ax1.set_xscale("log")
-    ax1.set_yscale("log")
-    ticks = [1, 2, 10, 100, 1000, 10000]
-    ax1.set_xticks(ticks)
-    ax1.set_xticklabels(["0%", "50%", "90%", "99%", "99.9%", "99.99%"])
-    ax1.set_xlabel("percentile")
-    ax1.set_ylabel("latency (ms)")
-    ax1.set_title(f"{title}: latency by percentile")
-    ax1.grid(True, which="both", alpha=0.3)
-    ax1.legend(fontsize=8)
-    ax2.set_yscale("log")
-    ax2.set_xlabel("time since start (s)")
-    ax2.set_ylabel("latency (ms)")
-    ax2.set_title("latency over time (sampled)")
-    ax2.grid(True, alpha=0.3)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
 
 
 def wait_ready(base_url: str, timeout_s: float = 60.0) -> None:

@@ -19,6 +19,7 @@ import orjson
 
 from hpcml.serve.tensors import (
     DATATYPES,
+    DecodeBudget,
     ProtocolError,
     check_shape,
     convert,
@@ -41,6 +42,7 @@ __all__ = [
     "datatype_of",
     "datatype_of_array",
     "decode_output",
+    "encode_binary_request",
     "encode_request",
     "encode_request_bytes",
     "error_body",
@@ -141,7 +143,7 @@ def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _input_tensor(
-    obj: Any, index: int, binary: memoryview, offset: int
+    obj: Any, index: int, binary: memoryview, offset: int, budget: DecodeBudget
 ) -> tuple[str, str, np.ndarray, int]:
     """(name, datatype, array, new offset into the binary section) of input #index."""
     where = f"input #{index}"
@@ -157,6 +159,7 @@ def _input_tensor(
     shape = check_shape(obj["shape"], where)
     datatype = obj["datatype"]
     dtype_of(datatype, where)
+    budget.charge(shape, datatype, where)
     size = _params(obj, where).get("binary_data_size")
     if size is None:
         if "data" not in obj:
@@ -177,8 +180,13 @@ def _input_tensor(
     return name, datatype, array, offset + size
 
 
-def parse_infer_request(body: bytes, header_length: int | None = None) -> InferRequest:
-    """Decode a request body (JSON, or JSON header + binary data) into numpy arrays."""
+def parse_infer_request(
+    body: bytes, header_length: int | None = None, max_decoded_bytes: int | None = None
+) -> InferRequest:
+    """Decode a request body (JSON, or JSON header + binary data) into numpy arrays.
+
+    `max_decoded_bytes` bounds the decoded size of all inputs (413 past it), checked on the
+    shapes before any tensor is allocated; None: no bound beyond the body's own size."""
     view = memoryview(body)
     header = view if header_length is None else view[:header_length]
     binary = view[len(header) :]
@@ -196,8 +204,9 @@ def parse_infer_request(body: bytes, header_length: int | None = None) -> InferR
         raise ProtocolError("request has no 'inputs' array; send at least one input tensor.")
     request = InferRequest({}, None, None, _params(obj, "the request"))
     offset = 0
+    budget = DecodeBudget(max_decoded_bytes)
     for i, raw in enumerate(inputs_raw):
-        name, datatype, array, offset = _input_tensor(raw, i, binary, offset)
+        name, datatype, array, offset = _input_tensor(raw, i, binary, offset, budget)
         if name in request.inputs:
             raise ProtocolError(f"input '{name[:64]}' appears twice; send each input once.")
         request.inputs[name] = array
@@ -326,6 +335,23 @@ def encode_request_bytes(
     req = encode_request(array, input_name, request_id)
     req["inputs"][0]["data"] = to_json_data(array)
     return _dumps(req)
+
+
+def encode_binary_request(
+    array: np.ndarray, input_name: str = "input"
+) -> tuple[bytes, dict[str, str]]:
+    """A client-side helper: (body, headers) of a request with one input as binary tensor data
+    and binary outputs asked for, as tritonclient sends it."""
+    raw = to_raw(array)
+    tensor = {
+        "name": input_name,
+        "shape": list(array.shape),
+        "datatype": datatype_of_array(array),
+        "parameters": {"binary_data_size": len(raw)},
+    }
+    header = _dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}})
+    headers = {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+    return header + raw, headers
 
 
 def encode_request(

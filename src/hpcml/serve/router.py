@@ -11,6 +11,7 @@ disagreement go to the metrics.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import time
@@ -24,9 +25,10 @@ import numpy as np
 
 from hpcml.serve.backends import Backend, make_backend
 from hpcml.serve.batcher import DynamicBatcher, InferResult
-from hpcml.serve.config import ModelServeConfig, ServeConfig
+from hpcml.serve.config import ModelServeConfig, ServeConfig, normalise_weights
 from hpcml.serve.drift import DriftMonitor
 from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.model_stats import InferStats
 from hpcml.serve.protocol import TensorSpec
 from hpcml.serve.repository import ModelSource, sorted_versions
 
@@ -46,9 +48,8 @@ class TrafficPolicy:
     shadow_fraction: float = 1.0
 
     def describe(self) -> dict[str, Any]:
-        total = sum(self.weights.values())
         return {
-            "traffic": {v: w / total for v, w in self.weights.items()},
+            "traffic": dict(self.weights),  # normalised when the policy was checked
             "shadow": (
                 {"version": self.shadow_version, "fraction": self.shadow_fraction}
                 if self.shadow_version
@@ -95,6 +96,7 @@ class ModelVersion:
     config: ModelServeConfig
     batcher: DynamicBatcher
     started: bool = False
+    stats: InferStats = field(default_factory=InferStats)
 
     @property
     def ready(self) -> bool:
@@ -153,7 +155,8 @@ class ServedModel:
         }
 
 
-def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
+def _check_policy(model: ServedModel, policy: TrafficPolicy) -> TrafficPolicy:
+    """`policy` with its weights normalised, or PolicyError saying what is wrong with it."""
     unknown = [v for v in policy.weights if v not in model.versions]
     if policy.shadow_version is not None and policy.shadow_version not in model.versions:
         unknown.append(policy.shadow_version)
@@ -162,12 +165,12 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
             f"model '{model.name}' has no version {unknown[0]!r}; it has "
             f"{', '.join(sorted_versions(list(model.versions)))}."
         )
-    if not policy.weights or sum(policy.weights.values()) <= 0:
-        raise PolicyError(
-            f"traffic of model '{model.name}' needs a positive weight on some version."
-        )
-    if any(w < 0 for w in policy.weights.values()):
-        raise PolicyError("traffic weights must not be negative.")
+    try:
+        weights = normalise_weights(policy.weights)
+    except ValueError as exc:
+        raise PolicyError(f"traffic of model '{model.name}': {exc}.") from None
+    if not math.isfinite(policy.shadow_fraction) or not 0.0 < policy.shadow_fraction <= 1.0:
+        raise PolicyError("shadow fraction must be in (0, 1].")
     shadow = policy.shadow_version
     if shadow is not None and all(v == shadow for v, w in policy.weights.items() if w > 0):
         # The router never mirrors a request to the version that answers it.
@@ -176,6 +179,7 @@ def _check_policy(model: ServedModel, policy: TrafficPolicy) -> None:
             "so no request would be mirrored; send the traffic to another version or shadow "
             "another one."
         )
+    return TrafficPolicy(weights, policy.shadow_version, policy.shadow_fraction)
 
 
 def worker_restarts_counter(metrics: ServeMetrics) -> Any:
@@ -216,6 +220,9 @@ class Router:
         self.worker_restarts = worker_restarts_counter(metrics)
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         """Coroutines run while the server runs (an alias follower); cancelled on close."""
+        self.also_ready: dict[str, Callable[[], bool]] = {}
+        """Model name -> readiness of another engine serving it (text generation), which the
+        model's and the server's readiness include."""
         self._background_tasks: list[asyncio.Task[None]] = []
         self.drift = DriftMonitor(config.drift, metrics)
         if config.drift.enabled:
@@ -224,7 +231,11 @@ class Router:
     @property
     def ready(self) -> bool:
         """Every served version is ready (the OIP server readiness)."""
-        return self._started and all(mv.ready for mv in self.all_versions())
+        return (
+            self._started
+            and all(mv.ready for mv in self.all_versions())
+            and all(ready() for ready in self.also_ready.values())
+        )
 
     @classmethod
     def from_source(
@@ -272,12 +283,11 @@ class Router:
                 mcfg.shadow.fraction if mcfg.shadow else 1.0,
             )
             try:
-                _check_policy(model, policy)
+                model.policy = _check_policy(model, policy)
             except PolicyError as exc:
                 from hpcml.errors import ConfigError
 
                 raise ConfigError(f"serve config for model '{name}': {exc}") from None
-            model.policy = policy
             router.models[name] = model
         return router
 
@@ -300,6 +310,7 @@ class Router:
             max_queue_size=mcfg.max_queue_size,
             metrics=self.metrics.for_batcher(name, version),
             on_restart=self.worker_restarts.labels(name, version).inc,
+            batch_timeout_s=mcfg.hang_timeout_s,
         )
         return ModelVersion(
             name,
@@ -476,7 +487,7 @@ class Router:
     # Traffic changes (admin endpoints). Each replaces the policy in one assignment.
     def set_policy(self, name: str, policy: TrafficPolicy) -> dict[str, Any]:
         model = self.model(name)
-        _check_policy(model, policy)
+        policy = _check_policy(model, policy)
         if policy != model.policy:
             model.history.append(model.policy)
             model.policy = policy

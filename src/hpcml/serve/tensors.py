@@ -16,6 +16,7 @@ are only rounded (FP64 -> FP32 without overflow); anything else is a 400 naming 
 from __future__ import annotations
 
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,10 @@ _NUMPY_TO_DATATYPE = {v: k for k, v in DATATYPES.items() if k != "BYTES"}
 MAX_DIMS = 16
 MAX_ELEMENTS = 2**31 - 1
 _LENGTH = struct.Struct("<I")
+# What one decoded BYTES element costs beyond its data: the array's pointer and an empty
+# `bytes` object. A raw element costs at least its 4-byte length, so a BYTES tensor decodes to
+# at most about 10x its raw size.
+BYTES_ELEMENT_OVERHEAD = 8 + sys.getsizeof(b"")
 
 
 class ProtocolError(Exception):
@@ -88,6 +93,36 @@ def check_shape(raw: Any, where: str) -> tuple[int, ...]:
                 f"{where} 'shape' {_short(raw)} describes more than {MAX_ELEMENTS} elements."
             )
     return tuple(int(d) for d in raw)
+
+
+def decoded_bytes(shape: tuple[int, ...], datatype: str) -> int:
+    """Memory the tensor a shape claims takes once decoded (BYTES: without the elements' data,
+    which the request must carry)."""
+    dtype = DATATYPES[datatype]
+    per_element = BYTES_ELEMENT_OVERHEAD if dtype.kind == "O" else dtype.itemsize
+    return element_count(shape) * per_element
+
+
+class DecodeBudget:
+    """The decoded size one request may reach, charged from the shapes it claims before any
+    tensor is allocated: a ~100-byte request cannot make the server allocate gigabytes."""
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        self.limit_bytes = limit_bytes
+        self.used_bytes = 0
+
+    def charge(self, shape: tuple[int, ...], datatype: str, where: str) -> None:
+        if self.limit_bytes is None:
+            return
+        size = decoded_bytes(shape, datatype)
+        self.used_bytes += size
+        if self.used_bytes > self.limit_bytes:
+            raise ProtocolError(
+                f"{where} shape {list(shape)} of {datatype} decodes to {size} bytes, which takes "
+                f"the request past the server's limit of {self.limit_bytes} decoded bytes "
+                "(max_decoded_bytes); send fewer samples per request.",
+                status=413,
+            )
 
 
 def element_count(shape: tuple[int, ...]) -> int:
@@ -184,12 +219,31 @@ def from_raw(
             f"needs {expected * dtype.itemsize}."
         )
     # Copied: frombuffer views the request body read-only, and backends may write in place.
-    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+    array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+    return check_finite(array, datatype, where)
+
+
+def check_finite(array: np.ndarray, datatype: str, where: str) -> np.ndarray:
+    """`array`, or a ProtocolError when a float tensor holds NaN or infinity: JSON cannot carry
+    them, so binary and gRPC tensors are held to the same rule."""
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise ProtocolError(
+            f"{where} holds NaN or infinite {datatype} values; send finite numbers (JSON cannot "
+            "carry them either)."
+        )
+    return array
 
 
 def deserialize_bytes(raw: bytes | memoryview, count: int, where: str) -> np.ndarray:
     """BYTES elements, each a 4-byte little-endian length and its bytes, exactly `count` of them."""
     view = memoryview(raw)
+    # Each element carries at least its 4-byte length: a count the data cannot hold is refused
+    # before the array of `count` pointers is allocated.
+    if count * _LENGTH.size > len(view):
+        raise ProtocolError(
+            f"{where} has {len(view)} bytes of binary BYTES data, too few for the {count} "
+            f"elements its shape needs (each takes at least {_LENGTH.size} bytes)."
+        )
     out = np.empty(count, dtype=object)
     offset = 0
     for i in range(count):

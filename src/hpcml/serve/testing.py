@@ -25,8 +25,14 @@ def running_server(
 
     sock = bind_socket(host, 0)
     port = sock.getsockname()[1]
+    from hpcml.serve.app import http_protocol
+
+    config = getattr(app.state, "config", None)
+    http = http_protocol(config) if config is not None else "auto"
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30)
+        uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_graceful_shutdown=30, http=http
+        )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

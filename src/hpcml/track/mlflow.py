@@ -3,9 +3,11 @@
 The engine calls `start`, `log_steps`, `log_eval` and `finish`. Step metrics are reduced over
 windows of `tracking.log_every` steps, queued, and sent at most every `tracking.flush_every_s`
 with MLflow's asynchronous `log_batch`: the loop never waits on the store, and the store's
-background thread (about 10 ms per write on SQLite) rarely competes with it. `run_dir/tracking.json` remembers the MLflow run, so a
-resumed training run continues the same MLflow run. Tracking failures after `start` are warned
-about, never raised: an unreachable store must not kill a training run.
+background thread (about 10 ms per write on SQLite) rarely competes with it.
+`run_dir/tracking.json` remembers the MLflow store and run, so a resumed training run continues
+the same MLflow run from whatever working folder it is resumed in; a resume told to track in
+another store is refused before anything is written. Tracking failures after `start` are
+warned about, never raised: an unreachable store must not kill a training run.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from hpcml.config import TrackingConfig
 from hpcml.records import CONFIG, RUN_LOG, SUMMARY, write_json_atomic
-from hpcml.track.store import get_or_create_experiment, open_client, stringify
+from hpcml.track.store import (
+    TrackingError,
+    get_or_create_experiment,
+    open_client,
+    resolve_tracking_uri,
+    stringify,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -73,6 +81,36 @@ def reduce_window(records: list[dict[str, Any]]) -> dict[str, float]:
         else:
             out[key] = sum(vs) / len(vs)
     return out
+
+
+def resume_tracking_uri(cfg: TrackingConfig, run_dir: Path, state: dict[str, Any]) -> str:
+    """The store a resumed run tracks in: the one its tracking.json records, unless
+    `tracking.uri` (or $MLFLOW_TRACKING_URI) names another, which is refused in one sentence."""
+    recorded = state.get("tracking_uri")
+    explicit = cfg.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not isinstance(recorded, str) or not recorded:
+        return resolve_tracking_uri(explicit)
+    if explicit is None:
+        return recorded
+    uri = resolve_tracking_uri(explicit)
+    if uri != recorded:
+        raise TrackingError(
+            f"run folder {run_dir} is tracked in MLflow run {state['run_id']} of {recorded} "
+            f"({TRACKING_FILE}), but tracking.uri resolves to {uri}; resume with "
+            f"tracking.uri={recorded} (or leave it unset), or train into a new run folder to "
+            "start a new MLflow run."
+        )
+    return uri
+
+
+def check_resume_store(cfg: TrackingConfig, run_dir: Path | None, resume: str | None) -> None:
+    """Before a resumed training run writes anything: refuse (TrackingError) a `tracking.uri`
+    other than the store its tracking.json records. The tracker checks again at `start`."""
+    if resume is None or run_dir is None or cfg.backend != "mlflow":
+        return
+    state = read_tracking_state(run_dir)
+    if state is not None:
+        resume_tracking_uri(cfg, run_dir, state)
 
 
 def read_tracking_state(run_dir: Path) -> dict[str, Any] | None:
@@ -132,11 +170,13 @@ class MlflowTracker:
         """Open the MLflow run and log params and tags. With `resume` (a training run resumed
         from a checkpoint) the run tracking.json names is reopened; otherwise a new one is made.
 
-        Raises TrackingError when the store cannot be opened: better before training than after.
+        Raises TrackingError when the store cannot be opened, or a resume names another store
+        than the run's: better before training than after.
         """
-        client, uri = open_client(self.cfg.uri)
-        self._client, self.uri = client, uri
         state = read_tracking_state(self.run_dir) if resume else None
+        wanted = self.cfg.uri if state is None else resume_tracking_uri(self.cfg, self.run_dir, state)
+        client, uri = open_client(wanted)
+        self._client, self.uri = client, uri
         run = None
         if state is not None and state.get("tracking_uri") == uri:
             run = self._existing_run(state["run_id"])
@@ -356,24 +396,39 @@ def _summary_tags(summary: dict[str, Any], status: str) -> dict[str, str]:
 def _log_dataset(
     client: MlflowClient, run_id: str, data: dict[str, Any], config: dict[str, Any]
 ) -> None:
-    """A shard set the run read becomes the run's MLflow dataset input: name and path, the
-    first 36 hex digits of its version as the digest (MLflow's column holds 36), the whole
-    version in the source JSON."""
-    version = data.get("version")
-    if not version:
+    """Each shard set version the run read (more than one after a resume with
+    --allow-data-change) becomes one of the run's MLflow training dataset inputs: name and
+    location, the first 36 hex digits of its version as the digest (MLflow's column holds 36),
+    the whole version in the source JSON, and MLflow's source type for where it was read (`s3`
+    for a bucket, `local` for a folder, given as an absolute path)."""
+    read = data.get("versions_read")
+    if read is None and data.get("version"):  # a summary written before versions_read
+        read = [{"version": data["version"], "path": (config.get("data") or {}).get("path")}]
+    read = [r for r in read or [] if isinstance(r, dict) and r.get("version")]
+    if not read:
         return
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    path = (config.get("data") or {}).get("path") or ""
-    dataset = Dataset(
-        name=Path(path).name or "shards",
-        digest=str(version)[:36],
-        source_type="local",
-        source=json.dumps({"uri": str(path), "version": version}),
-    )
-    client.log_inputs(
-        run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])]
-    )
+    inputs = []
+    for r in read:
+        path = str(r.get("path") or "")
+        source_type, uri = dataset_location(path)
+        dataset = Dataset(
+            name=Path(uri.rstrip("/")).name or "shards",
+            digest=str(r["version"])[:36],
+            source_type=source_type,
+            source=json.dumps({"uri": uri, "version": r["version"], "location": path}),
+        )
+        inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", "training")]))
+    client.log_inputs(run_id, inputs)
+
+
+def dataset_location(path: str) -> tuple[str, str]:
+    """MLflow's dataset source type and URI for data.path: `s3` and the URL without its
+    query (endpoint options), or `local` and the absolute folder."""
+    if path.startswith("s3://"):
+        return "s3", path.split("?", 1)[0]
+    return "local", str(Path(path).expanduser().resolve()) if path else ""
 
 
 def make_tracker(cfg: TrackingConfig, run_dir: Path) -> MlflowTracker | NullTracker:

@@ -209,6 +209,12 @@ def _version_tags(summary: dict[str, Any], run_dir: Path, arch: str | None) -> d
     for key in ("steps", "world_size", "precision"):
         if summary.get(key) is not None:
             tags[key] = str(summary[key])
+    data = summary.get("data") or {}
+    if data.get("version"):
+        tags["data_version"] = str(data["version"])
+    read = [str(r.get("version")) for r in data.get("versions_read") or [] if isinstance(r, dict)]
+    if len(read) > 1:  # a resume with --allow-data-change: every version, in order
+        tags["data_versions_read"] = ",".join(read)
     prov = to_tags(summary.get("provenance") or {})
     for src, dst in (
         ("hpcml.config_hash", "config_hash"),

@@ -74,6 +74,7 @@ def build_summary(t: Any) -> dict[str, Any]:
             "source": cfg.data.source,
             "fingerprint": splits.fingerprint,
             "version": splits.version,
+            "versions_read": t.data_versions,
             "train_samples": len(splits.train),
             "val_samples": len(splits.val),
             "epochs_seen": t.train_data.epoch,
@@ -106,6 +107,8 @@ def build_summary(t: Any) -> dict[str, Any]:
         state=weights,
         metadata={
             "data": cfg.data.model_dump(mode="json"),
+            "data_version": splits.version,
+            "data_versions_read": t.data_versions,
             "run_dir": str(t.out_dir),
             "final": summary["final"],
             "step": t.step,

@@ -19,6 +19,7 @@ import torch
 from hpcml.config import RunConfig, dump_config
 from hpcml.data.device_augment import device_augment
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
+from hpcml.data.versions import first_read, versions_after_resume
 from hpcml.distributed.parallel import (
     clip_grad_norm,
     grad_scaler,
@@ -206,6 +207,7 @@ class Trainer:
         self.global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.dp_size
         self.device_augment = device_augment(cfg, rt.dp_rank, splits.num_classes)
         self.device_normalize = splits.device_normalize
+        self.data_versions = first_read(splits.version, cfg.data.path)
 
     def restore(self, path: Path) -> int:
         """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG."""
@@ -223,6 +225,15 @@ class Trainer:
         ):
             group["lr"] = base * fn(at)
         self.scaler.load_state_dict(loaded.trainer["scaler"])
+        data = self.cfg.data
+        self.data_versions = versions_after_resume(
+            loaded.trainer.get("data_versions"),
+            self.resolved.splits.version,
+            allow_change=data.allow_change,
+            checkpoint=path,
+            source=data.source,
+            path=data.path,
+        )
         if loaded.rank_state is not None:
             self.train_data.load_state_dict(loaded.rank_state["data"])
             ckpt.set_rng_state(loaded.rank_state["rng"])
@@ -436,6 +447,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "epoch": self.train_data.epoch,
             "data_position": self.train_data.position(),
+            "data_versions": self.data_versions,
             "lr_horizon": lr_horizon(cfg.optim, cfg.train.max_steps),
             "config": cfg.model_dump(mode="json"),
             **finetune.checkpoint_fields(cfg, self.resolved),  # the base's sha256

@@ -242,7 +242,7 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
         try:
             out, n, finish = await complete(service, prompt, params)
         except Aborted:
-            return JSONResponse({"error": ABORTED}, status_code=503)
+            return JSONResponse({"error": ABORTED}, status_code=503, headers={"Retry-After": "1"})
         details = {"finish_reason": finish, "output_tokens": n}
         return JSONResponse({**head, "text_output": out, "details": details})
 

@@ -76,7 +76,9 @@ class BadRequest(Exception):
 def error(status: int, message: str, param: str | None = None) -> Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
+    # Every 503 here (shutting down, engine restarting) is one a retry, elsewhere, may cure.
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def load_body(body: bytes) -> dict[str, Any]:

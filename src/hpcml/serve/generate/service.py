@@ -218,6 +218,10 @@ class GenerationService:
         if metrics is not None:
             metrics.kv_blocks.labels(self.name).set(spec.config.kv_cache_blocks)
 
+    def is_ready(self) -> bool:
+        """An engine process is up and taking requests (false while one is being replaced)."""
+        return self._ready and not self._closing
+
     @property
     def pid(self) -> int | None:
         """The engine process's pid (None while none runs)."""

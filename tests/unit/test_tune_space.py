@@ -1,0 +1,249 @@
+"""hpcml.tune's search space and planner check, without running a trial: overrides that
+`hpcml train` reads back to the sampled value, spaces refused with one sentence, grids, and
+the planner's verdict on a made-up small device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+from hpcml.config import TuneConfig, load_config, parse_override
+from hpcml.errors import ConfigError
+from hpcml.tune import feasible, space
+
+BASE = {"model": {"name": "mlp", "args": {"hidden": 16}}, "data": {"source": "synthetic"}}
+
+
+@pytest.mark.parametrize(
+    "value", [1e-05, 3.0e-7, 0.1, 2.5e20, 16, 0, True, False, "sgd", "1e-3", "yes", "null"]
+)
+def test_override_reads_back_as_the_sampled_value(value: object) -> None:
+    # YAML reads 1e-05 (no dot) as a string and "yes" as a boolean: the text must say what
+    # the value is.
+    key, parsed = parse_override(space.override("optim.lr", value))
+    assert key == ["optim", "lr"]
+    assert parsed == value and type(parsed) is type(value)
+
+
+def _tune(**space_: dict[str, object]) -> TuneConfig:
+    return TuneConfig.model_validate({"space": space_})
+
+
+@pytest.mark.parametrize(
+    ("key", "param", "words"),
+    [
+        ("optim.lrr", {"type": "float", "low": 0.1, "high": 1}, "optim.lrr"),
+        ("optim.lr", {"type": "float", "low": 0.1, "high": 0.1}, "empty range"),
+        ("optim.lr", {"type": "float", "low": 0.0, "high": 1, "log": True}, "log scale"),
+        ("optim.lr", {"type": "float", "low": -1, "high": 1}, "optim.lr"),  # lr must be > 0
+        ("data.batch_size", {"type": "int", "low": 1.5, "high": 8}, "not whole"),
+        ("data.batch_size", {"type": "int", "low": 1, "high": 8, "step": 2}, "multiple of step"),
+        ("data.batch_size", {"type": "categorical", "choices": []}, "no choices"),
+        ("data.batch_size", {"type": "categorical", "choices": [8, 8]}, "twice"),
+        ("optim.name", {"type": "categorical", "choices": ["adamw", "lion"]}, "lion"),
+        ("optim", {"type": "categorical", "choices": [1]}, "optim"),
+        ("tune.seed", {"type": "int", "low": 0, "high": 3}, "inside tune"),
+        ("optim.lr", {"type": "float", "low": 1e-3, "high": 1, "choices": [1]}, "categorical"),
+    ],
+)
+def test_a_bad_space_is_refused_in_one_sentence(key: str, param: dict, words: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        space.distributions(_tune(**{key: param}), BASE)
+    message = exc.value.message
+    assert words in message and key in message and "\n" not in message, message
+
+
+def test_distributions_and_grid_follow_the_space() -> None:
+    tune = _tune(
+        **{
+            "optim.lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True},
+            "optim.warmup_steps": {"type": "int", "low": 0, "high": 20, "step": 5},
+            "optim.weight_decay": {"type": "float", "low": 0.0, "high": 0.3, "step": 0.1},
+            "data.batch_size": {"type": "categorical", "choices": [16, 32]},
+        }
+    )
+    d = space.distributions(tune, BASE)
+    assert d["optim.lr"] == FloatDistribution(1e-4, 1e-1, log=True)
+    assert d["optim.warmup_steps"] == IntDistribution(0, 20, step=5)
+    assert d["data.batch_size"] == CategoricalDistribution([16, 32])
+    with pytest.raises(ConfigError, match="optim.lr.*continuous or log range"):
+        space.grid(d)
+    del d["optim.lr"]
+    g = space.grid(d)
+    assert g["optim.warmup_steps"] == [0, 5, 10, 15, 20]
+    assert g["optim.weight_decay"] == [0.0, 0.1, 0.2, 0.3]  # exactly: 0.1 * 3 is not 0.3
+    assert g["data.batch_size"] == [16, 32]
+
+
+def test_an_empty_space_is_refused() -> None:
+    with pytest.raises(ConfigError, match="tune.space is empty"):
+        space.distributions(TuneConfig(), BASE)
+
+
+TINY_CATALOG = """\
+accelerators:
+  tiny-2gb:
+    display: a made-up 2 GB device
+    memory_bytes: 2.0e9
+    memory_bandwidth_bytes_per_s: 1.0e11
+    peak_flops: {fp32: 1.0e12}
+"""
+
+
+def test_the_planner_marks_only_a_batch_too_large_for_the_device(tmp_path: Path) -> None:
+    catalog = tmp_path / "tiny.yaml"
+    catalog.write_text(TINY_CATALOG)
+    tune = TuneConfig(device="tiny-2gb", catalog=[str(catalog)])
+    feasible.check_device(tune)
+    cfg = load_config(None, ["model.name=mlp", "model.args={hidden: 16}"])
+    fits = {}
+    for batch in (16, 1_000_000):
+        cfg.data.batch_size = batch
+        fit = feasible.memory_fit(cfg, 1, tune)
+        assert fit is not None
+        fits[batch] = fit
+    assert fits[16].fits and fits[16].violation < 0
+    assert not fits[1_000_000].fits and fits[1_000_000].violation > 0
+    # 0.9 x 2 GB less the 1 GB CUDA reserve the planner keeps off every device
+    assert fits[16].usable_bytes == pytest.approx(0.8e9)
+    assert "tiny-2gb" in fits[1_000_000].reason()
+    assert feasible.memory_fit(cfg, 1, TuneConfig()) is None  # no device: not checked
+
+
+def test_an_unknown_device_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="tune.device 'tpu-v9'"):
+        feasible.check_device(TuneConfig(device="tpu-v9"))
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("tpe", "TPESampler"), ("random", "RandomSampler"), ("grid", "GridSampler"),
+     ("cmaes", "CmaEsSampler"), ("qmc", "QMCSampler")],
+)  # fmt: skip
+def test_each_sampler_is_optunas_and_proposes_within_the_space(name: str, cls: str) -> None:
+    import optuna
+
+    from hpcml.tune.study import make_sampler
+
+    tune = _tune(
+        **{
+            "optim.warmup_steps": {"type": "int", "low": 0, "high": 20, "step": 5},
+            "optim.weight_decay": {"type": "float", "low": 0.0, "high": 0.3, "step": 0.1},
+        }
+    )
+    tune.sampler = name  # type: ignore[assignment]
+    dists = space.distributions(tune, BASE)
+    sampler = make_sampler(tune, dists, worker=1, known=2)
+    assert type(sampler).__name__ == cls
+    if name == "tpe":  # parallel workers: a running trial counts as a bad one (constant liar)
+        assert sampler._constant_liar
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study(sampler=sampler)
+    for i in range(4):
+        trial = study.ask(dists)
+        assert trial.params["optim.warmup_steps"] in (0, 5, 10, 15, 20)
+        assert 0.0 <= trial.params["optim.weight_decay"] <= 0.3
+        study.tell(trial, float(i))
+
+
+def test_pruners_start_at_the_first_evaluation() -> None:
+    import optuna
+
+    from hpcml.tune.study import make_pruner
+
+    cfg = load_config(None, ["train.eval_every=25", "train.max_steps=400"])
+    tune = TuneConfig(pruner="asha")
+    asha = make_pruner(tune, cfg)
+    assert isinstance(asha, optuna.pruners.SuccessiveHalvingPruner)
+    assert asha._min_resource == 25
+    tune.pruner = "hyperband"
+    band = make_pruner(tune, cfg)
+    assert isinstance(band, optuna.pruners.HyperbandPruner)
+    assert (band._min_resource, band._max_resource) == (25, 400)
+    tune.pruner = "median"
+    assert isinstance(make_pruner(tune, cfg), optuna.pruners.MedianPruner)
+    tune.pruner = "none"
+    assert isinstance(make_pruner(tune, cfg), optuna.pruners.NopPruner)
+
+
+def _study_with(trials: int, pruned: bool) -> object:
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    dist = {"optim.lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    study = optuna.create_study(study_name="s", direction="minimize")
+    for i in range(trials):
+        curve = {5: 2.0 - 0.1 * i, 10: 1.9 - 0.1 * i}
+        study.add_trial(
+            create_trial(value=curve[10], params={"optim.lr": 10.0 ** (-1 - i)},
+                         distributions=dist, intermediate_values=curve)
+        )  # fmt: skip
+    if pruned:
+        study.add_trial(
+            create_trial(state=TrialState.PRUNED, params={"optim.lr": 0.05}, distributions=dist,
+                         intermediate_values={5: 2.5})
+        )  # fmt: skip
+    return study
+
+
+@pytest.mark.parametrize(("trials", "pruned"), [(3, True), (1, False)])
+def test_the_report_page_shows_each_plot(tmp_path: Path, trials: int, pruned: bool) -> None:
+    import matplotlib.image
+
+    from hpcml.tune.report import PLOTS, summary, write_report
+
+    study = _study_with(trials, pruned)
+    result = summary(study, "memory")  # type: ignore[arg-type]
+    page = write_report(study, tmp_path / "report", result)  # type: ignore[arg-type]
+    text = page.read_text()
+    assert f"&quot;pruned&quot;: {int(pruned)}" in text  # the summary is on the page (escaped)
+    for name in PLOTS:
+        assert f'<img src="{name}.png"' in text
+        pixels = matplotlib.image.imread(tmp_path / "report" / f"{name}.png")
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+
+def _job(trials: int, timeout_s: float | None = None, started: float | None = None) -> object:
+    import time
+
+    from hpcml.tune.study import TuneJob
+
+    return TuneJob(
+        config=Path("c.yaml"), overrides=(), out=Path("out"), storage="memory", study="s",
+        trials=trials, timeout_s=timeout_s, started=started or time.time(),
+    )  # fmt: skip
+
+
+def test_a_retried_trial_counts_once_and_the_budget_stops_new_trials() -> None:
+    import time
+
+    import optuna
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    from optuna.trial import TrialState, create_trial
+
+    from hpcml.tune.report import counts
+    from hpcml.tune.study import next_action
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    dist = {"optim.lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    study = optuna.create_study(study_name="s")
+    study.add_trial(create_trial(value=1.0, params={"optim.lr": 0.01}, distributions=dist))
+    killed = create_trial(state=TrialState.FAIL, params={"optim.lr": 0.02}, distributions=dist)
+    study.add_trial(killed)
+    # What a dead worker's trial gets: failed, and queued again with its parameters.
+    RetryHeartbeatStaleTrialCallback(2)(study, study.get_trials()[1])
+    n = counts(study.get_trials())
+    assert (n["complete"], n["failed"]) == (1, 0)  # the retry will count, not the failure
+    assert next_action(study, _job(2), study.sampler) == "run"
+    retry = study.ask()
+    assert retry.params == {"optim.lr": 0.02}
+    assert next_action(study, _job(2), study.sampler) == "wait"  # the retry is running
+    study.tell(retry, 0.5)
+    assert next_action(study, _job(2), study.sampler) == "done"
+    # tune.timeout_s: no new trial once it has passed since the tune started.
+    late = _job(5, timeout_s=1.0, started=time.time() - 10.0)
+    assert next_action(study, late, study.sampler) == "done"
+    assert next_action(study, _job(5, timeout_s=3600.0), study.sampler) == "run"
