@@ -106,6 +106,15 @@ def _map_value_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _list_item_model(annotation: Any) -> type[BaseModel] | None:
+    """`list[SomeModel]` -> SomeModel."""
+    if typing.get_origin(annotation) is list:
+        args = typing.get_args(annotation)
+        if len(args) == 1:
+            return _model_class(args[0])
+    return None
+
+
 def yaml_value(value: Any) -> str:
     """A default as it would be written in the YAML file."""
     if value is None:
@@ -224,6 +233,7 @@ def key_rows(
         description = _description(field, docs, name)
         sub = _model_class(annotation)
         mapped = _map_value_model(annotation)
+        item = _list_item_model(annotation)
         if sub is not None:
             section_doc = class_doc(sub)
             if optional:  # the section itself is a setting: null switches it off
@@ -240,6 +250,10 @@ def key_rows(
             rows.append(KeyRow(key, label, default_label(field), description))
             if owner is None:
                 rows.extend(key_rows(mapped, f"{key}.<name>.", owners))
+        elif item is not None:
+            label = f"list of sections ({item.__name__})" + (" or null" if optional else "")
+            rows.append(KeyRow(key, label, default_label(field), description))
+            rows.extend(key_rows(item, f"{key}[].", owners))
         else:
             label = type_label(field.annotation)
             bounds = bounds_label(field)

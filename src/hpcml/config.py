@@ -366,6 +366,26 @@ class ObserveConfig(_Section):
     without it the problems are printed and the run goes on. No effect on CPU runs."""
 
 
+class FinetuneConfig(_Section):
+    """Fine-tuning from `model.init_from` (hpcml.train.finetune; LoRA by Hugging Face PEFT)."""
+
+    method: Literal["full", "lora", "last_layer"] = "full"
+    """`full` trains every parameter; `lora` freezes the base and trains low-rank adapters on
+    the `target` modules; `last_layer` trains only the output layer."""
+    r: int = Field(8, gt=0)
+    """LoRA rank."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the adapter's update is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (training only)."""
+    target: list[str] | None = None
+    """Module names (a name matches when it is the module's full name or its last part) that
+    get adapters; null: the attention projections wq, wk, wv, wo of a gpt, every Linear and
+    Conv2d of other models."""
+    export_adapter: bool = False
+    """With lora: also write the adapter alone (PEFT's safetensors + config) to export/adapter."""
+
+
 class TuneParam(_Section):
     """One dimension of `tune.space`: a range (`float`, `int`) or a list of `choices`."""
 
@@ -426,6 +446,7 @@ class RunConfig(_Section):
     observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
     tune: TuneConfig | None = None
     """Hyperparameter search (`hpcml tune`); `hpcml train` ignores it."""
+    finetune: FinetuneConfig = Field(default_factory=lambda: FinetuneConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -71,6 +71,8 @@ class Train:
     run_dir: str | None = None
     steps: int = 2
     """The steps the run makes (SHORT's, or the file's own when it runs unshortened)."""
+    base: str | None = None
+    """An example whose run's export this one starts from (model.init_from): trained first."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,11 @@ EXAMPLES: dict[str, Train | Serve | Tune] = {
     # 16 heads, 2 blocks so selective checkpointing of every 2nd block applies), data.seq_len
     # and data.batch_size (to match), and train.compile (inductor runs on CPU but took 83 s of
     # compiling against 16 s without it). bf16, FSDP x TP and sequence parallelism run as written.
+    # Header: gpt_tiny_ddp.yaml's run is the base (model.init_from). AdamW's state is the
+    # adapters' only (optimizer_shards None: not 1/1 of the parameters).
+    "finetune_lora.yaml": Train(
+        1, TOKENS_SHORT, 1, optimizer_shards=None, needs=TOKENS_HOW, base="gpt_tiny_ddp.yaml"
+    ),
     "gpt_1p3b_fsdp_tp.yaml": Train(
         4,
         (
@@ -219,6 +226,8 @@ def trained(work: Path) -> Callable[[str], Trained]:
         if name not in done:
             entry = EXAMPLES[name]
             assert isinstance(entry, Train)
+            if entry.base is not None:
+                run(entry.base)
             run_dir = work / (entry.run_dir or f"runs/{Path(name).stem}")
             args = ["train", f"examples/{name}", *entry.overrides, "--run-dir", str(run_dir)]
             if entry.torchrun:

@@ -261,6 +261,23 @@ def _fqn_order(model: nn.Module) -> list[str]:
     return list(get_model_state_dict(model).keys())
 
 
+def _drop_frozen(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """Frozen parameters (a fine-tuning run's base) are not saved: the base export holds them.
+    Every name of a tied parameter goes (StateDictOptions(ignore_frozen_params) keeps the
+    second name of a tied pair, e.g. gpt's lm_head.weight)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            for fqn in _get_fqns(model, name):
+                model_sd.pop(fqn, None)
+    return model_sd
+
+
+def _has_frozen(model: nn.Module) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
 def checkpoint_state(
     model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -272,7 +289,8 @@ def checkpoint_state(
     optimizer's state dict would, so DCP assembles the whole optimizer across ranks.
     """
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        return get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return _drop_frozen(model, model_sd), optim_sd
     local = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer.optim))
     owned: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(owned, [g["params"] for g in local["param_groups"]])
@@ -285,7 +303,10 @@ def checkpoint_state(
         current = {k: v for k, v in optimizer.param_groups[i].items() if k != "params"}
         ordered = sorted(names, key=lambda n: order.get(n, len(order)))
         groups.append({**group, **current, "params": ordered})
-    return get_model_state_dict(model), {"state": local["state"], "param_groups": groups}
+    return _drop_frozen(model, get_model_state_dict(model)), {
+        "state": local["state"],
+        "param_groups": groups,
+    }
 
 
 def load_checkpoint_state(
@@ -295,7 +316,7 @@ def load_checkpoint_state(
     optim_sd: dict[str, Any],
 ) -> None:
     """Load what `checkpoint_state` shaped (after DCP filled it) into model and optimizer."""
-    options = StateDictOptions(strict=True)
+    options = StateDictOptions(strict=not _has_frozen(model))  # frozen: not in the checkpoint
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         set_state_dict(
             model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options

@@ -39,6 +39,10 @@ class BuiltModel:
 
 def build_training_model(cfg: RunConfig, rt: Runtime, res: Any) -> BuiltModel:
     """`res` is the `hpcml.train.validate.Resolved` of this run."""
+    if cfg.finetune.method != "full":  # frozen base from init_from + adapters (finetune.py)
+        from hpcml.train.finetune import build_finetune_model
+
+        return build_finetune_model(cfg, rt, res)  # type: ignore[no-any-return]
     splits, init_from = res.splits, res.init_from
     with torch.device("meta"):
         model = build_model(cfg.model.name, res.model_args)

@@ -19,6 +19,7 @@ from hpcml.distributed.parallel import full_state_dict, local_state_bytes, unwra
 from hpcml.distributed.runtime import all_gather_object, device_info
 from hpcml.errors import Preempted
 from hpcml.models.export import save_export
+from hpcml.train import finetune
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -52,6 +53,7 @@ def build_summary(t: Any) -> dict[str, Any]:
     weights = full_state_dict(t.model)  # a collective: every rank gathers its shards
     if not rt.is_main:
         return {}
+    tuned, weights = weights, finetune.export_weights(cfg, res, weights)  # LoRA: merged
     splits = res.splits
     summary = {
         "status": "finished",
@@ -91,6 +93,7 @@ def build_summary(t: Any) -> dict[str, Any]:
         },
         "config": cfg.model_dump(mode="json"),
         "provenance": t.provenance,
+        "finetune": finetune.summary_block(cfg, unwrap(t.model), res),
     }
     export = save_export(
         t.out_dir / "export",
@@ -111,6 +114,7 @@ def build_summary(t: Any) -> dict[str, Any]:
             "step": t.step,
         },
     )
+    finetune.write_adapter(export, cfg, res, tuned)  # finetune.export_adapter
     # The drift reference: 512 seeded training inputs (one pass of __getitem__ over them).
     profile_dataset(splits.train, seed=cfg.train.seed, prepare=splits.device_normalize).save(
         export / REFERENCE_FILE

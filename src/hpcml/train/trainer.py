@@ -43,7 +43,7 @@ from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
 from hpcml.train import checkpoint as ckpt
-from hpcml.train import memprobe, mfu, rundir
+from hpcml.train import finetune, memprobe, mfu, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
 from hpcml.train.evaluation import evaluate_model
@@ -213,6 +213,7 @@ class Trainer:
         """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG."""
         with self.guard.checkpointing():
             loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
+        finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
         self.scheduler.load_state_dict(loaded.trainer["scheduler"])
         # The saved lr came from the saved horizon; an explicit optim.decay_steps may differ.
         at = self.scheduler.last_epoch
@@ -449,6 +450,7 @@ class Trainer:
             "data_versions": self.data_versions,
             "lr_horizon": lr_horizon(cfg.optim, cfg.train.max_steps),
             "config": cfg.model_dump(mode="json"),
+            **finetune.checkpoint_fields(cfg, self.resolved),  # the base's sha256
         }
         with self.guard.checkpointing(), self.phase("hpcml.checkpoint", step=self.step):
             path = ckpt.save(

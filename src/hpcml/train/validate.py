@@ -22,6 +22,7 @@ from hpcml.data.sources import Splits, load_source
 from hpcml.distributed.parallel import check_parallel
 from hpcml.errors import ConfigError, DataError, ModelError
 from hpcml.models.zoo import build_model, complete_args, get_spec
+from hpcml.train import finetune
 
 
 @dataclass
@@ -55,6 +56,7 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     check_augment(cfg)
     grad_accum = derive_grad_accum(cfg, dp_size)
     init_from = check_init_from(cfg.model.init_from, model)
+    finetune.check(cfg, model)  # finetune: needs init_from, targets that match
     return Resolved(splits, model_args, model, world_size, dp_size, grad_accum, init_from)
 
 
