@@ -250,15 +250,23 @@ class FaultGuard:
             drop_batch()
             self.counts["dropped_batches"] += 1
 
-    def check(self, step: int, loss_sum: torch.Tensor, data_wait_s: float) -> Verdict:
-        """After backward, before the optimizer step. One collective of two numbers: the loss
-        (so every rank judges the same global loss) and the preemption flags."""
+    def check(
+        self,
+        step: int,
+        loss_sum: torch.Tensor,
+        data_wait_s: float,
+        grad_norm: torch.Tensor | None = None,
+    ) -> Verdict:
+        """After backward, before the optimizer step. One collective of a few numbers: the loss
+        (so every rank judges the same global loss), the global gradient norm (the same on
+        every rank; a finite loss can still have a NaN/Inf gradient) and the preemption flags."""
         n = step + 1
         self.timer.end_step(data_wait_s)
         flags = loss_sum.new_tensor(self.preemption.flags()).float()
-        t = torch.cat([loss_sum.detach().float().reshape(1), flags])
+        norm = loss_sum.new_zeros(1) if grad_norm is None else grad_norm.float().reshape(1)
+        t = torch.cat([loss_sum.detach().float().reshape(1), norm.to(loss_sum.device), flags])
         all_reduce_sum(self.rt, t)
-        total, *summed = t.tolist()
+        total, norm_sum, *summed = t.tolist()
         loss = total / self.rt.world_size
         preempt, interrupt = agreed(summed)
         if self.watchdog is not None:
@@ -266,7 +274,7 @@ class FaultGuard:
         if self.fc.straggler_every and n % self.fc.straggler_every == 0:
             self._check_stragglers(n)
 
-        if not math.isfinite(loss):
+        if not (math.isfinite(loss) and math.isfinite(norm_sum)):
             kind, policy = "nonfinite", self.fc.nan_policy
             self.counts["nonfinite_steps"] += 1
         elif self.spikes.is_spike(loss):
@@ -279,6 +287,8 @@ class FaultGuard:
 
         self._bad_in_a_row += 1
         what = "NaN/Inf" if kind == "nonfinite" else f"a spike ({self._zdesc(loss)})"
+        if kind == "nonfinite" and math.isfinite(loss):
+            what = f"finite ({loss:.4g}) but its gradient norm was {norm_sum}"
         self._event(
             {
                 "event": kind,

@@ -22,8 +22,8 @@ from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
 from hpcml.data.versions import first_read, versions_after_resume
 from hpcml.distributed.parallel import (
     clip_grad_norm,
+    grad_norm,
     grad_scaler,
-    local_grad_norm,
     local_value,
     loss_context,
     no_sync,
@@ -94,6 +94,8 @@ class Trainer:
         self.writing = False
         """True once this run has started writing into the run folder."""
         self.fault_hook: FaultHook | None = None
+        self.grad_norm: torch.Tensor | None = None
+        """This step's global gradient norm on the device (None under fp16 loss scaling)."""
 
     # --- the whole run ---------------------------------------------------------------------
 
@@ -312,6 +314,9 @@ class Trainer:
         self.hooks.before_step(self)
         t0 = time.perf_counter()
         loss_sum, data_wait = self.forward_backward()
+        # The global gradient norm, on the device: every rank decides alike whether this step's
+        # gradients are finite (under fp16 loss scaling the scaler decides; see optimizer_step).
+        self.grad_norm = None if self.scaler.is_enabled() else grad_norm(self.model)
         decision = self.hooks.after_backward(self, loss_sum, data_wait)
         if decision.rollback_to is not None:
             self.step = self.restore(decision.rollback_to)
@@ -319,7 +324,7 @@ class Trainer:
         if decision.skip:
             return decision
         with self.phase("hpcml.optimizer"):
-            lr = self.optimizer_step(decision.skip_on_device)
+            lr, skipped = self.optimizer_step(self.grad_norm)
         self.step += 1
         self.meter.record(
             self.step,
@@ -327,6 +332,8 @@ class Trainer:
             lr,
             time.perf_counter() - t0,
             data_wait,
+            grad_norm=self.grad_norm,
+            skipped=skipped,
             epoch=self.train_data.epoch,
         )
         if self.profiler is not None:
@@ -364,27 +371,31 @@ class Trainer:
             loss_sum += local_value(loss.detach())
         return loss_sum, data_wait
 
-    def optimizer_step(self, skip_on_device: bool = False) -> float:
-        """Clip, step, schedule. With `skip_on_device` the update is dropped inside the fused
-        optimizer when the gradient norm is not finite (no host sync)."""
-        norm = None
+    def optimizer_step(
+        self, norm: torch.Tensor | None = None
+    ) -> tuple[float, torch.Tensor | None]:
+        """Clip, step, schedule. `norm` is the global gradient norm (`grad_norm`); when it is not
+        finite the update is dropped on every rank: inside the fused optimizer (`found_inf`, as
+        GradScaler sets it: no host sync), else by one host sync. Returns the lr and, with
+        `norm`, whether the update was dropped (a device tensor, 1.0 if so)."""
         if self.cfg.optim.grad_clip is not None:
-            self.scaler.unscale_(self.optimizer)
-            norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+            if norm is None:  # fp16: unscale first, the scaler skips non-finite steps itself
+                self.scaler.unscale_(self.optimizer)
+            clip_grad_norm(self.model, self.cfg.optim.grad_clip, norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
         inner: Any = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1 wraps one
-        if skip_on_device and not self.scaler.is_enabled():
-            norm = local_grad_norm(self.model) if norm is None else norm
+        found_inf = None
+        if norm is not None:
             found_inf = (~torch.isfinite(norm)).float()
             if inner.defaults.get("fused"):
                 inner.found_inf = found_inf  # read by the fused kernel, as GradScaler sets it
             elif found_inf.item():  # an optimizer without a fused kernel: one sync per step
                 self.scheduler.step()
-                return lr
+                return lr, found_inf
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        return lr
+        return lr, found_inf
 
     def after_step(self, decision: StepDecision) -> None:
         """Log flush, evaluation, checkpoint, and the stop all ranks agreed on (preemption, Ctrl-C)."""
