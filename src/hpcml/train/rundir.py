@@ -138,3 +138,17 @@ def resolve_shared(
     return _on_main(
         rt, lambda: resolve(run_dir, resume, overwrite, False, warn, allow_fresh_start, known_bad)
     )
+
+
+def finished_summary(
+    run_dir: Path, checkpoint: Path | None, max_steps: int
+) -> dict[str, Any] | None:
+    """The summary of a run that finished at `max_steps` and whose resume target is that last
+    step: a resume has nothing to train (and must not rewrite what the run wrote), or None."""
+    if checkpoint is None or (ckpt.step_of(checkpoint) or 0) < max_steps:
+        return None
+    try:
+        summary = json.loads((run_dir / SUMMARY).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("status") == "finished" else None

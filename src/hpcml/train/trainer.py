@@ -43,7 +43,7 @@ from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
 from hpcml.train import checkpoint as ckpt
-from hpcml.train import finetune, memprobe, mfu, rundir
+from hpcml.train import finetune, memprobe, mfu, resume_changes, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
 from hpcml.train.evaluation import evaluate_model
@@ -95,6 +95,7 @@ class Trainer:
         """True once this run has started writing into the run folder."""
         self.fault_hook: FaultHook | None = None
         self.grad_norm: torch.Tensor | None = None
+        self.resume_record: dict[str, Any] = {}
         """This step's global gradient norm on the device (None under fp16 loss scaling)."""
 
     # --- the whole run ---------------------------------------------------------------------
@@ -108,7 +109,10 @@ class Trainer:
         self.guard = FaultGuard(cfg, self.rt)  # first: a preemption during set-up counts too
         clean = False
         try:
-            self.setup()
+            finished = self.setup()
+            if finished is not None:  # --resume of a finished run: nothing to do, nothing written
+                clean = True
+                return finished
             while self.step < cfg.train.max_steps:
                 with self.phase("hpcml.step", step=self.step + 1, rank=self.rt.rank):
                     self.after_step(self.train_step())
@@ -135,23 +139,36 @@ class Trainer:
 
     # --- set-up ------------------------------------------------------------------------------
 
-    def setup(self) -> None:
+    def setup(self) -> dict[str, Any] | None:
+        """Build everything a step needs; returns the summary instead when the run to resume
+        has finished already (rank 0's; an empty dict on the others)."""
         cfg, rt = self.cfg, self.rt
         self.setup_memory = SetupMemory()
         # Deterministic checks on every rank before the first collective: all ranks agree.
         self.resolved = resolve(cfg, rt.world_size)
         cfg.train.grad_accum = self.resolved.grad_accum  # derived from train.global_batch
         self.out_dir, self.resume_from = self._prepare_folder()
+        done = rundir.finished_summary(self.out_dir, self.resume_from, cfg.train.max_steps)
+        finished = broadcast_object(rt, done is not None)  # rank 0 read it for everyone
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         self.precision = setup_precision(cfg.precision, rt.device)
         self.loss_fn = resolve_loss(cfg.train.loss)
         self._build_model()
         self._build_data()
         torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout)
-        if self.resume_from is not None:
-            self.step = self.restore(self.resume_from)
+        if self.resume_from is not None:  # refuses a checkpoint that does not fit, finished or not
+            self.step = self.restore(self.resume_from, quiet=finished)
+        if finished:
+            self._warn(
+                f"run folder {self.out_dir} has finished: its checkpoint {self.resume_from} is "
+                f"at train.max_steps={cfg.train.max_steps}; nothing was trained or changed. "
+                "Raise train.max_steps to train further.",
+                prefix="",
+            )
+            return (done or {}) if rt.is_main else {}
         self.setup_rss = self.setup_memory.result()  # this rank's set-up peak and growth
         self._open_run_folder()
+        return None
 
     def _prepare_folder(self) -> tuple[Path, Path | None]:
         """Rank 0 checks the run folder; every rank gets the same answer or the same error.
@@ -211,22 +228,21 @@ class Trainer:
         self.device_normalize = splits.device_normalize
         self.data_versions = first_read(splits.version, cfg.data.path)
 
-    def restore(self, path: Path) -> int:
-        """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG."""
+    def restore(self, path: Path, quiet: bool = False) -> int:
+        """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG;
+        changed hyperparameters are applied or refused (`hpcml.train.resume_changes`)."""
+        fresh = resume_changes.hyperparameters(self.optimizer)
         with self.guard.checkpointing():
             loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
         finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
+        saved_cfg = loaded.trainer.get("config")
+        resume_changes.refuse_unappliable(path, saved_cfg, self.cfg)
         self.scheduler.load_state_dict(loaded.trainer["scheduler"])
-        # The saved lr came from the saved horizon; an explicit optim.decay_steps may differ.
-        at = self.scheduler.last_epoch
-        for group, base, fn in zip(
-            self.optimizer.param_groups,
-            self.scheduler.base_lrs,
-            self.scheduler.lr_lambdas,
-            strict=True,
-        ):
-            group["lr"] = base * fn(at)
-        self.scaler.load_state_dict(loaded.trainer["scaler"])
+        # The config's lr, betas, ... over the checkpoint's (the schedule's lambdas are the
+        # config's already; an explicit optim.decay_steps may differ from the saved horizon).
+        resume_changes.apply_hyperparameters(self.optimizer, self.scheduler, fresh)
+        if loaded.trainer["scaler"] or not self.scaler.is_enabled():  # fp16 from another: fresh
+            self.scaler.load_state_dict(loaded.trainer["scaler"])
         data = self.cfg.data
         self.data_versions = versions_after_resume(
             loaded.trainer.get("data_versions"),
@@ -236,16 +252,39 @@ class Trainer:
             source=data.source,
             path=data.path,
         )
-        if loaded.rank_state is not None:
+        same_batch = not resume_changes.changed(saved_cfg, self.cfg, ["data.batch_size"])
+        if loaded.rank_state is not None and same_batch:
             self.train_data.load_state_dict(loaded.rank_state["data"])
-            ckpt.set_rng_state(loaded.rank_state["rng"])
-        elif "data_position" in loaded.trainer:  # another world size: the next unseen sample
+        elif "data_position" in loaded.trainer:  # another world or batch: the next unseen sample
             pos = loaded.trainer["data_position"]
             self.train_data.resume_at(int(pos["epoch"]), int(pos["samples"]))
         else:  # written before positions were stored: continue at the next epoch boundary
             epoch = int(loaded.trainer.get("epoch", 0)) + 1
             self.train_data.load_state_dict({"epoch": epoch, "loader": None})
+        if loaded.rank_state is not None:
+            ckpt.set_rng_state(loaded.rank_state["rng"])
+        self.resume_record = {
+            "kind": "resume",
+            "step": loaded.step,
+            "checkpoint": str(path),
+            "applied": resume_changes.changed(saved_cfg, self.cfg, resume_changes.APPLIED),
+        }
+        note = resume_changes.global_batch_note(
+            saved_cfg, loaded.trainer, self.cfg, self.global_batch, self.rt.dp_size
+        )
+        if note is not None and not quiet:
+            self.resume_record["global_batch_note"] = note
+            self._warn(note, prefix=f"resuming at step {loaded.step}: ")
         return loaded.step
+
+    def _report_applied(self, record: dict[str, Any]) -> None:
+        """Rank 0: the resume record in run.jsonl, and one line naming each applied change."""
+        assert self.log is not None
+        self.log.write(record)
+        applied = record["applied"]
+        if applied:
+            changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in applied.items())
+            self._warn(f"applied on resume: {changes}.", prefix="")
 
     def _open_run_folder(self) -> None:
         """From here on the run writes into its folder (and a failure is recorded there)."""
@@ -261,6 +300,7 @@ class Trainer:
             self.view = LiveView(cfg.train.max_steps, self.step, self.quiet)
             if self.resume_from is not None:
                 self.view.message(f"resumed from {self.resume_from} at step {self.step}")
+                self._report_applied(self.resume_record)
         self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
         obs.gpu_preflight(cfg, rt)
         self.exporter = obs.start_exporter(cfg, rt, self.out_dir)
@@ -371,9 +411,7 @@ class Trainer:
             loss_sum += local_value(loss.detach())
         return loss_sum, data_wait
 
-    def optimizer_step(
-        self, norm: torch.Tensor | None = None
-    ) -> tuple[float, torch.Tensor | None]:
+    def optimizer_step(self, norm: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
         """Clip, step, schedule. `norm` is the global gradient norm (`grad_norm`); when it is not
         finite the update is dropped on every rank: inside the fused optimizer (`found_inf`, as
         GradScaler sets it: no host sync), else by one host sync. Returns the lr and, with
