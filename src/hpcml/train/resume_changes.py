@@ -143,3 +143,34 @@ def global_batch_note(
         f"train.grad_accum {cfg.train.grad_accum} x {dp} data-parallel process(es)); the "
         f"checkpoint was trained with {before} on {trainer['world_size']} process(es); {how}."
     )
+
+
+def restore_data(
+    train_data: Any, loaded: Any, saved: dict[str, Any] | None, cfg: RunConfig
+) -> None:
+    """The data position of `loaded` (a `checkpoint.Loaded`): this rank's loader state when the
+    layout and batch size are the checkpoint's, else the next unseen sample of the global order."""
+    same_batch = not changed(saved, cfg, ["data.batch_size"])
+    if loaded.rank_state is not None and same_batch:
+        train_data.load_state_dict(loaded.rank_state["data"])
+    elif "data_position" in loaded.trainer:
+        pos = loaded.trainer["data_position"]
+        train_data.resume_at(int(pos["epoch"]), int(pos["samples"]))
+    else:  # written before positions were stored: continue at the next epoch boundary
+        epoch = int(loaded.trainer.get("epoch", 0)) + 1
+        train_data.load_state_dict({"epoch": epoch, "loader": None})
+
+
+def record(loaded: Any, saved: dict[str, Any] | None, cfg: RunConfig) -> dict[str, Any]:
+    """The run.jsonl record of a resume: from where, and each applied change [before, after]."""
+    return {
+        "kind": "resume",
+        "step": loaded.step,
+        "checkpoint": str(loaded.path),
+        "applied": changed(saved, cfg, APPLIED),
+    }
+
+
+def applied_line(rec: dict[str, Any]) -> str:
+    changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in rec["applied"].items())
+    return f"applied on resume: {changes}."

@@ -8,7 +8,6 @@ checkpoint has loaded, so a refused start leaves the folder byte-identical.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -159,42 +158,23 @@ class Trainer:
         if self.resume_from is not None:  # refuses a checkpoint that does not fit, finished or not
             self.step = self.restore(self.resume_from, quiet=finished)
         if finished:
-            self._warn(
-                f"run folder {self.out_dir} has finished: its checkpoint {self.resume_from} is "
-                f"at train.max_steps={cfg.train.max_steps}; nothing was trained or changed. "
-                "Raise train.max_steps to train further.",
-                prefix="",
-            )
+            self._warn(rundir.finished_line(self.out_dir, self.resume_from, cfg), prefix="")
             return (done or {}) if rt.is_main else {}
         self.setup_rss = self.setup_memory.result()  # this rank's set-up peak and growth
         self._open_run_folder()
         return None
 
     def _prepare_folder(self) -> tuple[Path, Path | None]:
-        """Rank 0 checks the run folder; every rank gets the same answer or the same error.
-        The checkpoint to resume from is verified by all ranks together (rundir.resolve_shared)."""
-        rt = self.rt
-        resume, overwrite = self.resume_arg, self.overwrite
-        chosen = self.run_dir_arg or rundir.default_run_dir(self.config_path)
-        # A restarted elastic group resumes from the newest checkpoint, whatever was asked.
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            resume, overwrite = "auto", False
-        chosen = Path(broadcast_object(rt, str(chosen)))  # rank 0's timestamped default
-        found = rundir.resolve_shared(
-            rt,
-            chosen,
-            resume,
-            overwrite,
-            warn=self._warn,
-            allow_fresh_start=self.allow_fresh_start,
-            mode=self.cfg.fault.checkpoint_verify,
+        """The run folder and the checkpoint to resume from, the same on every rank."""
+        return rundir.prepare_shared(
+            self.rt,
+            self.run_dir_arg or rundir.default_run_dir(self.config_path),
+            self.resume_arg,
+            self.overwrite,
+            self._warn,
+            self.allow_fresh_start,
+            self.cfg.fault.checkpoint_verify,
         )
-        if resume == "auto" and found is None:
-            self._warn(
-                f"no complete checkpoint in {chosen / 'checkpoints'}; starting from step 0.",
-                prefix="",
-            )
-        return chosen, found
 
     def _warn(self, message: str, prefix: str = "warning: ") -> None:
         if self.rt.is_main:
@@ -252,23 +232,10 @@ class Trainer:
             source=data.source,
             path=data.path,
         )
-        same_batch = not resume_changes.changed(saved_cfg, self.cfg, ["data.batch_size"])
-        if loaded.rank_state is not None and same_batch:
-            self.train_data.load_state_dict(loaded.rank_state["data"])
-        elif "data_position" in loaded.trainer:  # another world or batch: the next unseen sample
-            pos = loaded.trainer["data_position"]
-            self.train_data.resume_at(int(pos["epoch"]), int(pos["samples"]))
-        else:  # written before positions were stored: continue at the next epoch boundary
-            epoch = int(loaded.trainer.get("epoch", 0)) + 1
-            self.train_data.load_state_dict({"epoch": epoch, "loader": None})
+        resume_changes.restore_data(self.train_data, loaded, saved_cfg, self.cfg)
         if loaded.rank_state is not None:
             ckpt.set_rng_state(loaded.rank_state["rng"])
-        self.resume_record = {
-            "kind": "resume",
-            "step": loaded.step,
-            "checkpoint": str(path),
-            "applied": resume_changes.changed(saved_cfg, self.cfg, resume_changes.APPLIED),
-        }
+        self.resume_record = resume_changes.record(loaded, saved_cfg, self.cfg)
         note = resume_changes.global_batch_note(
             saved_cfg, loaded.trainer, self.cfg, self.global_batch, self.rt.dp_size
         )
@@ -276,15 +243,6 @@ class Trainer:
             self.resume_record["global_batch_note"] = note
             self._warn(note, prefix=f"resuming at step {loaded.step}: ")
         return loaded.step
-
-    def _report_applied(self, record: dict[str, Any]) -> None:
-        """Rank 0: the resume record in run.jsonl, and one line naming each applied change."""
-        assert self.log is not None
-        self.log.write(record)
-        applied = record["applied"]
-        if applied:
-            changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in applied.items())
-            self._warn(f"applied on resume: {changes}.", prefix="")
 
     def _open_run_folder(self) -> None:
         """From here on the run writes into its folder (and a failure is recorded there)."""
@@ -300,7 +258,9 @@ class Trainer:
             self.view = LiveView(cfg.train.max_steps, self.step, self.quiet)
             if self.resume_from is not None:
                 self.view.message(f"resumed from {self.resume_from} at step {self.step}")
-                self._report_applied(self.resume_record)
+                self.log.write(self.resume_record)
+                if self.resume_record["applied"]:
+                    self._warn(resume_changes.applied_line(self.resume_record), prefix="")
         self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
         obs.gpu_preflight(cfg, rt)
         self.exporter = obs.start_exporter(cfg, rt, self.out_dir)
