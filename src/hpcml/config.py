@@ -308,8 +308,9 @@ class FaultConfig(_Section):
     Keep K steps well under the scheduler's warning time (SLURM --signal lead) so the save
     still fits."""
     checkpoint_timeout_s: float = Field(1800.0, ge=0, le=SECONDS_MAX)  # [fault] issue 11
-    """A checkpoint phase (write, fsync, manifest, rename) that runs this long ends the job
-    naming the rank and the phase (a hung filesystem); 0 turns it off."""
+    """A checkpoint phase (write, fsync, manifest, rename; read, at a resume or rollback) that
+    runs this long ends the job naming the rank and the phase (a hung filesystem); 0 turns it
+    off."""
     checkpoint_verify: Literal["full", "size", "none"] = "full"  # [fault] issue 11
     """How a resume checks the checkpoint it loads, each file once on one rank: full (sha256,
     hashed by the writing ranks at save), size (sizes only) or none (the manifest only)."""

@@ -160,7 +160,6 @@ class FaultGuard:
     ) -> None:
         self.run_dir = run_dir
         self.log = log
-        self.injector = FaultInjector.from_env(self.rt.rank)
         if self.rt.is_main:
             self.warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
         # Launchers and tests find the workers here (an elastic restart rewrites them).
@@ -174,8 +173,6 @@ class FaultGuard:
         ]
         if self.fc.straggler_every:
             self.timer.attach(inner)
-        if self.injector is not None:
-            ckpt_phase.hook = self.injector.checkpoint_phase
         if self.fc.preempt_notice != "none" and self.rt.local_rank == 0:
             self.notices = NoticeWatcher(
                 self.fc.preempt_notice,
@@ -184,6 +181,18 @@ class FaultGuard:
                 self.fc.preempt_notice_url,
                 self.warn,
             ).start()
+        self.watch_checkpoints()
+
+    def watch_checkpoints(self) -> None:
+        """Start fault injection and the watchdog (once): called before a resume's checkpoint
+        read, so a read that hangs (the `read` phase) ends after fault.checkpoint_timeout_s
+        like a stalled save; the idle check arms only at the first step."""
+        if self.injector is None:
+            self.injector = FaultInjector.from_env(self.rt.rank)
+            if self.injector is not None:
+                ckpt_phase.hook = self.injector.checkpoint_phase
+        if self.watchdog is not None:
+            return
         timeout = self.watchdog_timeout_s()
         ckpt_timeout, grace = self.fc.checkpoint_timeout_s, self.fc.preempt_grace_s
         if timeout > 0 or ckpt_timeout > 0 or grace > 0:

@@ -156,6 +156,7 @@ class Trainer:
         self._build_data()
         torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout)
         if self.resume_from is not None:  # refuses a checkpoint that does not fit, finished or not
+            self.guard.watch_checkpoints()  # a read that hangs ends after checkpoint_timeout_s
             self.step = self.restore(self.resume_from, quiet=finished)
         if finished:
             self._warn(rundir.finished_line(self.out_dir, self.resume_from, cfg), prefix="")
