@@ -208,7 +208,7 @@ def _check_directive_values(job: SlurmJob) -> None:
         ("--partition", job.partition),
         ("--account", job.account),
     ):
-        if value is not None and not _WORD_RE.fullmatch(value):
+        if value and not _WORD_RE.fullmatch(value):
             raise LaunchError(
                 f"{flag} {value!r} has a character an #SBATCH line cannot hold (a space, quote, "
                 "line break or other symbol); use letters, digits and _.,:+@%=/- only."
