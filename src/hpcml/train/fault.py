@@ -128,6 +128,8 @@ class FaultGuard:
         self.spikes = SpikeDetector(self.fc.spike_zscore, self.fc.spike_window)
         self.injector: FaultInjector | None = None
         self.current_step = 0
+        self.load_s: float | None = None
+        """Seconds the resume's checkpoint read took (the restart cost Daly's interval uses)."""
         self.counts = {
             "nonfinite_steps": 0,
             "spike_steps": 0,
@@ -450,6 +452,7 @@ class FaultGuard:
 
     def summary(self) -> dict[str, Any]:
         checkpoints = ckpt.timing_summary(ckpt.timings[self._timings_from :])
+        checkpoints["load_s"] = self.load_s  # the resume's read (None: started afresh)
         return {
             **self.counts,
             "stragglers": {str(r): c for r, c in sorted(self.stragglers.items())},

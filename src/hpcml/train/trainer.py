@@ -213,8 +213,10 @@ class Trainer:
         """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG;
         changed hyperparameters are applied or refused (`hpcml.train.resume_changes`)."""
         fresh = resume_changes.hyperparameters(self.optimizer)
+        t0 = time.perf_counter()
         with self.guard.checkpointing():
             loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
+        self.guard.load_s = time.perf_counter() - t0
         finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
         saved_cfg = loaded.trainer.get("config")
         resume_changes.refuse_unappliable(path, saved_cfg, self.cfg)
