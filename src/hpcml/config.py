@@ -7,12 +7,19 @@ key, the value and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hpcml.errors import ConfigError
+
+SECONDS_MAX = 10**9
+"""Upper bound of every duration in seconds (about 31 years): below `threading.TIMEOUT_MAX` and
+`datetime.timedelta`'s range, which the watchdog, signal waits and process-group timeouts use."""
+
+Positive = Annotated[int, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0, lt=1)]
 
 
 class _Section(BaseModel):
@@ -66,9 +73,11 @@ class DataConfig(_Section):
     synthetic_samples: int = Field(4096, gt=0)
     """data.source synthetic: samples generated in all, split into training and validation by
     `val_fraction` (0 still holds out 10%)."""
-    synthetic_shape: list[int] = Field(default_factory=lambda: [3, 32, 32])
+    synthetic_shape: list[Positive] = Field(default_factory=lambda: [3, 32, 32], min_length=1)
     """data.source synthetic: shape of one input without the batch dimension, e.g. `[3, 32, 32]`
-    (channels, height, width); values are standard normal, the same whatever `train.seed`."""
+    (channels, height, width), each size at least 1; values are standard normal, the same
+    whatever `train.seed`. The whole set (`synthetic_samples` x this) must fit in this machine's
+    memory twice (generated, then split)."""
     synthetic_classes: int = Field(10, gt=1)
     """data.source synthetic: number of classes; labels are drawn uniformly from 0 to this - 1.
     Zoo models that take `num_classes` are sized to match."""
@@ -148,9 +157,9 @@ class OptimConfig(_Section):
     they form a parameter group without decay, as in GPT-3 and LLaMA training)."""
     momentum: float = Field(0.9, ge=0, lt=1)
     """`sgd` only: momentum factor (0 is plain SGD); `adamw` ignores it."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """`adamw` only: decay rates of the running averages of the gradient and of its square;
-    `sgd` ignores them."""
+    betas: tuple[Fraction, Fraction] = (0.9, 0.999)
+    """`adamw` only: decay rates of the running averages of the gradient and of its square,
+    each from 0 up to but not including 1 (as torch.optim.AdamW requires); `sgd` ignores them."""
     eps: float = Field(1e-8, gt=0)
     """`adamw` only: term added to the denominator for numerical stability; `sgd` ignores it."""
     grad_clip: float | None = Field(None, gt=0)
@@ -192,7 +201,7 @@ class TrainConfig(_Section):
     """Evaluate every N steps (and at the end); 0 evaluates at the end only."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps (and at the end); 0 checkpoints at the end only."""
-    checkpoint_every_s: float | None = Field(None, gt=0)  # [fault] issue 11
+    checkpoint_every_s: float | None = Field(None, gt=0, le=SECONDS_MAX)  # [fault] issue 11
     """Also checkpoint when this many seconds passed since the last save (the ranks agree on
     it every 10 steps); null turns time-based checkpoints off."""
     keep_last: int = Field(3, gt=0)
@@ -204,9 +213,9 @@ class TrainConfig(_Section):
     """Samples per optimizer step over all processes. When set, grad_accum is derived from it:
     global_batch / (data.batch_size x data-parallel processes), which must be a whole number;
     a resume on another number of processes then keeps the same optimization."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seeds Python, NumPy and torch, the initial weights, the training data order,
-    augmentation and (offset by the rank) dropout."""
+    augmentation and (offset by the rank) dropout. NumPy's seeding takes 0 to 2^32 - 1."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms (warn only: an op without a deterministic version
     warns and runs), cuDNN autotuning off, CUBLAS_WORKSPACE_CONFIG set if unset; false lets
@@ -253,13 +262,13 @@ class ParallelConfig(_Section):
     find_unused_parameters: bool = False
     """DDP's option, for models where some parameters get no gradient in a step; costs a pass
     over the autograd graph each step. ddp and zero1 with several data-parallel processes only."""
-    bucket_cap_mb: float = Field(25.0, gt=0)
+    bucket_cap_mb: float = Field(25.0, gt=0, le=2**43)  # DDP's bytes are a C++ int64
     """DDP gradient bucket size in MiB: gradients are all-reduced bucket by bucket during
     backward; 25 is torch's default. ddp and zero1 with several data-parallel processes only."""
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to SyncBatchNorm, so batch statistics span all data-parallel
     processes. ddp and zero1 with several data-parallel processes only."""
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0, le=SECONDS_MAX)
     """Collective timeout; a rank that stops answering fails the job after this long."""
 
 
@@ -289,7 +298,7 @@ class FaultConfig(_Section):
     """Every N steps the ranks compare their local step times; 0 turns it off."""
     straggler_factor: float = Field(1.5, gt=1)
     """A rank slower than this many times the (lower) median of all ranks is a straggler."""
-    watchdog_s: float | None = Field(None, ge=0)
+    watchdog_s: float | None = Field(None, ge=0, le=SECONDS_MAX)
     """A rank without progress for this long ends the job naming the stuck rank and step;
     null means 0.9 x parallel.timeout_s (so it speaks before the collective times out),
     0 turns it off."""
@@ -298,13 +307,14 @@ class FaultConfig(_Section):
     on Ctrl-C); null means at each log flush (train.log_every), inside its one collective.
     Keep K steps well under the scheduler's warning time (SLURM --signal lead) so the save
     still fits."""
-    checkpoint_timeout_s: float = Field(1800.0, ge=0)  # [fault] issue 11
-    """A checkpoint phase (write, fsync, manifest, rename) that runs this long ends the job
-    naming the rank and the phase (a hung filesystem); 0 turns it off."""
+    checkpoint_timeout_s: float = Field(1800.0, ge=0, le=SECONDS_MAX)  # [fault] issue 11
+    """A checkpoint phase (write, fsync, manifest, rename; read, at a resume or rollback) that
+    runs this long ends the job naming the rank and the phase (a hung filesystem); 0 turns it
+    off."""
     checkpoint_verify: Literal["full", "size", "none"] = "full"  # [fault] issue 11
     """How a resume checks the checkpoint it loads, each file once on one rank: full (sha256,
     hashed by the writing ranks at save), size (sizes only) or none (the manifest only)."""
-    preempt_grace_s: float = Field(20.0, ge=0)  # [fault] issue 11
+    preempt_grace_s: float = Field(20.0, ge=0, le=SECONDS_MAX)  # [fault] issue 11
     """After a preemption signal, a checkpoint still being written this long ends the process
     (exit 1, the newest complete checkpoint kept) before the scheduler's SIGKILL (SLURM's
     KillWait and Kubernetes' grace period default to 30 s); 0 waits for the save."""
@@ -314,7 +324,7 @@ class FaultConfig(_Section):
     preempt_notice_url: str | None = None  # [fault] issue 11
     """Base URL of the metadata endpoint; null means the provider's (169.254.169.254 or
     metadata.google.internal)."""
-    preempt_notice_every_s: float = Field(5.0, gt=0)  # [fault] issue 11
+    preempt_notice_every_s: float = Field(5.0, gt=0, le=SECONDS_MAX)  # [fault] issue 11
     """How often to ask (AWS recommends every 5 s; it warns 2 minutes ahead, GCP about 30 s)."""
     preempt_signals: list[PreemptSignal] = Field(
         default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGUSR1"])
@@ -339,7 +349,7 @@ class TrackingConfig(_Section):
     """Free tags such as team, project, cost_center."""
     log_every: int = Field(10, gt=0)
     """One point per metric every N steps (the mean over those steps; lr its last value)."""
-    flush_every_s: float = Field(5.0, ge=0)
+    flush_every_s: float = Field(5.0, ge=0, le=SECONDS_MAX)
     """Send queued points to the store at most this often, in one asynchronous batch (each
     store write costs ~10 ms of a background thread); the MLflow UI lags by up to this much."""
 

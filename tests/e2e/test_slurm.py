@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -247,6 +248,26 @@ def test_the_scheduler_sees_the_cores_memory_gpus_and_requeue_the_script_asks_fo
         assert "--numa-binding=node" in script and "--nproc-per-node=2" in script
     finally:
         slurm.run("scancel", gpu["job_id"], cpu["job_id"], check=False)
+
+
+def test_a_gpu_job_runs_where_the_node_has_no_numactl(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    # A GPU job's default --numa-binding needs numactl on the node; torchrun fails without it
+    # (the script used to pass it unconditionally and had never run). The script asks the node.
+    if shutil.which("numactl") is not None:
+        pytest.skip("numactl is installed here: the fall-back is not exercised")
+    config = mlp_config(tmp_path / "mlp.yaml", max_steps=4, checkpoint_every=2)
+    run_dir = tmp_path / "gpu"
+    job_id = launch(
+        slurm, config, run_dir, "--nodes", "1", "--gpus-per-node", "1", "--time", "00:10:00",
+    )["job_id"]  # fmt: skip
+    state = finished(slurm, job_id, timeout=240)
+    log = attempt_log(run_dir, job_id, 0)
+    assert state["JobState"] == "COMPLETED", log
+    job_log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert "numactl is not installed on" in job_log and "without --numa-binding=node" in job_log
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
 
 
 def test_the_real_time_limit_signals_saves_and_max_requeues_stops_the_job(

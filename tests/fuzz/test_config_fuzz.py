@@ -4,8 +4,13 @@ out-of-range or non-finite number, an unknown key, a section replaced by a value
 empty string) go through YAML loading and the parent-side validation `hpcml train` runs before
 any worker starts (`hpcml.train.validate.resolve`: data description, model on meta, layout).
 
-The property: a config is either accepted or refused with a `ConfigError`/`HpcmlError` of one
-line; no other exception escapes (it would be a traceback for the user).
+The property (issue 29): a refused config is refused with an `HpcmlError` of one line and exit
+code 2; an accepted config must build what a worker builds before its first step
+(`build_like_a_worker`: seeds, the model's forward on meta, optimizer and schedule over the
+meta parameters, the loss, the training loader and its first batch) without any exception.
+Accepting is not enough: with the numeric bounds of `config.py` removed, schema-valid configs
+such as `train.seed: -1` or `optim.betas: [2, 5]` pass `resolve` and crash a worker, and this
+test fails.
 """
 
 from __future__ import annotations
@@ -20,8 +25,14 @@ from hypothesis import strategies as st
 
 from conftest import examples
 from hpcml.config import RunConfig, load_config
+from hpcml.data.loader import EpochLoader
+from hpcml.distributed import meta_init
 from hpcml.errors import ConfigError, HpcmlError
-from hpcml.train.validate import resolve
+from hpcml.models.zoo import forward_flops_per_sample
+from hpcml.train.losses import resolve_loss
+from hpcml.train.schedule import build_optimizer, build_scheduler, param_groups
+from hpcml.train.summary import seed_everything
+from hpcml.train.validate import Resolved, physical_memory_bytes, resolve
 
 SCHEMA = RunConfig.model_json_schema()
 
@@ -91,15 +102,36 @@ SYNTHETIC_ELEMENTS_FOR_FUZZ = 10**6
 def one_line(exc: HpcmlError) -> None:
     assert "\n" not in exc.message.strip(), exc.message
     assert "Traceback" not in exc.message
+    assert exc.exit_code == 2, (type(exc).__name__, exc.message)  # bad input
 
 
 def cheap(data: dict[str, Any]) -> bool:
+    """Small enough to generate, or so large that validation refuses it without generating."""
     d = data.get("data") or {}
     if not isinstance(d, dict) or d.get("source", "digits") != "synthetic":
         return True
     shape = d.get("synthetic_shape", [3, 32, 32])
     n = int(d.get("synthetic_samples", 4096))
-    return math.prod(int(s) for s in shape) * n <= SYNTHETIC_ELEMENTS_FOR_FUZZ
+    elements = math.prod(int(s) for s in shape) * n
+    return elements <= SYNTHETIC_ELEMENTS_FOR_FUZZ or elements * 8 > (physical_memory_bytes() or 0)
+
+
+def build_like_a_worker(cfg: RunConfig, res: Resolved) -> None:
+    """What `Trainer.setup` builds from the config before its first step, short of a process
+    group and storage: any exception here would be a worker's traceback."""
+    seed_everything(cfg.train.seed, deterministic=False)
+    model = res.meta_model
+    if meta_init.initializable(model):
+        forward_flops_per_sample(model, res.splits.input_shape, res.splits.input_dtype, "meta")
+    # fused=False: the fused kernels take no meta tensors; the checks of the settings are shared.
+    optimizer = build_optimizer(param_groups(model, cfg.optim), cfg.optim, res.dp_size, False)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    for _ in range(min(cfg.train.max_steps, cfg.optim.warmup_steps + 2)):
+        scheduler.step()
+    resolve_loss(cfg.train.loss)
+    loader = EpochLoader(res.splits.train, cfg.data, 0, res.dp_size, cfg.train.seed, False)
+    if cfg.data.num_workers == 0:  # a first batch, without starting worker processes
+        loader.next()
 
 
 def load_and_validate(data: dict[str, Any], world_size: int, tmp: Path) -> None:
@@ -111,9 +143,11 @@ def load_and_validate(data: dict[str, Any], world_size: int, tmp: Path) -> None:
         one_line(exc)
         return
     try:
-        resolve(cfg, world_size)
+        res = resolve(cfg, world_size)
     except HpcmlError as exc:
         one_line(exc)
+        return
+    build_like_a_worker(cfg, res)
 
 
 @settings(max_examples=examples(50))
@@ -122,6 +156,13 @@ def load_and_validate(data: dict[str, Any], world_size: int, tmp: Path) -> None:
 @example(data={"model": {"name": "mlp", "args": {"hidden": -3}}}, world_size=1)
 @example(data={"data": {"source": "\n"}}, world_size=1)  # found: a two-line sentence
 @example(data={"model": {"name": "\n"}}, world_size=1)
+# Issue 29: each passed resolve and crashed the workers (a numpy seed, AdamW's betas, a conv
+# over an empty input, 1.2 PB of synthetic samples), before the bounds and checks.
+@example(data={"train": {"seed": -1}}, world_size=1)
+@example(data={"optim": {"betas": [2, 5]}}, world_size=1)
+@example(data={"data": {"source": "synthetic", "synthetic_shape": [0]}}, world_size=1)
+@example(data={"data": {"source": "synthetic", "synthetic_samples": 10**11}}, world_size=1)
+@example(data={"data": {"source": "synthetic", "synthetic_shape": [5]}}, world_size=1)
 def test_schema_valid_configs_are_accepted_or_refused_in_one_line(
     data: dict[str, Any], world_size: int, tmp_path_factory: Any
 ) -> None:

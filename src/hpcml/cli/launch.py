@@ -220,7 +220,7 @@ def _checkpoint_interval(
     source = "given (--checkpoint-s)"
     if checkpoint_s is None and (run_dir / "summary.json").exists():
         measured = ((read_summary(run_dir).get("fault") or {}).get("checkpoints")) or {}
-        checkpoint_s = measured.get("stall_s_median")
+        checkpoint_s = durable_s(measured)
         source = f"measured in {run_dir}"
     if not checkpoint_s:
         raise ConfigError(
@@ -230,6 +230,16 @@ def _checkpoint_interval(
     advice = checkpoint_advice(checkpoint_s, parse_duration_s(mtbf, "--mtbf"))
     advice["checkpoint_s_source"] = source
     return advice
+
+
+RESTART_S = 60.0
+"""Restart cost (requeue and load) assumed where no resume of the run measured its load."""
+
+
+def durable_s(measured: dict[str, Any]) -> float | None:
+    """Daly's checkpoint cost: the time until a save is durable (an async save's background
+    write included), where the run measured it, else the time it stalled training."""
+    return measured.get("total_s_median") or measured.get("stall_s_median")
 
 
 @app.command("checkpoint-interval")
@@ -247,8 +257,11 @@ def checkpoint_interval(
     checkpoint_s: float | None = typer.Option(
         None, "--checkpoint-s", help="Checkpoint cost in seconds (default: measured in RUN_DIR)."
     ),
-    restart_s: float = typer.Option(
-        60.0, "--restart-s", help="Time from a failure to training again (requeue + load)."
+    restart_s: float | None = typer.Option(
+        None,
+        "--restart-s",
+        help="Time from a failure to training again (default: the checkpoint load measured in "
+        "RUN_DIR by a resume, else 60 s).",
     ),
     step_time_s: float | None = typer.Option(
         None, "--step-time-s", help="Seconds per step (default: measured in RUN_DIR)."
@@ -270,8 +283,8 @@ def checkpoint_interval(
         if mtbf is not None
         else parse_duration_s(node_mtbf or "", "--node-mtbf") / nodes
     )
-    source = "given"
-    if run_dir is not None and (checkpoint_s is None or step_time_s is None):
+    source, restart_source = "given", "given (--restart-s)"
+    if run_dir is not None and (checkpoint_s is None or step_time_s is None or restart_s is None):
         if not (run_dir / "summary.json").exists():
             raise ConfigError(
                 f"{run_dir} has no summary.json; pass a finished run folder or --checkpoint-s."
@@ -279,8 +292,10 @@ def checkpoint_interval(
         summary = read_summary(run_dir)
         measured = (summary.get("fault") or {}).get("checkpoints") or {}
         if checkpoint_s is None:
-            checkpoint_s = measured.get("stall_s_median")
+            checkpoint_s = durable_s(measured)
             source = f"measured in {run_dir} ({measured.get('count', 0)} checkpoints)"
+        if restart_s is None and measured.get("load_s") is not None:
+            restart_s, restart_source = float(measured["load_s"]), f"load measured in {run_dir}"
         if step_time_s is None:
             step_time_s = (summary.get("throughput") or {}).get("step_time_s")
     if not checkpoint_s:
@@ -288,8 +303,11 @@ def checkpoint_interval(
             "no checkpoint time: pass --checkpoint-s, or a run folder whose summary.json has "
             "fault.checkpoints (a run that saved at least one checkpoint)."
         )
+    if restart_s is None:
+        restart_s, restart_source = RESTART_S, "assumed (no resume measured a load)"
     advice = checkpoint_advice(checkpoint_s, job_mtbf, restart_s, step_time_s)
     advice["checkpoint_s_source"] = source
+    advice["restart_s_source"] = restart_source
     if json_out:
         print_json(advice)
         return
@@ -298,10 +316,11 @@ def checkpoint_interval(
     table = Table(title="checkpoint interval (Young 1974 / Daly 2006)", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
-    table.add_row("checkpoint cost (training stall)", _fmt_s(checkpoint_s))
+    table.add_row("checkpoint cost (until durable)", _fmt_s(checkpoint_s))
     table.add_row("  from", source)
     table.add_row("mean time between failures (job)", _fmt_s(job_mtbf))
     table.add_row("restart time", _fmt_s(restart_s))
+    table.add_row("  from", restart_source)
     table.add_row("Young interval sqrt(2CM)", _fmt_s(advice["young_interval_s"]))
     table.add_row("Daly interval (used)", _fmt_s(advice["daly_interval_s"]))
     if advice["checkpoint_every_steps"] is not None:

@@ -212,42 +212,48 @@ def no_sync(model: nn.Module, skip: bool) -> AbstractContextManager[None]:
     return nullcontext()
 
 
-@torch.no_grad()
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm over plain tensors and DTensors on any mesh (TP, FSDP,
-    both): the norm of each group of like-placed gradients is reduced to a full value first."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+def _grad_groups(model: nn.Module) -> list[list[torch.Tensor]]:
+    """The gradients of `model` grouped by placement: plain tensors, and DTensors per
+    (mesh, placements), so that each group's norm is one reduction."""
     groups: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(g)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def grad_norm(model: nn.Module) -> torch.Tensor:
+    """The global L2 norm of the gradients over plain tensors and DTensors on any mesh (TP,
+    FSDP, both), the same value on every rank and on the device (no host sync): a sharded
+    group's norm is reduced across its mesh first (one all-reduce of a scalar per group).
+    Replicated gradients (DDP, ZeRO-1, a TP model's norms) count once, as every rank holds
+    them whole. A NaN/Inf in any rank's shard makes it non-finite on every rank."""
     squares = []
-    for group in groups.values():
+    for group in _grad_groups(model):
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
     if not squares:
         return torch.zeros(())
-    total = torch.stack(squares).sum().sqrt()
-    # A tensor coefficient (as torch.nn.utils.clip_grad_norm_ does): no host sync per step.
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for group in groups.values():
-        torch._foreach_mul_(group, coef.to(group[0].device))
-    return total
+    return torch.stack(squares).sum().sqrt()
 
 
 @torch.no_grad()
-def local_grad_norm(model: nn.Module) -> torch.Tensor:
-    """Norm of the gradients this rank holds (its shards), on the device, without a collective.
-    Under DDP every rank holds the same reduced gradients, so every rank gets the same value;
-    a NaN/Inf anywhere in a reduced gradient makes it non-finite."""
-    local: list[torch.Tensor] = [
-        getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None
-    ]
-    if not local:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(local, norm_type=2.0)
+def clip_grad_norm(
+    model: nn.Module, max_norm: float, norm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Clip the global gradient norm (`grad_norm`, or `norm` when the caller has it already)
+    to `max_norm`; returns the norm before clipping."""
+    total = grad_norm(model) if norm is None else norm
+    # A tensor coefficient (as torch.nn.utils.clip_grad_norm_ does): no host sync per step.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for group in _grad_groups(model):
+        torch._foreach_mul_(group, coef.to(group[0].device))
+    return total
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

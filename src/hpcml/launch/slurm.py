@@ -138,6 +138,7 @@ class SlurmJob:
                 raise LaunchError(
                     f"{flag} {value!r} is not a SLURM memory size; write e.g. 64G or 500M."
                 )
+        _check_directive_values(self)
         if self.mem is not None and self.mem_per_gpu is not None:
             raise LaunchError("give --mem or --mem-per-gpu, not both.")
         if self.mem_per_gpu is not None and not self.gpus_per_node:
@@ -194,6 +195,37 @@ class SlurmJob:
         return self.run_dir / "slurm-%j.out"
 
 
+_WORD_RE = re.compile(r"[A-Za-z0-9_.,:+@%=/-]+")
+"""What a job name, partition or account may hold: no space, quote or line break, which would
+end (or add to) its `#SBATCH` line."""
+
+
+def _check_directive_values(job: SlurmJob) -> None:
+    """User strings written into `#SBATCH` lines: one word each, without a line break or
+    anything sbatch would read as another option; refused in one sentence otherwise."""
+    for flag, value in (
+        ("--job-name", job.job_name),
+        ("--partition", job.partition),
+        ("--account", job.account),
+    ):
+        if value and not _WORD_RE.fullmatch(value):
+            raise LaunchError(
+                f"{flag} {value!r} has a character an #SBATCH line cannot hold (a space, quote, "
+                "line break or other symbol); use letters, digits and _.,:+@%=/- only."
+            )
+    for extra in job.sbatch_extra:
+        if not extra.startswith("-") or any(c in extra for c in "\n\r\x00"):
+            raise LaunchError(
+                f"--sbatch {extra!r} is not one sbatch option on one line; give each option "
+                "as its own --sbatch, e.g. --sbatch=--qos=high."
+            )
+    if any(c in str(job.run_dir) for c in "\n\r\x00"):
+        raise LaunchError(
+            f"--run-dir {str(job.run_dir)!r} holds a line break, which an #SBATCH --output line "
+            "cannot hold; choose another folder name."
+        )
+
+
 def _directives(job: SlurmJob) -> list[str]:
     out = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     if job.cpus_per_task:
@@ -219,6 +251,26 @@ def _directives(job: SlurmJob) -> list[str]:
     ]
 
 
+def _numa(job: SlurmJob) -> bool:
+    return bool(job.gpus_per_node) and job.numa_binding != "none"
+
+
+def _numa_lines(job: SlurmJob) -> list[str]:
+    """torchrun's --numa-binding runs the workers under numactl and fails without it: ask the
+    node (the script runs on the allocation's first node) and fall back with a line in the log."""
+    if not _numa(job):
+        return []
+    return [
+        'numa_args=""',
+        "if command -v numactl >/dev/null 2>&1; then",
+        f'    numa_args="--numa-binding={job.numa_binding}"',
+        "else",
+        '    say "numactl is not installed on $(hostname): workers start without '
+        f'--numa-binding={job.numa_binding}"',
+        "fi",
+    ]
+
+
 def _launch_lines(job: SlurmJob) -> list[str]:
     """srun: one task per node with all its cores; torchrun (through hpcml's agent, which ends
     the group without a restart or a traceback on a preemption) starts the workers."""
@@ -230,11 +282,7 @@ def _launch_lines(job: SlurmJob) -> list[str]:
             "--run-dir", str(job.run_dir.resolve()), "--resume", "auto", "--quiet",
         ]
     )  # fmt: skip
-    numa = (
-        f" --numa-binding={job.numa_binding}"
-        if job.gpus_per_node and job.numa_binding != "none"
-        else ""
-    )
+    numa = " $numa_args" if _numa(job) else ""  # empty where the node has no numactl
     cpus = f" --cpus-per-task={job.cpus_per_task}" if job.cpus_per_task else ""
     return [
         # srun does not inherit --cpus-per-task from sbatch in SLURM 22.05-23.02: say it again.
@@ -353,6 +401,7 @@ def render_sbatch(job: SlurmJob) -> str:
         "# summary.json newer than this marker was written by this attempt.",
         'ATTEMPT_MARK="$RUN_DIR/logs/.attempt-$job_tag-r$restarts"',
         'touch "$ATTEMPT_MARK"',
+        *_numa_lines(job),
         *_launch_lines(job),
         *_outcome_lines(job),
         "",

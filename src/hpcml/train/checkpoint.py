@@ -359,6 +359,13 @@ def load(
     RunConfig), a changed LR horizon is refused unless optim.decay_steps sets it explicitly.
     """
     wait_pending()
+    with ckpt_phase.phase("read", step_of(path) or 0):  # watched like a save's phases
+        return _load(path, model, optimizer, rt, cfg)
+
+
+def _load(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime, cfg: Any
+) -> Loaded:
     mode = cfg.fault.checkpoint_verify if cfg is not None else "full"
     # Each file once, on one rank; skipped when the resume choice just verified it.
     problem = None if manifest.already_verified(path) else manifest.verify_shared(path, rt, mode)

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-PHASES = ("write", "hash", "wait", "fsync", "manifest", "rename", "prune")
-"""`wait` is a rank waiting at a barrier for the others (usually for rank 0's finalize)."""
+PHASES = ("write", "hash", "wait", "fsync", "manifest", "rename", "prune", "read")
+"""`wait` is a rank waiting at a barrier for the others (usually for rank 0's finalize);
+`read` is a load (resume or rollback: verification and the read of every file)."""
 
 
 @dataclass(frozen=True)

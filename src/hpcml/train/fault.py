@@ -128,6 +128,8 @@ class FaultGuard:
         self.spikes = SpikeDetector(self.fc.spike_zscore, self.fc.spike_window)
         self.injector: FaultInjector | None = None
         self.current_step = 0
+        self.load_s: float | None = None
+        """Seconds the resume's checkpoint read took (the restart cost Daly's interval uses)."""
         self.counts = {
             "nonfinite_steps": 0,
             "spike_steps": 0,
@@ -160,7 +162,6 @@ class FaultGuard:
     ) -> None:
         self.run_dir = run_dir
         self.log = log
-        self.injector = FaultInjector.from_env(self.rt.rank)
         if self.rt.is_main:
             self.warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
         # Launchers and tests find the workers here (an elastic restart rewrites them).
@@ -174,8 +175,6 @@ class FaultGuard:
         ]
         if self.fc.straggler_every:
             self.timer.attach(inner)
-        if self.injector is not None:
-            ckpt_phase.hook = self.injector.checkpoint_phase
         if self.fc.preempt_notice != "none" and self.rt.local_rank == 0:
             self.notices = NoticeWatcher(
                 self.fc.preempt_notice,
@@ -184,6 +183,18 @@ class FaultGuard:
                 self.fc.preempt_notice_url,
                 self.warn,
             ).start()
+        self.watch_checkpoints()
+
+    def watch_checkpoints(self) -> None:
+        """Start fault injection and the watchdog (once): called before a resume's checkpoint
+        read, so a read that hangs (the `read` phase) ends after fault.checkpoint_timeout_s
+        like a stalled save; the idle check arms only at the first step."""
+        if self.injector is None:
+            self.injector = FaultInjector.from_env(self.rt.rank)
+            if self.injector is not None:
+                ckpt_phase.hook = self.injector.checkpoint_phase
+        if self.watchdog is not None:
+            return
         timeout = self.watchdog_timeout_s()
         ckpt_timeout, grace = self.fc.checkpoint_timeout_s, self.fc.preempt_grace_s
         if timeout > 0 or ckpt_timeout > 0 or grace > 0:
@@ -250,15 +261,23 @@ class FaultGuard:
             drop_batch()
             self.counts["dropped_batches"] += 1
 
-    def check(self, step: int, loss_sum: torch.Tensor, data_wait_s: float) -> Verdict:
-        """After backward, before the optimizer step. One collective of two numbers: the loss
-        (so every rank judges the same global loss) and the preemption flags."""
+    def check(
+        self,
+        step: int,
+        loss_sum: torch.Tensor,
+        data_wait_s: float,
+        grad_norm: torch.Tensor | None = None,
+    ) -> Verdict:
+        """After backward, before the optimizer step. One collective of a few numbers: the loss
+        (so every rank judges the same global loss), the global gradient norm (the same on
+        every rank; a finite loss can still have a NaN/Inf gradient) and the preemption flags."""
         n = step + 1
         self.timer.end_step(data_wait_s)
         flags = loss_sum.new_tensor(self.preemption.flags()).float()
-        t = torch.cat([loss_sum.detach().float().reshape(1), flags])
+        norm = loss_sum.new_zeros(1) if grad_norm is None else grad_norm.float().reshape(1)
+        t = torch.cat([loss_sum.detach().float().reshape(1), norm.to(loss_sum.device), flags])
         all_reduce_sum(self.rt, t)
-        total, *summed = t.tolist()
+        total, norm_sum, *summed = t.tolist()
         loss = total / self.rt.world_size
         preempt, interrupt = agreed(summed)
         if self.watchdog is not None:
@@ -266,7 +285,7 @@ class FaultGuard:
         if self.fc.straggler_every and n % self.fc.straggler_every == 0:
             self._check_stragglers(n)
 
-        if not math.isfinite(loss):
+        if not (math.isfinite(loss) and math.isfinite(norm_sum)):
             kind, policy = "nonfinite", self.fc.nan_policy
             self.counts["nonfinite_steps"] += 1
         elif self.spikes.is_spike(loss):
@@ -279,6 +298,8 @@ class FaultGuard:
 
         self._bad_in_a_row += 1
         what = "NaN/Inf" if kind == "nonfinite" else f"a spike ({self._zdesc(loss)})"
+        if kind == "nonfinite" and math.isfinite(loss):
+            what = f"finite ({loss:.4g}) but its gradient norm was {norm_sum}"
         self._event(
             {
                 "event": kind,
@@ -431,6 +452,7 @@ class FaultGuard:
 
     def summary(self) -> dict[str, Any]:
         checkpoints = ckpt.timing_summary(ckpt.timings[self._timings_from :])
+        checkpoints["load_s"] = self.load_s  # the resume's read (None: started afresh)
         return {
             **self.counts,
             "stragglers": {str(r): c for r, c in sorted(self.stragglers.items())},

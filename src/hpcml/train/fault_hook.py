@@ -2,13 +2,16 @@
 
 Two paths:
 - on the device (the default guards: NaN/Inf skip, no spike detection): no host sync and no
-  collective per step. The Trainer skips a step whose gradients are not finite inside the
-  fused optimizer (`found_inf`, as GradScaler does), every rank alike because every rank
-  decides from the same reduced gradients. Skipped steps keep their number; they are reported
-  at the next log flush, whose one collective also carries the preemption flags
-  (or every `fault.preempt_check_every` steps).
+  collective per step of its own. The Trainer skips a step whose global gradient norm is not
+  finite inside the fused optimizer (`found_inf`, as GradScaler does), every rank alike
+  because the norm is reduced over every rank's shards (`parallel.grad_norm`), even when one
+  shard alone holds the NaN/Inf and the loss is finite. Skipped steps keep their number; the
+  step record says `skipped` and gives the `grad_norm`; they are counted at the next log
+  flush, whose one collective also carries the preemption flags (or every
+  `fault.preempt_check_every` steps).
 - on the host (spike detection, or a `rollback` / `stop` policy, which need each step's global
-  loss before the update): one collective and one sync per step (`FaultGuard.check`).
+  loss before the update): one collective and one sync per step (`FaultGuard.check`), which
+  judges the loss and the global gradient norm.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class FaultHook(Hook):
 
     def after_backward(self, trainer: Any, loss_sum: Any, data_wait_s: float) -> StepDecision:
         if self.on_host:
-            verdict = self.guard.check(trainer.step, loss_sum, data_wait_s)
+            verdict = self.guard.check(trainer.step, loss_sum, data_wait_s, trainer.grad_norm)
             return StepDecision(
                 verdict.skip, verdict.rollback_to, verdict.preempt, interrupt=verdict.interrupt
             )
@@ -64,7 +67,7 @@ class FaultHook(Hook):
         elif every is not None and n % every == 0:
             flags = torch.tensor(g.preemption.flags(), device=trainer.rt.device)
             preempt, interrupt = agreed(all_reduce_sum(trainer.rt, flags).tolist())
-        return StepDecision(preempt=preempt, skip_on_device=True, interrupt=interrupt)
+        return StepDecision(preempt=preempt, interrupt=interrupt)
 
     def flush_flags(self) -> list[float]:
         """Carried by the log flush's collective: this rank's [preemption, Ctrl-C] flags."""
@@ -75,23 +78,36 @@ class FaultHook(Hook):
         to stop (a preemption, or Ctrl-C)."""
         g = self.guard
         for rec in records:
-            loss = rec.get("loss")
-            if loss is None or math.isfinite(loss):
+            loss, skipped = rec.get("loss"), rec.get("skipped")
+            bad_loss = loss is not None and not math.isfinite(loss)
+            if not (bad_loss or skipped):
                 self.bad_in_a_row = 0
-            else:
-                self.bad_in_a_row += 1
-                if self.bad_in_a_row > g.fc.max_bad_steps:
-                    raise WorkFailed(
-                        f"{self.bad_in_a_row} steps in a row up to step {rec['step']} had a "
-                        f"NaN/Inf loss, more than fault.max_bad_steps={g.fc.max_bad_steps}; "
-                        "the model does not recover, lower optim.lr or resume from an earlier "
-                        "checkpoint."
-                    )
-                g.counts["nonfinite_steps"] += 1
-                g.counts["skipped_steps"] += 1
-                g._event(
-                    {"event": "nonfinite", "step": rec["step"], "loss": str(loss), "policy": "skip"}
+                continue
+            self.bad_in_a_row += 1
+            if self.bad_in_a_row > g.fc.max_bad_steps:
+                raise WorkFailed(
+                    f"{self.bad_in_a_row} steps in a row up to step {rec['step']} had a "
+                    f"NaN/Inf loss or gradient, more than fault.max_bad_steps="
+                    f"{g.fc.max_bad_steps}; the model does not recover, lower optim.lr or "
+                    "resume from an earlier checkpoint."
                 )
-                g.warn(f"step {rec['step']}: the loss was NaN/Inf; skipped the update.")
+            g.counts["nonfinite_steps"] += 1
+            # Without a gradient norm (fp16 loss scaling) the scaler dropped it.
+            dropped = skipped is not False
+            g.counts["skipped_steps"] += dropped
+            what = "loss" if bad_loss else f"gradient norm ({rec.get('grad_norm')})"
+            g._event(
+                {
+                    "event": "nonfinite",
+                    "step": rec["step"],
+                    "loss": loss if loss is not None and math.isfinite(loss) else str(loss),
+                    "grad_norm": str(rec.get("grad_norm")),
+                    "policy": "skip" if dropped else "applied",
+                }
+            )
+            g.warn(
+                f"step {rec['step']}: the {what} was NaN/Inf; "
+                + ("skipped the update." if dropped else "its gradients were finite and applied.")
+            )
         preempt, interrupt = agreed(flags) if flags else (False, False)
         return StepDecision(preempt=preempt, interrupt=interrupt)

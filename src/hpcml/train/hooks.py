@@ -31,8 +31,6 @@ class StepDecision:
     skip: bool = False
     rollback_to: Path | None = None
     preempt: bool = False
-    skip_on_device: bool = False
-    """Apply the update only if the gradients are finite, decided on the device (no sync)."""
     interrupt: bool = False
     """Ctrl-C: every rank stops here without a checkpoint."""
 
@@ -43,7 +41,6 @@ class StepDecision:
             self.skip or other.skip,
             self.rollback_to or other.rollback_to,
             self.preempt or other.preempt,
-            self.skip_on_device or other.skip_on_device,
             self.interrupt or other.interrupt,
         )
 

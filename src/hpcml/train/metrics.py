@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -49,9 +50,22 @@ class StepMeter:
         lr: float,
         step_time_s: float,
         data_wait_s: float,
+        grad_norm: torch.Tensor | None = None,
+        skipped: torch.Tensor | None = None,
         **extra: Any,
     ) -> None:
-        self._losses.append(loss.detach().float().reshape(()))
+        """`grad_norm` and `skipped` (1.0: the update was dropped) stay on the device until the
+        flush, like the loss; without them (fp16 loss scaling) the record has neither."""
+        nan = loss.new_full((), float("nan"))
+        self._losses.append(
+            torch.stack(
+                [
+                    loss.detach().float().reshape(()),
+                    (nan if grad_norm is None else grad_norm).float().reshape(()).to(nan.device),
+                    (nan if skipped is None else skipped).float().reshape(()).to(nan.device),
+                ]
+            )
+        )
         sps = self.global_batch / step_time_s if step_time_s > 0 else None
         self._pending.append(
             {
@@ -77,15 +91,19 @@ class StepMeter:
             self.flags = []
             return []
         dev = self.rt.device
-        parts = [torch.stack(self._losses)] if self._losses else []
+        # Per step: loss, global gradient norm, skipped; the latter two are alike on every rank.
+        parts = [torch.cat(self._losses)] if self._losses else []
         parts += [torch.tensor(flags, dtype=torch.float32, device=dev)] if flags else []
         reduced = all_reduce_mean(self.rt, torch.cat(parts)).tolist()
-        n = len(self._losses)
-        losses, self.flags = reduced[:n], reduced[n:]
+        n = 3 * len(self._losses)
+        values, self.flags = reduced[:n], reduced[n:]
         if not self._pending:
             return []
-        for rec, loss in zip(self._pending, losses, strict=True):
+        for i, rec in enumerate(self._pending):
+            loss, norm, skipped = values[3 * i : 3 * i + 3]
             rec["loss"] = loss
+            if not math.isnan(skipped):
+                rec["grad_norm"], rec["skipped"] = norm, skipped > 0.5
         out = self._pending
         self._pending, self._losses = [], []
         self.last_loss = out[-1]["loss"]

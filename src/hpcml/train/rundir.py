@@ -7,6 +7,7 @@ A folder that holds a finished or unfinished run is never overwritten silently: 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -138,3 +139,48 @@ def resolve_shared(
     return _on_main(
         rt, lambda: resolve(run_dir, resume, overwrite, False, warn, allow_fresh_start, known_bad)
     )
+
+
+def finished_summary(
+    run_dir: Path, checkpoint: Path | None, max_steps: int
+) -> dict[str, Any] | None:
+    """The summary of a run that finished at `max_steps` and whose resume target is that last
+    step: a resume has nothing to train (and must not rewrite what the run wrote), or None."""
+    if checkpoint is None or (ckpt.step_of(checkpoint) or 0) < max_steps:
+        return None
+    try:
+        summary = json.loads((run_dir / SUMMARY).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("status") == "finished" else None
+
+
+def finished_line(run_dir: Path, checkpoint: Path | None, cfg: Any) -> str:
+    return (
+        f"run folder {run_dir} has finished: its checkpoint {checkpoint} is at "
+        f"train.max_steps={cfg.train.max_steps}; nothing was trained or changed. Raise "
+        "train.max_steps to train further."
+    )
+
+
+def prepare_shared(
+    rt: Runtime,
+    chosen: Path,
+    resume: str | None,
+    overwrite: bool,
+    warn: Any,
+    allow_fresh_start: bool,
+    mode: str,
+) -> tuple[Path, Path | None]:
+    """Rank 0 checks the run folder; every rank gets the same answer or the same error.
+    The checkpoint to resume from is verified by all ranks together (`resolve_shared`)."""
+    # A restarted elastic group resumes from the newest checkpoint, whatever was asked.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume, overwrite = "auto", False
+    chosen = Path(broadcast_object(rt, str(chosen)))  # rank 0's timestamped default
+    found = resolve_shared(rt, chosen, resume, overwrite, warn, allow_fresh_start, mode)
+    if resume == "auto" and found is None:
+        warn(
+            f"no complete checkpoint in {chosen / 'checkpoints'}; starting from step 0.", prefix=""
+        )
+    return chosen, found

@@ -8,7 +8,6 @@ checkpoint has loaded, so a refused start leaves the folder byte-identical.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,8 +21,8 @@ from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
 from hpcml.data.versions import first_read, versions_after_resume
 from hpcml.distributed.parallel import (
     clip_grad_norm,
+    grad_norm,
     grad_scaler,
-    local_grad_norm,
     local_value,
     loss_context,
     no_sync,
@@ -43,7 +42,7 @@ from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
 from hpcml.train import checkpoint as ckpt
-from hpcml.train import finetune, memprobe, mfu, rundir
+from hpcml.train import finetune, memprobe, mfu, resume_changes, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
 from hpcml.train.evaluation import evaluate_model
@@ -94,6 +93,9 @@ class Trainer:
         self.writing = False
         """True once this run has started writing into the run folder."""
         self.fault_hook: FaultHook | None = None
+        self.grad_norm: torch.Tensor | None = None
+        self.resume_record: dict[str, Any] = {}
+        """This step's global gradient norm on the device (None under fp16 loss scaling)."""
 
     # --- the whole run ---------------------------------------------------------------------
 
@@ -106,7 +108,10 @@ class Trainer:
         self.guard = FaultGuard(cfg, self.rt)  # first: a preemption during set-up counts too
         clean = False
         try:
-            self.setup()
+            finished = self.setup()
+            if finished is not None:  # --resume of a finished run: nothing to do, nothing written
+                clean = True
+                return finished
             while self.step < cfg.train.max_steps:
                 with self.phase("hpcml.step", step=self.step + 1, rank=self.rt.rank):
                     self.after_step(self.train_step())
@@ -133,49 +138,44 @@ class Trainer:
 
     # --- set-up ------------------------------------------------------------------------------
 
-    def setup(self) -> None:
+    def setup(self) -> dict[str, Any] | None:
+        """Build everything a step needs; returns the summary instead when the run to resume
+        has finished already (rank 0's; an empty dict on the others)."""
         cfg, rt = self.cfg, self.rt
         self.setup_memory = SetupMemory()
         # Deterministic checks on every rank before the first collective: all ranks agree.
         self.resolved = resolve(cfg, rt.world_size)
         cfg.train.grad_accum = self.resolved.grad_accum  # derived from train.global_batch
         self.out_dir, self.resume_from = self._prepare_folder()
+        done = rundir.finished_summary(self.out_dir, self.resume_from, cfg.train.max_steps)
+        finished = broadcast_object(rt, done is not None)  # rank 0 read it for everyone
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         self.precision = setup_precision(cfg.precision, rt.device)
         self.loss_fn = resolve_loss(cfg.train.loss)
         self._build_model()
         self._build_data()
         torch.manual_seed(cfg.train.seed + rt.rank)  # per-rank randomness (dropout)
-        if self.resume_from is not None:
-            self.step = self.restore(self.resume_from)
+        if self.resume_from is not None:  # refuses a checkpoint that does not fit, finished or not
+            self.guard.watch_checkpoints()  # a read that hangs ends after checkpoint_timeout_s
+            self.step = self.restore(self.resume_from, quiet=finished)
+        if finished:
+            self._warn(rundir.finished_line(self.out_dir, self.resume_from, cfg), prefix="")
+            return (done or {}) if rt.is_main else {}
         self.setup_rss = self.setup_memory.result()  # this rank's set-up peak and growth
         self._open_run_folder()
+        return None
 
     def _prepare_folder(self) -> tuple[Path, Path | None]:
-        """Rank 0 checks the run folder; every rank gets the same answer or the same error.
-        The checkpoint to resume from is verified by all ranks together (rundir.resolve_shared)."""
-        rt = self.rt
-        resume, overwrite = self.resume_arg, self.overwrite
-        chosen = self.run_dir_arg or rundir.default_run_dir(self.config_path)
-        # A restarted elastic group resumes from the newest checkpoint, whatever was asked.
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            resume, overwrite = "auto", False
-        chosen = Path(broadcast_object(rt, str(chosen)))  # rank 0's timestamped default
-        found = rundir.resolve_shared(
-            rt,
-            chosen,
-            resume,
-            overwrite,
-            warn=self._warn,
-            allow_fresh_start=self.allow_fresh_start,
-            mode=self.cfg.fault.checkpoint_verify,
+        """The run folder and the checkpoint to resume from, the same on every rank."""
+        return rundir.prepare_shared(
+            self.rt,
+            self.run_dir_arg or rundir.default_run_dir(self.config_path),
+            self.resume_arg,
+            self.overwrite,
+            self._warn,
+            self.allow_fresh_start,
+            self.cfg.fault.checkpoint_verify,
         )
-        if resume == "auto" and found is None:
-            self._warn(
-                f"no complete checkpoint in {chosen / 'checkpoints'}; starting from step 0.",
-                prefix="",
-            )
-        return chosen, found
 
     def _warn(self, message: str, prefix: str = "warning: ") -> None:
         if self.rt.is_main:
@@ -209,22 +209,23 @@ class Trainer:
         self.device_normalize = splits.device_normalize
         self.data_versions = first_read(splits.version, cfg.data.path)
 
-    def restore(self, path: Path) -> int:
-        """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG."""
+    def restore(self, path: Path, quiet: bool = False) -> int:
+        """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG;
+        changed hyperparameters are applied or refused (`hpcml.train.resume_changes`)."""
+        fresh = resume_changes.hyperparameters(self.optimizer)
+        t0 = time.perf_counter()
         with self.guard.checkpointing():
             loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
+        self.guard.load_s = time.perf_counter() - t0
         finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
+        saved_cfg = loaded.trainer.get("config")
+        resume_changes.refuse_unappliable(path, saved_cfg, self.cfg)
         self.scheduler.load_state_dict(loaded.trainer["scheduler"])
-        # The saved lr came from the saved horizon; an explicit optim.decay_steps may differ.
-        at = self.scheduler.last_epoch
-        for group, base, fn in zip(
-            self.optimizer.param_groups,
-            self.scheduler.base_lrs,
-            self.scheduler.lr_lambdas,
-            strict=True,
-        ):
-            group["lr"] = base * fn(at)
-        self.scaler.load_state_dict(loaded.trainer["scaler"])
+        # The config's lr, betas, ... over the checkpoint's (the schedule's lambdas are the
+        # config's already; an explicit optim.decay_steps may differ from the saved horizon).
+        resume_changes.apply_hyperparameters(self.optimizer, self.scheduler, fresh)
+        if loaded.trainer["scaler"] or not self.scaler.is_enabled():  # fp16 from another: fresh
+            self.scaler.load_state_dict(loaded.trainer["scaler"])
         data = self.cfg.data
         self.data_versions = versions_after_resume(
             loaded.trainer.get("data_versions"),
@@ -234,15 +235,16 @@ class Trainer:
             source=data.source,
             path=data.path,
         )
+        resume_changes.restore_data(self.train_data, loaded, saved_cfg, self.cfg)
         if loaded.rank_state is not None:
-            self.train_data.load_state_dict(loaded.rank_state["data"])
             ckpt.set_rng_state(loaded.rank_state["rng"])
-        elif "data_position" in loaded.trainer:  # another world size: the next unseen sample
-            pos = loaded.trainer["data_position"]
-            self.train_data.resume_at(int(pos["epoch"]), int(pos["samples"]))
-        else:  # written before positions were stored: continue at the next epoch boundary
-            epoch = int(loaded.trainer.get("epoch", 0)) + 1
-            self.train_data.load_state_dict({"epoch": epoch, "loader": None})
+        self.resume_record = resume_changes.record(loaded, saved_cfg, self.cfg)
+        note = resume_changes.global_batch_note(
+            saved_cfg, loaded.trainer, self.cfg, self.global_batch, self.rt.dp_size
+        )
+        if note is not None and not quiet:
+            self.resume_record["global_batch_note"] = note
+            self._warn(note, prefix=f"resuming at step {loaded.step}: ")
         return loaded.step
 
     def _open_run_folder(self) -> None:
@@ -259,6 +261,9 @@ class Trainer:
             self.view = LiveView(cfg.train.max_steps, self.step, self.quiet)
             if self.resume_from is not None:
                 self.view.message(f"resumed from {self.resume_from} at step {self.step}")
+                self.log.write(self.resume_record)
+                if self.resume_record["applied"]:
+                    self._warn(resume_changes.applied_line(self.resume_record), prefix="")
         self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
         obs.gpu_preflight(cfg, rt)
         self.exporter = obs.start_exporter(cfg, rt, self.out_dir)
@@ -312,6 +317,9 @@ class Trainer:
         self.hooks.before_step(self)
         t0 = time.perf_counter()
         loss_sum, data_wait = self.forward_backward()
+        # The global gradient norm, on the device: every rank decides alike whether this step's
+        # gradients are finite (under fp16 loss scaling the scaler decides; see optimizer_step).
+        self.grad_norm = None if self.scaler.is_enabled() else grad_norm(self.model)
         decision = self.hooks.after_backward(self, loss_sum, data_wait)
         if decision.rollback_to is not None:
             self.step = self.restore(decision.rollback_to)
@@ -319,7 +327,7 @@ class Trainer:
         if decision.skip:
             return decision
         with self.phase("hpcml.optimizer"):
-            lr = self.optimizer_step(decision.skip_on_device)
+            lr, skipped = self.optimizer_step(self.grad_norm)
         self.step += 1
         self.meter.record(
             self.step,
@@ -327,6 +335,8 @@ class Trainer:
             lr,
             time.perf_counter() - t0,
             data_wait,
+            grad_norm=self.grad_norm,
+            skipped=skipped,
             epoch=self.train_data.epoch,
         )
         if self.profiler is not None:
@@ -364,27 +374,29 @@ class Trainer:
             loss_sum += local_value(loss.detach())
         return loss_sum, data_wait
 
-    def optimizer_step(self, skip_on_device: bool = False) -> float:
-        """Clip, step, schedule. With `skip_on_device` the update is dropped inside the fused
-        optimizer when the gradient norm is not finite (no host sync)."""
-        norm = None
+    def optimizer_step(self, norm: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
+        """Clip, step, schedule. `norm` is the global gradient norm (`grad_norm`); when it is not
+        finite the update is dropped on every rank: inside the fused optimizer (`found_inf`, as
+        GradScaler sets it: no host sync), else by one host sync. Returns the lr and, with
+        `norm`, whether the update was dropped (a device tensor, 1.0 if so)."""
         if self.cfg.optim.grad_clip is not None:
-            self.scaler.unscale_(self.optimizer)
-            norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+            if norm is None:  # fp16: unscale first, the scaler skips non-finite steps itself
+                self.scaler.unscale_(self.optimizer)
+            clip_grad_norm(self.model, self.cfg.optim.grad_clip, norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
         inner: Any = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1 wraps one
-        if skip_on_device and not self.scaler.is_enabled():
-            norm = local_grad_norm(self.model) if norm is None else norm
+        found_inf = None
+        if norm is not None:
             found_inf = (~torch.isfinite(norm)).float()
             if inner.defaults.get("fused"):
                 inner.found_inf = found_inf  # read by the fused kernel, as GradScaler sets it
             elif found_inf.item():  # an optimizer without a fused kernel: one sync per step
                 self.scheduler.step()
-                return lr
+                return lr, found_inf
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        return lr
+        return lr, found_inf
 
     def after_step(self, decision: StepDecision) -> None:
         """Log flush, evaluation, checkpoint, and the stop all ranks agreed on (preemption, Ctrl-C)."""

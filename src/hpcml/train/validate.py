@@ -10,6 +10,8 @@ collective and no rank is left waiting in one.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,10 @@ from torch import nn
 
 from hpcml.config import RunConfig
 from hpcml.data.sources import Splits, load_source
+from hpcml.distributed import meta_init
 from hpcml.distributed.parallel import check_parallel
 from hpcml.errors import ConfigError, DataError, ModelError
-from hpcml.models.zoo import build_model, complete_args, get_spec
+from hpcml.models.zoo import build_model, complete_args, forward_flops_per_sample, get_spec
 from hpcml.train import finetune
 
 
@@ -43,12 +46,14 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     """Load the data's description, build the model on meta and check the layout; raises an
     `HpcmlError` with one sentence for the first problem found."""
     get_spec(cfg.model.name)
+    check_synthetic_memory(cfg)
     splits = load_source(cfg.data)
     model_args = complete_args(
         cfg.model.name, cfg.model.args, splits.input_shape, splits.num_classes
     )
     with torch.device("meta"):
         model = build_model(cfg.model.name, model_args)
+    check_forward(cfg, model, splits)
     check_parallel(model, world_size, cfg.parallel.tp, cfg.parallel, cfg.precision)
     dp_size = world_size // cfg.parallel.tp
     check_batch(cfg, splits, dp_size)
@@ -58,6 +63,45 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     init_from = check_init_from(cfg.model.init_from, model)
     finetune.check(cfg, model)  # finetune: needs init_from, targets that match
     return Resolved(splits, model_args, model, world_size, dp_size, grad_accum, init_from)
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        return None
+
+
+def check_synthetic_memory(cfg: RunConfig) -> None:
+    """data.source synthetic generates the whole set at once and then copies it into the two
+    splits: refuse a set that cannot fit in this machine's memory twice."""
+    d = cfg.data
+    if d.source != "synthetic":
+        return
+    need = 2 * d.synthetic_samples * (math.prod(d.synthetic_shape) * 4 + 8)  # float32 x, int64 y
+    have = physical_memory_bytes()
+    if have is not None and need > have:
+        raise DataError(
+            f"data.synthetic_samples {d.synthetic_samples} of shape {d.synthetic_shape} need "
+            f"{need / 2**30:,.1f} GiB to generate and split, more than this machine's "
+            f"{have / 2**30:,.1f} GiB of memory; lower data.synthetic_samples or the shape."
+        )
+
+
+def check_forward(cfg: RunConfig, model: nn.Module, splits: Splits) -> None:
+    """One forward of a batch of 2 on the meta device (what set-up counts FLOPs with): a model
+    that cannot take the data's inputs is refused here, not by a worker's traceback."""
+    if not meta_init.initializable(model):
+        return  # built on the device later; its forward may not run on meta
+    try:
+        forward_flops_per_sample(model, splits.input_shape, splits.input_dtype, device="meta")
+    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ModelError(
+            f"model {cfg.model.name!r} cannot take the inputs of data.source "
+            f"'{cfg.data.source}' (one sample of shape {list(splits.input_shape)}, "
+            f"{splits.input_dtype}): {reason}; choose model.args or data settings that fit."
+        ) from None
 
 
 def derive_grad_accum(cfg: RunConfig, dp_size: int) -> int:

@@ -1,0 +1,66 @@
+"""User strings that `hpcml launch slurm` writes into an sbatch script cannot add lines to it
+(issue 29): sbatch stops reading `#SBATCH` lines at the first line that is not one, so a job
+name with a line break silently dropped every directive after it (and a second line could run
+a command). Each is refused in one sentence (LaunchError, exit 2) before a script is written;
+the CLI path is checked end to end once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tests.conftest import run_hpcml
+
+from hpcml.errors import LaunchError
+from hpcml.launch.slurm import SlurmJob, render_sbatch
+
+BASE = {"config": Path("c.yaml"), "nodes": 1, "time": "01:00:00"}
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("job_name", "train\n#SBATCH --partition=free"),
+        ("job_name", "two words"),
+        ("partition", "gpu\nrm -rf ~"),
+        ("account", "ml'"),
+        ("sbatch_extra", ["--qos=high\n--exclusive"]),
+        ("sbatch_extra", ["qos=high"]),
+        ("run_dir", Path("runs/a\nb")),
+    ],
+)
+def test_a_string_that_would_add_a_line_is_refused(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    fields: dict[str, object] = {**BASE, "run_dir": tmp_path, field: value}
+    with pytest.raises(LaunchError) as refused:
+        SlurmJob(**fields)  # type: ignore[arg-type]
+    assert "\n" not in refused.value.message
+
+
+def test_accepted_strings_stay_on_their_directive_line(tmp_path: Path) -> None:
+    job = SlurmJob(
+        **BASE,  # type: ignore[arg-type]
+        run_dir=tmp_path,
+        job_name="llm-7b_v2.1",
+        partition="gpu,gpu-long",
+        account="proj@site",
+        sbatch_extra=["--qos=high", "--exclusive"],
+    )
+    lines = render_sbatch(job).splitlines()
+    for want in ("--job-name=llm-7b_v2.1", "--partition=gpu,gpu-long", "--account=proj@site"):
+        assert f"#SBATCH {want}" in lines
+    assert "#SBATCH --qos=high" in lines and "#SBATCH --exclusive" in lines
+
+
+def test_the_cli_refuses_a_job_name_with_a_line_break(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {name: mlp}\ntrain: {checkpoint_every: 10}\n")
+    proc = run_hpcml(
+        "launch", "slurm", str(config), "--run-dir", str(tmp_path / "run"), "--nodes", "1",
+        "--time", "01:00:00", "--cpus-per-task", "2", "--mem", "1G",
+        "--job-name", "a\n#SBATCH --exclusive", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("error: --job-name") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "job.sbatch").exists()
