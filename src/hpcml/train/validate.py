@@ -53,8 +53,9 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     )
     with torch.device("meta"):
         model = build_model(cfg.model.name, model_args)
-    check_forward(cfg, model, splits)
+    # The layout first: a model that cannot be split over tp ranks is the more specific sentence.
     check_parallel(model, world_size, cfg.parallel.tp, cfg.parallel, cfg.precision)
+    check_forward(cfg, model, splits)
     dp_size = world_size // cfg.parallel.tp
     check_batch(cfg, splits, dp_size)
     check_loss(cfg)
@@ -147,7 +148,7 @@ def check_init_from(path: str | None, model: nn.Module) -> Path | None:
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise ConfigError(
-            f"model.init_from {path}: no {WEIGHTS} there (nor in its export/ folder); point it "
+            f"model.init_from {str(path)!r}: no {WEIGHTS} there (nor in its export/ folder); point it "
             "at a finished run folder, its export/ folder or the model.safetensors file."
         )
     try:
