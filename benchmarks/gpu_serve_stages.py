@@ -30,9 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
+from gpu_train_stages import say, sync  # noqa: E402  (the training stages' helpers)
 
 
 def stage_llm(work: Path, dev: torch.device, dry: bool) -> dict[str, Any]:
@@ -96,17 +94,12 @@ def raw_forward_samples_per_s(export: Path, dev: torch.device, batch: int, iters
     with torch.inference_mode():
         for _ in range(5):
             model(x)
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         for _ in range(iters):
             model(x)
-        _sync(dev)
+        sync(dev)
     return batch * iters / (time.perf_counter() - t0)
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def stage_serving(work: Path, dev: torch.device, dry: bool) -> dict[str, Any]:
