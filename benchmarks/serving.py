@@ -411,7 +411,7 @@ def main() -> None:
     peers = _peers(kinds, args.peer_path)
     runs = _measure(args, kinds, payloads, export, slos, step_s)
     raw = runs.pop("_raw_forward")["all"]
-    summary = _summarize(runs)
+    summary = integrity.summarize(runs)
     raw_batched = [r[f"batch_{MAX_BATCH}_samples_per_s"] for r in raw]
     report = {
         "benchmark": "serving",
@@ -462,26 +462,6 @@ def main() -> None:
     (args.out / f"{name}.md").write_text(integrity.markdown(report))
     print()
     print(integrity.markdown(report))
-
-
-def _summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Capacity per (row, objective) as median [min .. max], steps the generator fell behind
-    on, and the ratios per repetition with their spread (serving_integrity)."""
-    out: dict[str, Any] = {}
-    slos = next(iter(runs.values())).keys() if runs else []
-    for slo in slos:
-        values = {row: [r["capacity_rps"] for r in by[slo]] for row, by in runs.items()}
-        out[slo] = {
-            "capacity_rps": {row: integrity.spread(v) for row, v in values.items()},
-            "invalid_steps": {
-                row: sum(r["invalid_steps"] for r in by[slo]) for row, by in runs.items()
-            },
-            "generator_limited": [
-                row for row, by in runs.items() if any(r["generator_limited"] for r in by[slo])
-            ],
-            "ratios": integrity.ratios(values),
-        }
-    return out
 
 
 if __name__ == "__main__":
