@@ -113,9 +113,12 @@ def test_train_run_is_tracked_and_registrable(store: str, client: Any, tmp_path:
         if r.get("kind") == "step"
     }
     assert sorted(rss) == list(range(1, 21))
-    # The process has imported torch (well over 64 MiB resident on its own); no step can
-    # exceed the peak the summary reports for the whole process.
-    assert all(64 << 20 < v <= summary["memory"]["peak_rss_bytes"] for v in rss.values())
+    # The process has imported torch (well over 64 MiB resident on its own); no step exceeds
+    # the peak the summary reports for the whole process, give or take 32 MiB: the kernel's
+    # RSS counters are per-CPU sums read without a lock, a few MB apart at any moment. What
+    # this bounds out is a wrong figure, e.g. the virtual size (gigabytes with torch loaded).
+    peak = summary["memory"]["peak_rss_bytes"]
+    assert all(64 << 20 < v <= peak + (32 << 20) for v in rss.values())
     history = client.get_metric_history(run_id, "rss_bytes")
     assert [(m.step, m.value) for m in history] == [
         (10, max(rss[s] for s in range(1, 11))),
