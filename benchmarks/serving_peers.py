@@ -223,7 +223,7 @@ def serve_fastapi(export: str, port: int) -> None:
 
 
 def _free_port() -> int:
-    from hpcml.serve.app import bind_socket
+    from hpcml.serve.protocol.app import bind_socket
 
     sock = bind_socket("127.0.0.1", 0)
     port = int(sock.getsockname()[1])
