@@ -24,8 +24,8 @@ from hpcml.config import DataConfig
 from hpcml.data.drift import build_profile, profile_dataset
 from hpcml.data.sources import load_source
 from hpcml.serve.config import DriftConfig
-from hpcml.serve.drift import DriftMonitor, Watched
 from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.traffic.drift import DriftMonitor, Watched
 
 OUT = Path(__file__).parent / "results"
 SHAPE = (3, 32, 32)

@@ -222,7 +222,7 @@ def stage_env(dev: Any, dry: bool) -> dict[str, Any]:
     needed = [
         "hpcml.cli.app",
         "hpcml.train.trainer",
-        "hpcml.serve.app",
+        "hpcml.serve.protocol.app",
         "hpcml.serve.loadtest",
         "hpcml.serve.generate.engine",
         "transformers",

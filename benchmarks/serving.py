@@ -17,14 +17,19 @@ measured from the intended send time; errors and client timeouts count in the p9
 capacity at a p99 objective is found by bisection on the rate: the rate doubles from 20/s until
 a step fails (an error, or p99 of all requests over the objective), or halves until one passes,
 then the bracket is halved
-geometrically until its ends are within 5% of each other; the capacity is the throughput of the
-highest passing step. Each (server, objective) is measured `--repeats` times (at least 3),
-servers started in a rotating order per repetition so background load hits each alike;
-the report gives
-the median with the minimum and maximum, and ratios of medians.
+geometrically until its ends are within 5% of each other. A step the load generator fell
+behind on (client send lag p99 over `--max-send-lag-ms`) is invalid and never a pass. The
+capacity at an objective is the best throughput of every valid step of that repetition and
+server (both objectives' bisections) that met it, so it cannot fall as the objective loosens;
+the script checks that it does not (benchmarks/serving_integrity.py). Each (server, objective)
+is measured `--repeats` times (at least 3), servers started in a rotating order per repetition
+so background load hits each alike; the report gives the median with the minimum and maximum,
+ratios per repetition with their spread, the model's raw batched forward rate on one thread
+(the physical limit), each peer's package versions and options, and issue 31's goals.
 
+Every peer parses and writes JSON with orjson, as hpcml does (benchmarks/serving_peers.py).
 LitServe runs in its documented fast configuration where the installed version has it
-(`fast_queue=True`), with batching (max 32, 2 ms) and one worker, as `hpcml serve` has; a
+(`fast_queue=True`, recorded in the results), with batching (max 32, 2 ms) and one worker, as `hpcml serve` has; a
 server whose package is missing is skipped, said so on the console and listed in the
 results. Ray Serve's own processes (GCS, raylet, proxy, replica) are outside the server's
 process group, so its `server_cpu_ms_per_request` counts only the driver and is not comparable.
@@ -66,6 +71,7 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -74,12 +80,14 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_peers import (  # noqa: E402 - benchmarks/ is not a package
+import serving_integrity as integrity  # noqa: E402 - benchmarks/ is not a package
+from serving_peers import (  # noqa: E402
     INFER_PATH,
     MAX_BATCH,
     QUEUE_DELAY_MS,
     ROOT,
     _cpu_s,
+    _env,
     _free_port,
     _missing,
     _start,
@@ -136,6 +144,8 @@ def _step(
     concurrency: int | None,
     seconds: float,
     pgid: int | None = None,
+    max_send_lag_ms: float = 10.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
     from hpcml.serve.loadtest import run_loadtest
 
@@ -151,12 +161,15 @@ def _step(
             headers=payload[1],
             infer_path=INFER_PATH,
             timeout_s=30,
+            max_send_lag_ms=max_send_lag_ms,
+            seed=seed,
         )
     )
     cpu = _cpu_s(pgid) - cpu_before if pgid else None
     return {
         "target_rate": rate,
         "concurrency": concurrency,
+        "seed": seed,
         # CPU time is what a saturated, dedicated machine runs out of; unlike latency it
         # barely moves when other work shares the machine.
         "server_cpu_ms_per_request": cpu / r.ok * 1e3 if cpu is not None and r.ok else None,
@@ -169,13 +182,13 @@ def _step(
         "latency_all_ms": r.latency_all_ms,
         "not_sent": r.not_sent,
         "send_lag_ms_p99": r.send_lag_ms_p99,
+        # False: the generator fell behind its schedule; the step never counts as a pass.
+        "valid": r.valid,
+        "invalid_reason": r.invalid_reason,
     }
 
 
-def _sustained(step: dict[str, Any], slo_ms: float) -> bool:
-    # Every request counts: errors and client timeouts are in p99 of all requests.
-    lat = step.get("latency_all_ms") or {}
-    return not step["errors"] and lat.get("p99", float("inf")) <= slo_ms
+_sustained = integrity.sustained  # valid, no error, p99 of every request within the objective
 
 
 def bisect_capacity(
@@ -247,6 +260,12 @@ def _arguments() -> argparse.Namespace:
         default="",
         help="Recorded in the JSON and the table, e.g. that other work shared the machine.",
     )
+    p.add_argument(
+        "--max-send-lag-ms",
+        type=float,
+        default=10.0,
+        help="A step whose client send lag p99 exceeds this is invalid (never a pass).",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
         "--tag",
@@ -294,6 +313,7 @@ def _measure(
         row: {f"{slo:g}": [] for slo in slos} for row in rows
     }
     for rep in range(args.repeats):
+        runs.setdefault("_raw_forward", {}).setdefault("all", []).append(_raw_forward(export))
         order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
         for kind in order:
             port = _free_port()
@@ -309,8 +329,9 @@ def _measure(
                     for row in mine:
                         encoding = rows[row][1]
                         found = bisect_capacity(
-                            lambda rate, e=encoding, b=base, pid=proc.pid: _step(
-                                b, payloads[e], rate, None, step_s, pid
+                            # One arrival seed per repetition.
+                            lambda rate, e=encoding, b=base, pid=proc.pid, seed=rep: _step(
+                                b, payloads[e], rate, None, step_s, pid, args.max_send_lag_ms, seed
                             ),
                             slo,
                         )
@@ -323,7 +344,38 @@ def _measure(
                         )
             finally:
                 _stop(proc, leader_first=kind == "ray")
+    raw = runs.pop("_raw_forward")
+    # Each repetition's capacity per objective from every valid step of that repetition.
+    runs = {row: integrity.pool_repetition(by, slos) for row, by in runs.items()}
+    integrity.check_monotone(runs)
+    runs["_raw_forward"] = raw
     return runs
+
+
+def _raw_forward(export: Path) -> dict[str, float]:
+    """The bare model's forward rate on one thread (serving_peers.py raw), in its own process
+    as the servers run, between the repetitions' servers (same background load)."""
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("serving_peers.py")), "raw",
+         "--export", str(export), "--max-batch", str(MAX_BATCH)],
+        env=_env("hpcml"), capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    return dict(json.loads(out.stdout))
+
+
+def _peers(kinds: list[str], peer_path: str) -> dict[str, Any]:
+    """Each peer's package versions and options, from the peer's own environment."""
+    out = {}
+    for kind in kinds:
+        if kind.startswith("hpcml"):
+            continue
+        probe = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("serving_peers.py")), "describe",
+             "--peer", kind, "--max-batch", str(MAX_BATCH), "--delay-ms", str(QUEUE_DELAY_MS)],
+            env=_env(kind, peer_path), capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        out[kind] = json.loads(probe.stdout)
+    return out
 
 
 def _http_stack() -> dict[str, str | None]:
@@ -356,7 +408,11 @@ def main() -> None:
     payloads = _payloads()
     export, params = _make_export(Path(tempfile.mkdtemp(prefix="hpcml-bench-serving-")))
     load_before = os.getloadavg()
+    peers = _peers(kinds, args.peer_path)
     runs = _measure(args, kinds, payloads, export, slos, step_s)
+    raw = runs.pop("_raw_forward")["all"]
+    summary = integrity.summarize(runs)
+    raw_batched = [r[f"batch_{MAX_BATCH}_samples_per_s"] for r in raw]
     report = {
         "benchmark": "serving",
         "model": {**MODEL, "parameters": params, "input_shape": [3, 32, 32]},
@@ -382,85 +438,30 @@ def main() -> None:
             "loadavg_after": os.getloadavg(),
             "http_stack": _http_stack(),
         },
-        "summary": _summarize(runs),
+        "peers": peers,
+        "integrity": {
+            "max_send_lag_ms": args.max_send_lag_ms,
+            "capacity": "per repetition, the best throughput of every valid step of that "
+            "repetition that met the objective: monotone in the objective by construction, "
+            "and checked",
+            "ratios": "per repetition (servers of one repetition run back to back), median "
+            "[min .. max]",
+        },
+        "raw_forward": {
+            "what": "the model alone on one torch thread, samples/s, once per repetition",
+            f"batch_{MAX_BATCH}": integrity.spread(raw_batched),
+            "batch_1": integrity.spread([r["batch_1_samples_per_s"] for r in raw]),
+        },
+        "goals": integrity.goals(summary, raw_batched),
+        "summary": summary,
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"serving_{args.tag}" if args.tag else "serving_quick" if args.quick else "serving"
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(_markdown(report))
+    (args.out / f"{name}.md").write_text(integrity.markdown(report))
     print()
-    print(_markdown(report))
-
-
-def _summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Median, minimum and maximum capacity per (server, objective); ratios of medians."""
-    out: dict[str, Any] = {}
-    slos = next(iter(runs.values())).keys() if runs else []
-    for slo in slos:
-        cap = {}
-        for kind, by in runs.items():
-            values = [r["capacity_rps"] for r in by[slo]]
-            cap[kind] = {
-                "median": float(np.median(values)),
-                "min": float(min(values)),
-                "max": float(max(values)),
-                "runs": values,
-            }
-
-        def ratio(a: str, b: str, cap: dict[str, Any] = cap) -> float | None:
-            if a in cap and b in cap and cap[b]["median"] > 0:
-                return float(cap[a]["median"] / cap[b]["median"])
-            return None
-
-        out[slo] = {
-            "capacity_rps": cap,
-            "batched_vs_bs1": ratio("hpcml-batched", "hpcml-bs1"),
-            "hpcml_vs_litserve": ratio("hpcml-batched", "litserve"),
-            "hpcml_vs_fastapi": ratio("hpcml-batched", "fastapi"),
-            "hpcml_vs_ray": ratio("hpcml-batched", "ray"),
-            "binary_vs_json_batched": ratio("hpcml-batched binary", "hpcml-batched"),
-            "binary_vs_json_bs1": ratio("hpcml-bs1 binary", "hpcml-bs1"),
-        }
-    return out
-
-
-def _markdown(report: dict[str, Any]) -> str:
-    lines = [
-        f"Capacity (req/s) at a p99 objective, bisection to within "
-        f"{report['tolerance']:.0%}, {report['repeats']} repeats, {report['step_s']:g} s per "
-        f"rate; median [min .. max]. {report['encoding']}.",
-        "",
-    ]
-    if report.get("note"):
-        lines += [f"Note: {report['note']}", ""]
-    for slo, by in report["summary"].items():
-        lines += [
-            f"p99 <= {slo} ms",
-            "",
-            "| server | capacity | vs batch size 1 (JSON) |",
-            "|---|---:|---:|",
-        ]
-        base = by["capacity_rps"].get("hpcml-bs1", {}).get("median")
-        for kind, c in by["capacity_rps"].items():
-            vs = f"{c['median'] / base:.2f}x" if base else "-"
-            lines.append(
-                f"| {kind} | {c['median']:.0f} [{c['min']:.0f} .. {c['max']:.0f}] | {vs} |"
-            )
-        lines.append("")
-        for key, label in (
-            ("hpcml_vs_litserve", "hpcml-batched / litserve (JSON)"),
-            ("hpcml_vs_ray", "hpcml-batched / ray (JSON)"),
-            ("hpcml_vs_fastapi", "hpcml-batched / fastapi (JSON)"),
-            ("binary_vs_json_batched", "binary / JSON, hpcml-batched"),
-            ("binary_vs_json_bs1", "binary / JSON, hpcml-bs1"),
-        ):
-            if by.get(key) is not None:
-                lines.append(f"{label}: {by[key]:.2f}x (ratio of medians)  ")
-        lines.append("")
-    for kind, why in report["skipped"].items():
-        lines.append(f"skipped {kind}: {why}")
-    return "\n".join(lines) + "\n"
+    print(integrity.markdown(report))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,12 @@ Each peer runs as `python serving_peers.py KIND ...`:
 
 Each answers POST PATH with an OIP JSON request for one sample and returns OIP JSON; each
 answers GET on its health path (see benchmarks/serving.py's `_start`). The model is the
-benchmark's hpcml export, loaded with one torch thread. This file is the `__main__` of the
+benchmark's hpcml export, loaded with one torch thread. Every peer parses and writes JSON with
+orjson, as `hpcml serve` does: FastAPI and Ray read the raw body and answer orjson bytes;
+LitServe parses in its API process with starlette's `Request.json`, which this process points
+at orjson, and its `encode_response` returns orjson bytes. `describe KIND` prints the peer's
+package versions and the options it runs with (recorded in the results); `raw` prints the
+model's batched forward rate on one thread, the physical limit a server approaches. This file is the `__main__` of the
 peer's process, so LitServe's spawned workers find `BenchAPI` here.
 """
 
@@ -43,18 +48,17 @@ def _load_model(export: str) -> Any:
     return model
 
 
-def _response(y: np.ndarray) -> dict[str, Any]:
-    return {
+def _response(y: np.ndarray) -> bytes:
+    """OIP JSON for one output, written by orjson (numpy natively), as hpcml writes it."""
+    import orjson
+
+    out = {
         "model_name": "bench",
         "outputs": [
-            {
-                "name": "logits",
-                "shape": list(y.shape),
-                "datatype": "FP32",
-                "data": y.reshape(-1).tolist(),
-            }
+            {"name": "logits", "shape": list(y.shape), "datatype": "FP32", "data": y.reshape(-1)}
         ],
     }
+    return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _request_array(body: dict[str, Any]) -> np.ndarray:
@@ -62,8 +66,29 @@ def _request_array(body: dict[str, Any]) -> np.ndarray:
     return np.asarray(tensor["data"], dtype=np.float32).reshape(tensor["shape"])
 
 
+def _orjson_requests() -> None:
+    """Point starlette's `Request.json` (what LitServe's API process parses with) at orjson."""
+    import orjson
+    from starlette.requests import Request
+
+    async def json(self: Request) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+    Request.json = json  # type: ignore[method-assign]
+
+
+def _json_response(body: bytes) -> Any:
+    from starlette.responses import Response
+
+    return Response(content=body, media_type="application/json")
+
+
 try:  # LitServe spawns its workers, which must find the API class at module level.
     import litserve as ls
+
+    _orjson_requests()  # at import: LitServe's API server is a spawned process too
 
     class BenchAPI(ls.LitAPI):
         def __init__(self, export: str, **kwargs: Any) -> None:
@@ -90,23 +115,27 @@ try:  # LitServe spawns its workers, which must find the API class at module lev
         def unbatch(self, output: np.ndarray) -> list[np.ndarray]:
             return [output[i : i + 1] for i in range(len(output))]
 
-        def encode_response(self, output: np.ndarray) -> dict[str, Any]:
-            return _response(output)
+        def encode_response(self, output: np.ndarray) -> Any:
+            return _json_response(_response(output))
 
 except ImportError:  # pragma: no cover - only the litserve baseline needs it
     ls = None
+
+
+def _litserve_options() -> dict[str, Any]:
+    import inspect
+
+    options: dict[str, Any] = {"accelerator": "cpu", "workers_per_device": 1, "timeout": 60}
+    if "fast_queue" in inspect.signature(ls.LitServer.__init__).parameters:
+        options["fast_queue"] = True  # an older LitServe has only its default queue
+    return options
 
 
 def serve_litserve(export: str, port: int) -> None:
     api = BenchAPI(
         export, max_batch_size=MAX_BATCH, batch_timeout=QUEUE_DELAY_MS / 1000, api_path=INFER_PATH
     )
-    import inspect
-
-    fast = {"fast_queue": True}
-    if "fast_queue" not in inspect.signature(ls.LitServer.__init__).parameters:
-        fast = {}  # an older LitServe: its default queue
-    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60, **fast)
+    server = ls.LitServer(api, **_litserve_options())
     server.run(
         host="127.0.0.1",
         port=port,
@@ -134,17 +163,20 @@ def serve_ray(export: str, port: int) -> None:
             self.model = _load_model(export)
 
         @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=QUEUE_DELAY_MS / 1000)
-        async def predict(self, xs: list[np.ndarray]) -> list[dict[str, Any]]:
+        async def predict(self, xs: list[np.ndarray]) -> list[bytes]:
             import torch
 
             with torch.inference_mode():
                 y = self.model(torch.from_numpy(np.concatenate(xs))).numpy()
             return [_response(y[i : i + 1]) for i in range(len(xs))]
 
-        async def __call__(self, request: Request) -> dict[str, Any]:
+        async def __call__(self, request: Request) -> Any:
+            import orjson
+
             if request.method == "GET":  # the benchmark's readiness probe
                 return {"ok": True}
-            return await self.predict(_request_array(await request.json()))
+            x = _request_array(orjson.loads(await request.body()))
+            return _json_response(await self.predict(x))
 
     serve.run(RayBench.bind(export), route_prefix=INFER_PATH)  # type: ignore[attr-defined]
 
@@ -159,9 +191,11 @@ def serve_ray(export: str, port: int) -> None:
 
 
 def serve_fastapi(export: str, port: int) -> None:
+    import orjson
     import torch
     import uvicorn
-    from fastapi import Body, FastAPI
+    from fastapi import FastAPI, Request
+    from starlette.concurrency import run_in_threadpool
 
     model = _load_model(export)
     app = FastAPI()
@@ -170,12 +204,17 @@ def serve_fastapi(export: str, port: int) -> None:
     def health() -> dict[str, bool]:
         return {"ok": True}
 
-    # A sync endpoint: FastAPI runs it in its thread pool, one forward pass per request.
-    @app.post(INFER_PATH)
-    def infer(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
-        x = torch.from_numpy(_request_array(body))
+    def forward(x: np.ndarray) -> bytes:
         with torch.inference_mode():
-            return _response(model(x).numpy())
+            return _response(model(torch.from_numpy(x)).numpy())
+
+    # One forward pass per request, in FastAPI's thread pool (as a sync endpoint runs). A plain
+    # starlette route: it gets the request itself (FastAPI would resolve the annotation).
+    async def infer(request: Request) -> Any:
+        x = _request_array(orjson.loads(await request.body()))
+        return _json_response(await run_in_threadpool(forward, x))
+
+    app.router.add_route(INFER_PATH, infer, methods=["POST"])
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
@@ -184,7 +223,7 @@ def serve_fastapi(export: str, port: int) -> None:
 
 
 def _free_port() -> int:
-    from hpcml.serve.app import bind_socket
+    from hpcml.serve.protocol.app import bind_socket
 
     sock = bind_socket("127.0.0.1", 0)
     port = int(sock.getsockname()[1])
@@ -314,17 +353,77 @@ def _cpu_s(pgid: int) -> float:
     return total
 
 
+def describe(kind: str) -> dict[str, Any]:
+    """The versions a peer runs with and its options (printed by `describe KIND`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    packages = {
+        "litserve": ["litserve", "fastapi", "starlette", "uvicorn", "pyzmq"],
+        "fastapi": ["fastapi", "starlette", "uvicorn"],
+        "ray": ["ray", "starlette"],
+    }[kind] + ["orjson", "uvloop", "httptools", "torch"]
+    versions: dict[str, str | None] = {}
+    for pkg in packages:
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    batching = {"max_batch_size": MAX_BATCH, "queue_delay_ms": QUEUE_DELAY_MS}
+    options: dict[str, Any] = {
+        "litserve": {**(_litserve_options() if ls else {}), **batching, "num_api_servers": 1},
+        "fastapi": {"batching": None, "handler": "async; forward in the thread pool"},
+        "ray": {
+            **batching,
+            "num_replicas": 1,
+            "max_ongoing_requests": 4 * MAX_BATCH,
+            "replica_cpus": 1,
+            "ray_init_cpus": 2,
+        },
+    }[kind]
+    json_lib = "orjson (request body and response)"
+    if kind == "litserve":
+        json_lib = "orjson (starlette Request.json patched in the API process; response bytes)"
+    return {"versions": versions, "options": options, "json": json_lib, "torch_threads": 1}
+
+
+def raw_forward(export: str, seconds: float = 1.0) -> dict[str, float]:
+    """Samples/s of the bare model at the servers' batch size and at 1, one torch thread."""
+    import torch
+
+    model = _load_model(export)
+    out = {}
+    for batch in (MAX_BATCH, 1):
+        x = torch.from_numpy(np.random.default_rng(0).standard_normal((batch, 3, 32, 32)))
+        x = x.float()
+        with torch.inference_mode():
+            for _ in range(3):  # warm-up
+                model(x)
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                model(x)
+                n += 1
+            out[f"batch_{batch}_samples_per_s"] = n * batch / (time.perf_counter() - t0)
+    return out
+
+
 def main() -> None:
     global INFER_PATH, MAX_BATCH, QUEUE_DELAY_MS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kind", choices=["litserve", "fastapi", "ray"])
-    p.add_argument("--export", required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("kind", choices=["litserve", "fastapi", "ray", "describe", "raw"])
+    p.add_argument("--peer", default="", help="describe: which peer.")
+    p.add_argument("--export", default="")
+    p.add_argument("--port", type=int, default=0)
     p.add_argument("--path", default=INFER_PATH)
     p.add_argument("--max-batch", type=int, default=MAX_BATCH)
     p.add_argument("--delay-ms", type=float, default=QUEUE_DELAY_MS)
     args = p.parse_args()
     INFER_PATH, MAX_BATCH, QUEUE_DELAY_MS = args.path, args.max_batch, args.delay_ms
+    if args.kind in ("describe", "raw"):
+        import json
+
+        result = describe(args.peer) if args.kind == "describe" else raw_forward(args.export)
+        print(json.dumps(result))
+        return
     serve = {"litserve": serve_litserve, "fastapi": serve_fastapi, "ray": serve_ray}[args.kind]
     serve(args.export, args.port)
 

@@ -32,8 +32,8 @@ from tests.conftest import ROOT, hpcml_env, summary
 from hpcml.config import load_config
 from hpcml.data.sources import load_source
 from hpcml.errors import DataError
-from hpcml.serve.app import bind_socket
-from hpcml.serve.onnx_export import export_onnx
+from hpcml.serve.protocol.app import bind_socket
+from hpcml.serve.runtime.onnx_export import export_onnx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -62,6 +62,11 @@ def test_sigterm_saves_exits_75_and_resume_matches_an_uninterrupted_run(tmp_path
     done = summary(run)
     assert done["status"] == "finished" and done["steps"] == 60
     assert done["resumed_from"] == str(saved)
+    # The preempted run's summary kept its provenance: the same config and data as the run
+    # that finished it (on main a preempted summary had none).
+    for key in ("config_hash", "data_fingerprint", "packages"):
+        assert stopped["provenance"][key] == done["provenance"][key]
+    assert "--resume" not in stopped["provenance"]["command"]
 
     expected, got = step_losses(tmp_path / "ref"), step_losses(run)
     assert sorted(got) == list(range(1, 61))

@@ -226,8 +226,8 @@ def test_hpcml_serve_answers_with_the_adapter_model(root: Path, lora_run: dict[s
     from peft import PeftModel
     from tests.unit.generate_util import served_reference
 
-    from hpcml.serve.app import build_app
     from hpcml.serve.config import ServeConfig
+    from hpcml.serve.protocol.app import build_app
     from hpcml.serve.testing import running_server
 
     run = lora_run["run"]

@@ -12,7 +12,7 @@ import torch
 from hpcml.errors import ModelError
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
-from hpcml.serve.backends import ProcessBackend, TorchBackend
+from hpcml.serve.runtime.backends import ProcessBackend, TorchBackend
 
 ARGS = {"hidden": 32, "depth": 1}
 

@@ -19,9 +19,9 @@ import torch
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
-from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.loadtest import run_loadtest
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,10 +24,10 @@ from tritonclient.utils import InferenceServerException
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
-from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
 from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 ARGS = {"hidden": 16, "depth": 1}

@@ -30,9 +30,9 @@ from tests.unit.generate_util import served_reference as reference
 from tests.unit.generate_util import widen
 
 from hpcml.models.gpt import GPT, GPTConfig
-from hpcml.serve.app import bind_socket, build_app
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.loadtest import wait_ready
+from hpcml.serve.protocol.app import bind_socket, build_app
 from hpcml.serve.testing import running_server
 
 ARGS = {

@@ -30,8 +30,8 @@ from typer.testing import CliRunner
 
 from hpcml.cli.app import app
 from hpcml.models.tokenizer import read_hf_tokenizer
-from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 PROMPTS = ["naïve café", "日本語 🙂 the", "hello wörld"]

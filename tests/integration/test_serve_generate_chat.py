@@ -17,8 +17,8 @@ from gpt_export import save_gpt_export
 from tests.unit.generate_util import served_reference, widen
 
 from hpcml.models.gpt import GPT, GPTConfig
-from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 ARGS = {"vocab_size": 256, "max_seq_len": 128, "n_layer": 1, "n_head": 2, "d_model": 32,

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from test_serve_fuzz import json_values
 
 from hpcml.models.gpt import GPT, GPTConfig
-from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 ARGS = {"vocab_size": 256, "max_seq_len": 64, "n_layer": 1, "n_head": 2, "d_model": 16}

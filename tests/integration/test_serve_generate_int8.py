@@ -15,11 +15,11 @@ from gpt_export import save_gpt_export
 from tests.unit.generate_util import reference, widen
 
 from hpcml.models.gpt import GPT, GPTConfig
-from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.generate.engine import Engine, EngineConfig
 from hpcml.serve.generate.quantize import linear_weight_bytes, quantize_int8
 from hpcml.serve.generate.sampling import SamplingParams
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 ARGS = {"vocab_size": 256, "max_seq_len": 128, "n_layer": 2, "n_head": 2, "d_model": 64}

@@ -28,8 +28,8 @@ from gpt_export import save_gpt_export
 from test_serve_supervision import gone, inference_children
 
 from hpcml.models.gpt import GPT, GPTConfig
-from hpcml.serve.app import bind_socket
 from hpcml.serve.loadtest import wait_ready
+from hpcml.serve.protocol.app import bind_socket
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -172,8 +172,8 @@ import torch  # noqa: E402
 
 from hpcml.models.export import save_export  # noqa: E402
 from hpcml.models.zoo import build_model  # noqa: E402
-from hpcml.serve.app import build_app  # noqa: E402
 from hpcml.serve.config import ServeConfig  # noqa: E402
+from hpcml.serve.protocol.app import build_app  # noqa: E402
 from hpcml.serve.testing import running_server  # noqa: E402
 
 ARGS = {"hidden": 16, "depth": 1}

@@ -22,9 +22,9 @@ from starlette.routing import Route
 from hpcml.errors import ConfigError
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
-from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.loadtest import loadtest
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -166,7 +166,7 @@ def test_binary_mode_builds_tensor_data_the_server_accepts(url: str) -> None:
     import aiohttp
 
     from hpcml.serve.loadtest import fetch_payload
-    from hpcml.serve.protocol import parse_header_length, parse_infer_request
+    from hpcml.serve.protocol.oip import parse_header_length, parse_infer_request
 
     async def payload() -> tuple[bytes, dict[str, str]]:
         async with aiohttp.ClientSession() as session:

@@ -27,10 +27,10 @@ import torch
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
-from hpcml.serve.app import bind_socket
 from hpcml.serve.loadtest import wait_ready
 from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
 from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
+from hpcml.serve.protocol.app import bind_socket
 
 pytestmark = pytest.mark.timeout(300)
 

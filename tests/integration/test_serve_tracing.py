@@ -28,8 +28,8 @@ from opentelemetry.trace import StatusCode
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
 from hpcml.observe.tracing import system_id_generator
-from hpcml.serve.app import build_app
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 ARGS = {"hidden": 16, "depth": 1}

@@ -224,7 +224,7 @@ def test_aliases_gate_and_resolve(
     )
 
     # `hpcml serve models:/NAME@production` goes through the same resolution.
-    from hpcml.serve.repository import resolve_model_source
+    from hpcml.serve.runtime.repository import resolve_model_source
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     source = resolve_model_source(f"models:/{name}@production")

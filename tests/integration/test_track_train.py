@@ -106,6 +106,24 @@ def test_train_run_is_tracked_and_registrable(store: str, client: Any, tmp_path:
     assert run.data.metrics["final/val_accuracy"] == pytest.approx(summary["final"]["val_accuracy"])
     assert run.data.metrics["memory/model_states_bytes"] > 0
     assert run.data.metrics["samples_per_s"] > 0
+    # Step records carry the process's resident set, and MLflow gets each window's max of it.
+    rss = {
+        r["step"]: r["rss_bytes"]
+        for r in map(json.loads, (run_dir / "run.jsonl").read_text().splitlines())
+        if r.get("kind") == "step"
+    }
+    assert sorted(rss) == list(range(1, 21))
+    # The process has imported torch (well over 64 MiB resident on its own); no step exceeds
+    # the peak the summary reports for the whole process, give or take 32 MiB: the kernel's
+    # RSS counters are per-CPU sums read without a lock, a few MB apart at any moment. What
+    # this bounds out is a wrong figure, e.g. the virtual size (gigabytes with torch loaded).
+    peak = summary["memory"]["peak_rss_bytes"]
+    assert all(64 << 20 < v <= peak + (32 << 20) for v in rss.values())
+    history = client.get_metric_history(run_id, "rss_bytes")
+    assert [(m.step, m.value) for m in history] == [
+        (10, max(rss[s] for s in range(1, 11))),
+        (20, max(rss[s] for s in range(11, 21))),
+    ]
 
     prov = summary["provenance"]
     assert run.data.tags["team"] == "vision"
@@ -148,6 +166,11 @@ def test_crashed_run_is_failed_and_resume_continues_it(
     assert run.info.status == "FAILED"
     assert "injected crash" in run.data.tags["hpcml.error"]
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [5]
+    # The failed run's summary keeps its provenance (on main it had status and error only).
+    failed = json.loads((run_dir / "summary.json").read_text())
+    assert failed["status"] == "failed"
+    assert failed["provenance"]["config_hash"] == run.data.tags["hpcml.config_hash"]
+    assert failed["provenance"]["data_fingerprint"] == run.data.tags["hpcml.data_fingerprint"]
 
     # Resumed into another store: refused in one sentence before anything is written (on main
     # it began a second MLflow run there and overwrote tracking.json).

@@ -9,8 +9,8 @@ import pytest
 from hpcml.data.drift import build_profile
 from hpcml.errors import ConfigError
 from hpcml.serve.config import DriftConfig, build_serve_config
-from hpcml.serve.drift import DriftMonitor, Watched
 from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.traffic.drift import DriftMonitor, Watched
 
 SHAPE = (3, 8, 8)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcml.serve.onnx_export import cpu_features, int8_settings
+from hpcml.serve.runtime.onnx_export import cpu_features, int8_settings
 
 
 def _cpu(arch: str, *features: str, source: str = "/proc/cpuinfo") -> dict:

@@ -8,14 +8,14 @@ import threading
 import numpy as np
 import pytest
 
-from hpcml.serve.batcher import (
+from hpcml.serve.protocol.oip import TensorSpec
+from hpcml.serve.runtime.batcher import (
     BackendFailed,
     BatcherClosed,
     DynamicBatcher,
     QueueFull,
     RequestTimeout,
 )
-from hpcml.serve.protocol import TensorSpec
 
 
 class AffineBackend:

@@ -14,10 +14,9 @@ import torch
 from hpcml.errors import ConfigError, ModelError
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
-from hpcml.serve import protocol as oip
-from hpcml.serve import tensors
 from hpcml.serve.config import load_serve_config
-from hpcml.serve.repository import resolve_model_source, sorted_versions
+from hpcml.serve.protocol import oip, tensors
+from hpcml.serve.runtime.repository import resolve_model_source, sorted_versions
 
 SPEC = oip.TensorSpec("input", "FP32", (2, 2))
 
@@ -247,8 +246,8 @@ def test_decoded_size_budget_covers_every_input_of_a_request(binary: bool) -> No
 
 
 def test_grpc_decoded_size_budget() -> None:
-    from hpcml.serve.grpc import request_from_grpc
     from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+    from hpcml.serve.protocol.grpc import request_from_grpc
 
     msg = pb.ModelInferRequest(model_name="m")
     msg.inputs.add(name="a", datatype="FP64", shape=[3]).contents.fp64_contents.extend([1, 2, 3])
@@ -443,8 +442,8 @@ def test_serve_config_traffic_is_normalised_even_when_its_sum_overflows(tmp_path
 def test_non_finite_floats_are_refused_in_binary_and_grpc_as_in_json(
     datatype: str, bad: float
 ) -> None:
-    from hpcml.serve.grpc import request_from_grpc
     from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+    from hpcml.serve.protocol.grpc import request_from_grpc
 
     values = np.array([1.0, bad, 3.0, 4.0], dtype=tensors.DATATYPES[datatype])
     message = "holds NaN or infinite"

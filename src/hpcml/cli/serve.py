@@ -80,8 +80,8 @@ def serve(
     ),
 ) -> None:
     """Serve models over the Open Inference Protocol v2 (REST, and gRPC with --grpc-port) with dynamic batching."""
-    from hpcml.serve.app import uvicorn_server
     from hpcml.serve.config import build_serve_config, load_serve_config
+    from hpcml.serve.protocol.app import uvicorn_server
 
     cfg = load_serve_config(config)
     data = cfg.model_dump()
@@ -156,7 +156,7 @@ def _write_prometheus_target(folder: Path, cfg: Any) -> Path:
 
 def _check_port_free(host: str, port: int, option: str) -> None:
     """One clear sentence now, rather than a failed server startup after the models load."""
-    from hpcml.serve.app import bind_socket
+    from hpcml.serve.protocol.app import bind_socket
 
     try:
         bind_socket(host, port).close()
@@ -173,7 +173,7 @@ def _build(
     trust_code: bool = False,
     follow_poll_s: float | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    from hpcml.serve.app import build_app
+    from hpcml.serve.protocol.app import build_app
 
     app = build_app(path, cfg, name=name, trust_code=trust_code, follow_poll_s=follow_poll_s)
     router = app.state.router
@@ -404,7 +404,7 @@ def export_onnx_cmd(
     ),
 ) -> None:
     """Export to ONNX with a dynamic batch axis, check it against torch, optionally quantize to INT8."""
-    from hpcml.serve.onnx_export import check_export_dir, export_onnx
+    from hpcml.serve.runtime.onnx_export import check_export_dir, export_onnx
 
     export_dir = check_export_dir(path)
     with err_console.status("exporting to ONNX and measuring"):

@@ -137,7 +137,7 @@ class GenerationConfig(_Section):
 
 
 class DriftConfig(_Section):
-    """Input drift watch (hpcml.serve.drift): live profile vs the export's reference profile."""
+    """Input drift watch (hpcml.serve.traffic.drift): live profile vs the export's reference profile."""
 
     enabled: bool = True
     """Keep a few input rows of each answered request and compare them every `every_s` with the

@@ -148,7 +148,7 @@ class ServeMetrics:
         self.drift_psi = Gauge(
             "hpcml_input_drift_psi",
             "Population stability index of a feature's live inputs against the export's "
-            "reference profile (hpcml.serve.drift).",
+            "reference profile (hpcml.serve.traffic.drift).",
             ["model", "version", "feature"],
             registry=r,
         )

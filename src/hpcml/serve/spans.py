@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hpcml.serve.batcher import InferResult
+from hpcml.serve.runtime.batcher import InferResult
 
 _ANCHOR: tuple[int, float] = (time.time_ns(), time.perf_counter())
 ANCHOR_EVERY_S = 60.0

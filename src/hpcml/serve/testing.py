@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hpcml.errors import WorkFailed
-from hpcml.serve.app import bind_socket
+from hpcml.serve.protocol.app import bind_socket
 
 
 @contextmanager
@@ -25,7 +25,7 @@ def running_server(
 
     sock = bind_socket(host, 0)
     port = sock.getsockname()[1]
-    from hpcml.serve.app import http_protocol
+    from hpcml.serve.protocol.app import http_protocol
 
     config = getattr(app.state, "config", None)
     http = http_protocol(config) if config is not None else "auto"

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -145,3 +146,21 @@ class DevicePeaks:
             "peak_allocated_bytes": int(train),
             "eval_peak_allocated_bytes": self.eval_bytes or None,
         }
+
+
+_PROCESS: psutil.Process | None = None
+
+
+def step_memory(device: torch.device) -> dict[str, int]:
+    """The memory fields of a step record: this process's resident set now (`rss_bytes`) and,
+    on CUDA, the allocator's bytes now and its peak since the last reset (evaluation resets it,
+    see `DevicePeaks`). Cheap enough for every step: one read of /proc/self/statm, and the CUDA
+    counters are host-side (no synchronisation)."""
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = psutil.Process()
+    out = {"rss_bytes": int(_PROCESS.memory_info().rss)}
+    if device.type == "cuda":
+        out["cuda_allocated_bytes"] = int(torch.cuda.memory_allocated(device))
+        out["cuda_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out

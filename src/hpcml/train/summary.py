@@ -129,11 +129,16 @@ def failure_kind(exc: BaseException) -> str:
     return "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
 
 
-def failure_summary(kind: str, exc: BaseException, out_dir: Any) -> dict[str, Any]:
-    """What summary.json says of a run that had started writing and then ended early."""
+def failure_summary(
+    kind: str, exc: BaseException, out_dir: Any, provenance: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What summary.json says of a run that had started writing and then ended early: how it
+    ended and, when set-up got that far, the same provenance a finished run records (the code,
+    config hash, data fingerprint and packages that produced its checkpoints)."""
     return {
         "status": kind,
         "error": f"{type(exc).__name__}: {exc}"[:500],
         "run_dir": str(out_dir),
         "checkpoint": getattr(exc, "checkpoint", None),
+        "provenance": provenance or None,
     }

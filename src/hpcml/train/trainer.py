@@ -338,6 +338,7 @@ class Trainer:
             grad_norm=self.grad_norm,
             skipped=skipped,
             epoch=self.train_data.epoch,
+            **memprobe.step_memory(self.rt.device),
         )
         if self.profiler is not None:
             self.profiler.step()
@@ -508,7 +509,8 @@ class Trainer:
             return
         kind = failure_kind(exc)
         self.hooks.fail(kind, exc)
-        write_json_atomic(self.out_dir / "summary.json", failure_summary(kind, exc, self.out_dir))
+        record = failure_summary(kind, exc, self.out_dir, getattr(self, "provenance", None))
+        write_json_atomic(self.out_dir / "summary.json", record)
 
 
 def run(

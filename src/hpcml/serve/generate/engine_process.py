@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcml.errors import ModelError
-from hpcml.serve.backends import read_frame, write_frame
 from hpcml.serve.generate.engine import Engine, EngineConfig, TokenEvent
+from hpcml.serve.runtime.backends import read_frame, write_frame
 
 log = logging.getLogger(__name__)
 

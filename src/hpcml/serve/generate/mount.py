@@ -27,7 +27,7 @@ from hpcml.serve.generate.engine import EngineConfig
 from hpcml.serve.generate.engine_process import EngineSpec
 from hpcml.serve.generate.sampling import ByteTokenizer
 from hpcml.serve.generate.service import GenerationMetrics, GenerationService
-from hpcml.serve.router import Router
+from hpcml.serve.traffic.router import Router
 
 log = logging.getLogger(__name__)
 

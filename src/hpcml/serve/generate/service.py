@@ -28,10 +28,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hpcml.errors import ModelError
-from hpcml.serve.backends import FrameProtocol, frame, read_frame
 from hpcml.serve.generate.engine import TokenEvent, check_request
 from hpcml.serve.generate.engine_process import EngineSpec, run_engine
 from hpcml.serve.generate.sampling import SamplingParams, Tokenizer
+from hpcml.serve.runtime.backends import FrameProtocol, frame, read_frame
 
 log = logging.getLogger(__name__)
 

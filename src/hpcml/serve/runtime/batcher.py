@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcml.serve.backends import Backend, WorkerDied
 from hpcml.serve.metrics import BatcherMetrics
+from hpcml.serve.runtime.backends import Backend, WorkerDied
 
 log = logging.getLogger(__name__)
 

@@ -30,19 +30,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import hpcml
 from hpcml.errors import ConfigError
 from hpcml.serve.config import ServeConfig
-from hpcml.serve.inference import (
+from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
+from hpcml.serve.protocol.inference import (
     EXTENSIONS,
     InferFailure,
     model_is_ready,
     model_metadata,
     run_infer,
 )
-from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
-from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
-from hpcml.serve.protocol import InferRequest
-from hpcml.serve.router import NotFound, Router
-from hpcml.serve.tensors import (
+from hpcml.serve.protocol.oip import InferRequest
+from hpcml.serve.protocol.tensors import (
     DATATYPES,
     DecodeBudget,
     ProtocolError,
@@ -54,7 +53,9 @@ from hpcml.serve.tensors import (
     from_raw,
     to_raw,
 )
-from hpcml.serve.triton_grpc import SERVICE, triton_handlers
+from hpcml.serve.protocol.triton_grpc import SERVICE, triton_handlers
+from hpcml.serve.traffic.router import Router
+from hpcml.serve.traffic.versions import NotFound
 
 # How often readiness is read for the health service: the longest a Watch lags a change.
 HEALTH_POLL_S = 0.2

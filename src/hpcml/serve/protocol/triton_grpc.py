@@ -16,8 +16,9 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 
-from hpcml.serve.model_stats import model_config, model_statistics
-from hpcml.serve.router import NotFound, Router
+from hpcml.serve.runtime.model_stats import model_config, model_statistics
+from hpcml.serve.traffic.router import Router
+from hpcml.serve.traffic.versions import NotFound
 
 SERVICE = "inference.GRPCInferenceService"
 _F = descriptor_pb2.FieldDescriptorProto

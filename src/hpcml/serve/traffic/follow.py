@@ -19,15 +19,16 @@ from pathlib import Path
 import numpy as np
 
 from hpcml.errors import HpcmlError
-from hpcml.serve.protocol import DATATYPES
-from hpcml.serve.router import ModelVersion, Router, TrafficPolicy
+from hpcml.serve.protocol.oip import DATATYPES
+from hpcml.serve.traffic.router import Router
+from hpcml.serve.traffic.versions import ModelVersion, TrafficPolicy
 
-log = logging.getLogger("hpcml.serve.follow")
+log = logging.getLogger("hpcml.serve.traffic.follow")
 
 
 async def add_version(router: Router, name: str, version: str, path: Path) -> ModelVersion:
     """Load `version` of a served model beside its others and warm it; no traffic yet."""
-    from hpcml.serve.backends import make_backend
+    from hpcml.serve.runtime.backends import make_backend
 
     model = router.model(name)
     mcfg = router.config.for_model(name)

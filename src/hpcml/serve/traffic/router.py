@@ -11,175 +11,31 @@ disagreement go to the metrics.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import random
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpcml.serve.backends import Backend, make_backend
-from hpcml.serve.batcher import DynamicBatcher, InferResult
-from hpcml.serve.config import ModelServeConfig, ServeConfig, normalise_weights
-from hpcml.serve.drift import DriftMonitor
+from hpcml.serve.config import ModelServeConfig, ServeConfig
 from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.model_stats import InferStats
-from hpcml.serve.protocol import TensorSpec
-from hpcml.serve.repository import ModelSource, sorted_versions
-
-
-class NotFound(Exception):
-    """Unknown model or version (HTTP 404)."""
-
-
-class PolicyError(Exception):
-    """A traffic change that cannot be applied (HTTP 400)."""
-
-
-@dataclass(frozen=True)
-class TrafficPolicy:
-    weights: dict[str, float]
-    shadow_version: str | None = None
-    shadow_fraction: float = 1.0
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "traffic": dict(self.weights),  # normalised when the policy was checked
-            "shadow": (
-                {"version": self.shadow_version, "fraction": self.shadow_fraction}
-                if self.shadow_version
-                else None
-            ),
-        }
-
-
-@dataclass
-class ShadowStats:
-    requests: int = 0
-    dropped: int = 0
-    failed: int = 0
-    samples: int = 0
-    disagreements: int = 0
-    max_abs_diff: float = 0.0
-    latency_s_sum: float = 0.0
-    primary_latency_s_sum: float = 0.0
-
-    def describe(self) -> dict[str, Any]:
-        n = max(self.requests - self.dropped - self.failed, 0)
-        return {
-            "requests": self.requests,
-            "dropped": self.dropped,
-            "failed": self.failed,
-            "samples": self.samples,
-            "disagreements": self.disagreements,
-            "disagreement_rate": self.disagreements / self.samples if self.samples else None,
-            "max_abs_diff": self.max_abs_diff,
-            "mean_latency_s": self.latency_s_sum / n if n else None,
-            "mean_primary_latency_s": self.primary_latency_s_sum / n if n else None,
-        }
-
-
-@dataclass
-class ModelVersion:
-    model: str
-    version: str
-    export_dir: Path
-    backend_name: str
-    platform: str
-    input: TensorSpec
-    output: TensorSpec
-    config: ModelServeConfig
-    batcher: DynamicBatcher
-    started: bool = False
-    stats: InferStats = field(default_factory=InferStats)
-
-    @property
-    def ready(self) -> bool:
-        """Started and some instance alive: false at once when its only process dies."""
-        return self.started and self.batcher.running and self.batcher.healthy
-
-    def metadata(self) -> dict[str, Any]:
-        return {
-            "name": self.model,
-            "versions": [self.version],
-            "platform": self.platform,
-            "inputs": [self.input.metadata()],
-            "outputs": [self.output.metadata()],
-        }
-
-
-@dataclass
-class ServedModel:
-    name: str
-    versions: dict[str, ModelVersion]
-    policy: TrafficPolicy
-    history: list[TrafficPolicy] = field(default_factory=list)
-    shadow_stats: dict[str, ShadowStats] = field(default_factory=dict)
-
-    @property
-    def newest(self) -> ModelVersion:
-        return self.versions[sorted_versions(list(self.versions))[-1]]
-
-    def version(self, version: str | None) -> ModelVersion:
-        if version is None:
-            return self.newest
-        found = self.versions.get(version)
-        if found is None:
-            raise NotFound(
-                f"model '{self.name}' has no version '{version}'; it has "
-                f"{', '.join(sorted_versions(list(self.versions)))}."
-            )
-        return found
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "versions": {
-                v: {
-                    "backend": mv.backend_name,
-                    "export_dir": str(mv.export_dir),
-                    "ready": mv.ready,
-                    "queue_depth": mv.batcher.queue_depth,
-                }
-                for v in sorted_versions(list(self.versions))
-                for mv in (self.versions[v],)
-            },
-            **self.policy.describe(),
-            "can_roll_back": bool(self.history),
-            "shadow_stats": {v: s.describe() for v, s in self.shadow_stats.items()},
-        }
-
-
-def _check_policy(model: ServedModel, policy: TrafficPolicy) -> TrafficPolicy:
-    """`policy` with its weights normalised, or PolicyError saying what is wrong with it."""
-    unknown = [v for v in policy.weights if v not in model.versions]
-    if policy.shadow_version is not None and policy.shadow_version not in model.versions:
-        unknown.append(policy.shadow_version)
-    if unknown:
-        raise PolicyError(
-            f"model '{model.name}' has no version {unknown[0]!r}; it has "
-            f"{', '.join(sorted_versions(list(model.versions)))}."
-        )
-    try:
-        weights = normalise_weights(policy.weights)
-    except ValueError as exc:
-        raise PolicyError(f"traffic of model '{model.name}': {exc}.") from None
-    if not math.isfinite(policy.shadow_fraction) or not 0.0 < policy.shadow_fraction <= 1.0:
-        raise PolicyError("shadow fraction must be in (0, 1].")
-    shadow = policy.shadow_version
-    if shadow is not None and all(v == shadow for v, w in policy.weights.items() if w > 0):
-        # The router never mirrors a request to the version that answers it.
-        raise PolicyError(
-            f"shadow version {shadow!r} of model '{model.name}' also takes all of its traffic, "
-            "so no request would be mirrored; send the traffic to another version or shadow "
-            "another one."
-        )
-    return TrafficPolicy(weights, policy.shadow_version, policy.shadow_fraction)
+from hpcml.serve.runtime.backends import Backend, make_backend
+from hpcml.serve.runtime.batcher import DynamicBatcher, InferResult
+from hpcml.serve.runtime.repository import ModelSource
+from hpcml.serve.traffic.drift import DriftMonitor
+from hpcml.serve.traffic.versions import (
+    ModelVersion,
+    NotFound,
+    PolicyError,
+    ServedModel,
+    ShadowStats,
+    TrafficPolicy,
+    check_policy,
+)
 
 
 def worker_restarts_counter(metrics: ServeMetrics) -> Any:
@@ -283,7 +139,7 @@ class Router:
                 mcfg.shadow.fraction if mcfg.shadow else 1.0,
             )
             try:
-                model.policy = _check_policy(model, policy)
+                model.policy = check_policy(model, policy)
             except PolicyError as exc:
                 from hpcml.errors import ConfigError
 
@@ -487,7 +343,7 @@ class Router:
     # Traffic changes (admin endpoints). Each replaces the policy in one assignment.
     def set_policy(self, name: str, policy: TrafficPolicy) -> dict[str, Any]:
         model = self.model(name)
-        policy = _check_policy(model, policy)
+        policy = check_policy(model, policy)
         if policy != model.policy:
             model.history.append(model.policy)
             model.policy = policy

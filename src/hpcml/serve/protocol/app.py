@@ -28,21 +28,21 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 import hpcml
-from hpcml.serve import protocol as oip
-from hpcml.serve import schemas
 from hpcml.serve.config import ServeConfig
-from hpcml.serve.drift import add_drift_routes
-from hpcml.serve.inference import (
+from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.protocol import oip, schemas
+from hpcml.serve.protocol.inference import (
     EXTENSIONS,
     InferFailure,
     model_is_ready,
     model_metadata,
     run_infer,
 )
-from hpcml.serve.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
-from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.model_stats import add_triton_routes
-from hpcml.serve.router import NotFound, PolicyError, Router
+from hpcml.serve.runtime.model_stats import add_triton_routes
+from hpcml.serve.traffic.drift import add_drift_routes
+from hpcml.serve.traffic.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
+from hpcml.serve.traffic.router import Router
+from hpcml.serve.traffic.versions import NotFound, PolicyError
 
 JSON = "application/json"
 OCTET = "application/octet-stream"
@@ -87,7 +87,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             await generator.start()
         grpc_endpoint = None
         if config.grpc_port is not None:
-            from hpcml.serve.grpc import start_grpc_server
+            from hpcml.serve.protocol.grpc import start_grpc_server
 
             grpc_endpoint, app.state.grpc_port = await start_grpc_server(router, config, metrics)
         # Everything allocated so far (torch, FastAPI, models) lives as long as the server;
@@ -427,7 +427,7 @@ def build_app(
     (an OpenTelemetry tracer) writes a trace per request, as `config.tracing` does through the
     program's tracer provider or OTLP."""
     from hpcml.errors import ConfigError
-    from hpcml.serve.repository import ModelSource, resolve_model_source
+    from hpcml.serve.runtime.repository import ModelSource, resolve_model_source
 
     source = (
         resolve_model_source(path, name)
@@ -446,7 +446,7 @@ def build_app(
             "nothing to serve: give a model PATH or versions with paths in the serve config."
         )
     if follow_poll_s is not None:
-        from hpcml.serve.follow import follow
+        from hpcml.serve.traffic.follow import follow
 
         follow(router, str(path), follow_poll_s)
     return create_app(router, config, metrics)
@@ -466,7 +466,7 @@ def http_protocol(config: ServeConfig) -> Any:
     """uvicorn's `http` setting: httptools with a header deadline when one is configured."""
     if config.header_timeout_s is None:
         return "auto"
-    from hpcml.serve.header_timeout import header_timeout_protocol
+    from hpcml.serve.protocol.header_timeout import header_timeout_protocol
 
     return header_timeout_protocol(config.header_timeout_s)
 

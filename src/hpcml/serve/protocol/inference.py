@@ -16,23 +16,24 @@ from typing import Any
 
 import numpy as np
 
-from hpcml.serve.batcher import (
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.protocol.oip import (
+    InferRequest,
+    ProtocolError,
+    check_inputs,
+    check_requested_outputs,
+)
+from hpcml.serve.runtime.batcher import (
     BackendFailed,
     BatcherClosed,
     QueueFull,
     RequestTimeout,
     WorkerLost,
 )
-from hpcml.serve.config import ServeConfig
-from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.protocol import (
-    InferRequest,
-    ProtocolError,
-    check_inputs,
-    check_requested_outputs,
-)
-from hpcml.serve.router import ModelVersion, NotFound, Router
 from hpcml.serve.spans import RequestTrace
+from hpcml.serve.traffic.router import Router
+from hpcml.serve.traffic.versions import ModelVersion, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def model_is_ready(router: Router, name: str, version: str | None) -> bool:
 
 def model_metadata(router: Router, name: str, version: str | None) -> dict[str, Any]:
     """Model metadata (inputs, outputs, platform); all versions when none is named."""
-    from hpcml.serve.repository import sorted_versions
+    from hpcml.serve.runtime.repository import sorted_versions
 
     model = router.model(name)
     meta = model.version(version).metadata()

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from hpcml.serve.router import ModelVersion, Router
+    from hpcml.serve.traffic.router import Router
+    from hpcml.serve.traffic.versions import ModelVersion
 
 # Triton's model-config datatype names for the protocol's.
 _CONFIG_TYPE = {"BYTES": "TYPE_STRING"}
@@ -123,8 +124,8 @@ def model_statistics(mv: ModelVersion) -> dict[str, Any]:
 
 def add_triton_routes(app: FastAPI, router: Router, error: Callable[[int, str], Response]) -> None:
     """The REST routes of both extensions; `error(status, message)` answers a failure."""
-    from hpcml.serve.repository import sorted_versions
-    from hpcml.serve.router import NotFound
+    from hpcml.serve.runtime.repository import sorted_versions
+    from hpcml.serve.traffic.versions import NotFound
 
     def versions_of(name: str | None, version: str | None) -> list[Any]:
         if name is None:

@@ -35,7 +35,7 @@ import numpy as np
 
 from hpcml.errors import ModelError, WorkFailed
 from hpcml.records import write_json_atomic
-from hpcml.serve.backends import ONNX_FILE, ONNX_INT8_FILE, export_dir_of
+from hpcml.serve.runtime.backends import ONNX_FILE, ONNX_INT8_FILE, export_dir_of
 
 REPORT_FILE = "onnx_report.json"
 QUANTIZED_OPS = ["MatMul", "Gemm"]

@@ -37,7 +37,7 @@ from hpcml.errors import DataError
 from hpcml.serve.config import DriftConfig
 from hpcml.serve.metrics import ServeMetrics
 
-log = logging.getLogger("hpcml.serve.drift")
+log = logging.getLogger("hpcml.serve.traffic.drift")
 
 
 def find_reference(path: Path) -> Path | None:

@@ -1,0 +1,2 @@
+"""Where requests go: the router (versions, canary, shadow, rollback) and its policies, alias
+following, admission limits and drift monitoring."""
