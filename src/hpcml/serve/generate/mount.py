@@ -42,6 +42,8 @@ def text_services(
         max_num_seqs=g.max_num_seqs,
         max_batched_tokens=g.max_batched_tokens,
         prefix_sharing=g.prefix_sharing,
+        watermark_blocks=g.watermark_blocks,
+        max_preemptions=g.max_preemptions,
     )
     services: dict[str, GenerationService] = {}
     metrics: GenerationMetrics | None = None
@@ -67,7 +69,13 @@ def text_services(
         )
         metrics = metrics or GenerationMetrics(registry)
         services[name] = GenerationService(
-            spec, int(model.cfg.max_seq_len), metrics, mv.version, g.step_timeout_s
+            spec,
+            int(model.cfg.max_seq_len),
+            metrics,
+            mv.version,
+            g.step_timeout_s,
+            max_waiting=g.max_waiting,
+            request_timeout_s=g.request_timeout_s,
         )
     return services
 

@@ -7,8 +7,13 @@ segfault, the OOM killer, kill -9) fails the requests it was generating, each wi
 meanwhile wait for it. Requests and cancellations go to the process as frames written by the
 event loop (non-blocking); each step's tokens come back as one frame the event loop reads and
 hands to the requests' `asyncio.Queue`s. Metrics (Prometheus, in the server's registry): time
-to first token, inter-token latency, output tokens, preemptions, running and waiting
-sequences, KV blocks used, engine restarts.
+to first token, inter-token latency, end-to-end latency, queue time, prompt and output tokens,
+prefix-cache hit and query tokens, sequences per step, preemptions, running and waiting
+sequences, KV blocks used, refused requests, engine restarts.
+
+A request that fails ends with an "abort" event whose `reason` is one sentence naming the real
+cause (the engine process died, it cannot start, the server is shutting down, the deadline
+passed), which the HTTP endpoints answer with 503 and Retry-After.
 """
 
 from __future__ import annotations
@@ -30,12 +35,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from hpcml.errors import ModelError
 from hpcml.serve.backends import FrameProtocol, frame, read_frame
 from hpcml.serve.generate.engine import TokenEvent, check_request
-from hpcml.serve.generate.engine_process import EngineSpec, run_engine
+from hpcml.serve.generate.engine_process import EngineSpec, StepStats, run_engine
 from hpcml.serve.generate.sampling import SamplingParams, Tokenizer
 
 log = logging.getLogger(__name__)
 
 TOKEN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SHUTTING_DOWN = "the server is shutting down; retry on another replica."
+
+
+class QueueFull(Exception):
+    """More requests wait for the engine than `generation.max_waiting` (answer 429)."""
+
+    retry_after_s = 1
 
 
 class GenerationMetrics:
@@ -77,6 +91,50 @@ class GenerationMetrics:
         )
         self.kv_blocks = Gauge(
             "hpcml_llm_kv_cache_blocks", "KV cache blocks in all.", ["model"], registry=registry
+        )
+        self.latency = Histogram(
+            "hpcml_llm_request_duration_seconds",
+            "From a completion request's arrival to its last token (requests that finished).",
+            ["model"],
+            buckets=REQUEST_BUCKETS_S,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "hpcml_llm_queue_time_seconds",
+            "From a completion request's arrival to its first step in the engine.",
+            ["model"],
+            buckets=REQUEST_BUCKETS_S,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "hpcml_llm_prompt_tokens", "Prompt tokens of accepted requests.", ["model"],
+            registry=registry,
+        )
+        self.prefix_hits = Counter(
+            "hpcml_llm_prefix_cache_hit_tokens",
+            "Tokens of admitted sequences found in the prefix cache (not computed); the hit "
+            "rate is its rate over hpcml_llm_prefix_cache_query_tokens'.",
+            ["model"],
+            registry=registry,
+        )
+        self.prefix_queries = Counter(
+            "hpcml_llm_prefix_cache_query_tokens",
+            "Tokens of admitted sequences (recomputed ones again), looked up in the prefix cache.",
+            ["model"],
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "hpcml_llm_batch_size",
+            "Sequences in one engine step.",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.refused = Counter(
+            "hpcml_llm_refused_requests",
+            "Requests answered 429 because max_waiting requests already waited.",
+            ["model"],
+            registry=registry,
         )
         self.restarts = Counter(
             "hpcml_llm_engine_restarts",
@@ -190,6 +248,8 @@ class GenerationService:
         metrics: GenerationMetrics | None = None,
         version: str = "1",
         step_timeout_s: float = 60.0,
+        max_waiting: int | None = None,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.name = spec.name
         self.version = version
@@ -212,6 +272,11 @@ class GenerationService:
         self._restarting: asyncio.Task[None] | None = None
         self._preemptions_counted = 0
         self.step_timeout_s = step_timeout_s
+        self.max_waiting = max_waiting
+        self.request_timeout_s = request_timeout_s
+        self._running = 0
+        """Sequences running in the engine at its last report."""
+        self._prefix_counted = (0, 0)
         self._progress = time.monotonic()
         """When the engine process last reported a step, or took work while idle."""
         self._watchdog: asyncio.Task[None] | None = None
@@ -227,16 +292,30 @@ class GenerationService:
         """The engine process's pid (None while none runs)."""
         return self._process.proc.pid if self._process is not None else None
 
+    @property
+    def waiting(self) -> int:
+        """Requests that have no place in the engine yet: queued in it (by its last report, or
+        sent since), or waiting for an engine process to start."""
+        return len(self._streams) - self._running + len(self._waiters)
+
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise RequestRefused now for a request the engine could never serve."""
+        """Raise RequestRefused now for a request the engine could never serve, QueueFull for
+        one that would wait behind `max_waiting` others (checked when the request arrives)."""
         check_request(prompt, params, self.max_seq_len, self.capacity)
+        if self.max_waiting is not None and self.waiting >= self.max_waiting:
+            if self.metrics is not None:
+                self.metrics.refused.labels(self.name).inc()
+            raise QueueFull(
+                f"{self.waiting} requests already wait for model {self.name!r} (max_waiting "
+                f"{self.max_waiting}); retry after {QueueFull.retry_after_s} s."
+            )
 
     async def start(self) -> None:
         """Start the engine process and wait until it has built its engine."""
         process = await asyncio.to_thread(self._spawn)
         await process.attach(_Messages(self._on_message, self._on_lost))
         self._process = process
-        self._preemptions_counted = 0
+        self._preemptions_counted, self._prefix_counted, self._running = 0, (0, 0), 0
         self._ready, self._broken = True, None
         self._progress = time.monotonic()
         if self.metrics is not None:  # a new engine holds nothing (a dead one's gauges go)
@@ -270,49 +349,72 @@ class GenerationService:
             process, self._process = self._process, None
             process.detach()
             await asyncio.to_thread(process.close, 30.0)
-        self._fail_all()
+        self._fail_all(SHUTTING_DOWN)
         self._wake(False)
 
     async def generate(
         self, prompt: list[int], params: SamplingParams
     ) -> AsyncGenerator[TokenEvent, None]:
-        """Token events of one request, ending with the one that has a finish reason ("abort"
-        when the engine process died or the server is closing). Leaving the loop early (a
-        client that went away) aborts the sequence in the engine."""
-        self.check(prompt, params)
+        """Token events of one request, ending with the one that has a finish reason ("abort",
+        with the reason, when the engine process died, the server is closing or the request's
+        deadline passed). Leaving the loop early (a client that went away) aborts the
+        sequence in the engine."""
+        check_request(prompt, params, self.max_seq_len, self.capacity)
         seq_id = next(self._ids)
+        arrived = time.perf_counter()
         if not self._ready:  # a dead engine process is being replaced: wait for the new one
             up = False
             if not self._closing and self._broken is None:
                 waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
                 self._waiters.append(waiter)
-                up = await waiter
+                try:
+                    up = await waiter
+                finally:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
             if not up:
-                yield TokenEvent(seq_id, None, "abort")
+                yield TokenEvent(seq_id, None, "abort", None, self._why_not_ready())
                 return
-        stream = _Stream(asyncio.Queue(), time.perf_counter())
+        stream = _Stream(asyncio.Queue(), arrived)
         if not self._streams:  # an idle engine reports nothing; its clock starts now
             self._progress = time.monotonic()
         self._streams[seq_id] = stream
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.labels(self.name).inc(len(prompt))
         assert self._process is not None
         self._process.send(("submit", seq_id, prompt, params))
         try:
-            while True:
-                ev = await stream.events.get()
-                yield ev
-                if ev.finish_reason is not None:
-                    return
+            async with asyncio.timeout(self.request_timeout_s):
+                while True:
+                    ev = await stream.events.get()
+                    yield ev
+                    if ev.finish_reason is not None:
+                        return
+        except TimeoutError:
+            why = (
+                f"the request did not finish within the server's request_timeout_s of "
+                f"{self.request_timeout_s:g} s; ask for fewer tokens or retry later."
+            )
+            yield TokenEvent(seq_id, None, "abort", None, why)
         finally:
             self._streams.pop(seq_id, None)
             if not stream.done and self._process is not None:
                 self._process.send(("abort", seq_id))
 
+    def _why_not_ready(self) -> str:
+        if self._closing:
+            return SHUTTING_DOWN
+        return (
+            f"the generation engine of model {self.name!r} cannot start ({self._broken}); "
+            "the server keeps trying: retry later."
+        )
+
     # Supervision ---------------------------------------------------------------------------
-    def _fail_all(self) -> None:
+    def _fail_all(self, reason: str) -> None:
         for seq_id in list(self._streams):
             stream = self._streams.pop(seq_id)
             stream.done = True
-            stream.events.put_nowait(TokenEvent(seq_id, None, "abort"))
+            stream.events.put_nowait(TokenEvent(seq_id, None, "abort", None, reason))
 
     def _on_lost(self) -> None:
         """The engine process died: fail its requests now and start another."""
@@ -323,7 +425,10 @@ class GenerationService:
             "the generation engine of model %r died (exit code %s); restarting it", self.name, code
         )
         self._ready = False
-        self._fail_all()
+        self._fail_all(
+            f"the generation engine process of model {self.name!r} died (exit code {code}) "
+            "while generating this request; it is being restarted: retry."
+        )
         self.restarts += 1
         if self.metrics is not None:
             self.metrics.restarts.labels(self.name).inc()
@@ -370,16 +475,31 @@ class GenerationService:
         self._progress = time.monotonic()
         if message[0] != "events":
             return
-        _, events, (running, waiting, blocks_used, preemptions) = message
+        _, events, stats = message
+        self._running = stats.running
+        if self.metrics is not None:
+            self._observe(self.metrics, stats)
         self._dispatch([TokenEvent(*ev) for ev in events])
-        m = self.metrics
-        if m is not None:
-            m.sequences.labels(self.name, "running").set(running)
-            m.sequences.labels(self.name, "waiting").set(waiting)
-            m.kv_blocks_used.labels(self.name).set(blocks_used)
-            if preemptions > self._preemptions_counted:
-                m.preemptions.labels(self.name).inc(preemptions - self._preemptions_counted)
-                self._preemptions_counted = preemptions
+
+    def _observe(self, m: GenerationMetrics, stats: StepStats) -> None:
+        name = self.name
+        m.sequences.labels(name, "running").set(stats.running)
+        m.sequences.labels(name, "waiting").set(stats.waiting)
+        m.kv_blocks_used.labels(name).set(stats.blocks_used)
+        if stats.preemptions > self._preemptions_counted:
+            m.preemptions.labels(name).inc(stats.preemptions - self._preemptions_counted)
+            self._preemptions_counted = stats.preemptions
+        hits, queries = self._prefix_counted
+        m.prefix_hits.labels(name).inc(stats.prefix_hit_tokens - hits)
+        m.prefix_queries.labels(name).inc(stats.prefix_query_tokens - queries)
+        self._prefix_counted = (stats.prefix_hit_tokens, stats.prefix_query_tokens)
+        if stats.batch_size:
+            m.batch_size.labels(name).observe(stats.batch_size)
+        now = time.perf_counter()
+        for seq_id in stats.admitted:
+            stream = self._streams.get(seq_id)
+            if stream is not None:
+                m.queue_time.labels(name).observe(now - stream.submitted)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         now = time.perf_counter()
@@ -390,6 +510,8 @@ class GenerationService:
                 continue
             if ev.finish_reason is not None:
                 stream.done = True
+                if m is not None and ev.finish_reason != "abort":
+                    m.latency.labels(self.name).observe(now - stream.submitted)
             if m is not None and ev.token is not None:
                 if stream.last is None:
                     m.ttft.labels(self.name).observe(now - stream.submitted)
