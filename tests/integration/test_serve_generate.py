@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -206,6 +207,37 @@ def test_a_client_that_goes_away_frees_its_sequence(served: tuple[GPT, str, Any]
         time.sleep(0.05)
     assert [scrape(url)[k] for k in held] == [0, 0, 0]
     assert scrape(url)[TOKENS] - before < 1000
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(
+    served: tuple[GPT, str, Any], path: str
+) -> None:
+    """A raw HTTP/1.1 client sends a non-streamed request for 990 tokens and closes its
+    socket once the engine runs it. The server must drop the sequence (main went on generating
+    all 990 tokens for nobody: the running gauge stayed 1 and KV blocks grew)."""
+    _, url, _ = served
+    before = scrape(url).get(TOKENS, 0)
+    body = {"model": NAME, "max_tokens": 990, "temperature": 0}
+    if path == "/v1/completions":
+        body["prompt"] = "a"
+    else:
+        body["messages"] = [{"role": "user", "content": "a"}]
+    data = json.dumps(body).encode()
+    port = int(url.rsplit(":", 1)[1])
+    running = f'hpcml_llm_sequences{{model="{NAME}",state="running"}}'
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        deadline = time.monotonic() + 60
+        while scrape(url).get(TOKENS, 0) == before:  # generating, for nobody soon
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    held = [running, f'hpcml_llm_kv_cache_blocks_used{{model="{NAME}"}}']
+    while any(scrape(url)[k] for k in held) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [scrape(url)[k] for k in held] == [0, 0]
+    assert scrape(url)[TOKENS] - before < 990
 
 
 TOKENS = f'hpcml_llm_output_tokens_total{{model="{NAME}"}}'
