@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -44,6 +45,12 @@ TOKEN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.
 REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SHUTTING_DOWN = "the server is shutting down; retry on another replica."
+
+
+def _exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 class QueueFull(Exception):
@@ -420,14 +427,19 @@ class GenerationService:
         """The engine process died: fail its requests now and start another."""
         if self._closing:
             return
-        code = self._process.proc.exitcode if self._process is not None else None
+        code = None
+        if self._process is not None:
+            # Its pipe closes as it dies; reaping it is at once (1 s: one that closed its
+            # pipe and lives on is killed by `_restart`).
+            self._process.proc.join(1.0)
+            code = self._process.proc.exitcode
         log.error(
             "the generation engine of model %r died (exit code %s); restarting it", self.name, code
         )
         self._ready = False
         self._fail_all(
-            f"the generation engine process of model {self.name!r} died (exit code {code}) "
-            "while generating this request; it is being restarted: retry."
+            f"the generation engine process of model {self.name!r} died "
+            f"({_exit(code)}) while generating this request; it is being restarted: retry."
         )
         self.restarts += 1
         if self.metrics is not None:
