@@ -73,7 +73,10 @@ def main() -> None:
         f"| {r['preemptions']} | {r['most_preemptions_of_one']} | {r['steps']} |"
         for r in rows
     ]
-    text = "\n".join(lines) + f"\n\nDefaults otherwise (watermark 1 block, max_preemptions 2); {out['date']}.\n"
+    text = (
+        "\n".join(lines)
+        + f"\n\nDefaults otherwise (watermark 1 block, max_preemptions 2); {out['date']}.\n"
+    )
     (RESULTS / "llm_admission.md").write_text(text)
     print(text)
 

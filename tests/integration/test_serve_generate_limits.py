@@ -40,7 +40,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]
         "max_waiting": 1,
         "request_timeout_s": DEADLINE_S,
     }
-    cfg = ServeConfig.model_validate({"defaults": {"isolation": "thread"}, "generation": generation})
+    cfg = ServeConfig.model_validate(
+        {"defaults": {"isolation": "thread"}, "generation": generation}
+    )
     app = build_app(Path(export), cfg, name=NAME)
     with running_server(app) as url:
         yield url, app.state.generators[NAME]
@@ -86,9 +88,7 @@ def test_a_full_queue_answers_429_and_the_deadline_frees_what_nobody_waits_for(
         )
         b.start()
         _until(lambda: service.waiting == 1, "the second request never queued")
-        full = httpx.post(
-            f"{url}/v1/completions", json={"model": NAME, "prompt": "c"}, timeout=60
-        )
+        full = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "c"}, timeout=60)
         assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
         assert "max_waiting 1" in full.json()["error"]["message"]
         # The deadline passes while the engine is frozen: both requests end, saying why.

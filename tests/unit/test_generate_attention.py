@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from generate_util import one_thread, reference, tiny_gpt, widen
+from generate_util import one_thread, reference, tiny_gpt
 from torch.overrides import TorchFunctionMode
 
 from hpcml.models.gpt import GPT, GPTConfig

@@ -250,8 +250,9 @@ def test_a_later_request_shares_the_computed_blocks_of_its_prefix() -> None:
     got = run_engine(engine, [(first, 8, 0), (second, 8, 3)])
     assert got[0] == reference(MODEL, first, 8) and got[1] == reference(MODEL, second, 8)
     assert engine.prefix_hit_tokens == 12  # three full blocks of the 12-token prefix
-    off = Engine(MODEL, EngineConfig(kv_cache_blocks=32, block_size=4, max_num_seqs=4,
-                                     prefix_sharing=False))
+    off = Engine(
+        MODEL, EngineConfig(kv_cache_blocks=32, block_size=4, max_num_seqs=4, prefix_sharing=False)
+    )
     assert run_engine(off, [(first, 8, 0), (second, 8, 3)]) == got
     assert off.prefix_hit_tokens == 0
     # The same prompt again, a whole number of blocks long: all but its last block is shared,

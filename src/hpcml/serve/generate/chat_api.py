@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from hpcml.serve.generate.disconnect import Disconnected, unless_disconnected
 from hpcml.serve.generate.engine import RequestRefused
 from hpcml.serve.generate.openai_api import (
     Aborted,
@@ -44,7 +45,6 @@ from hpcml.serve.generate.openai_api import (
     validate,
 )
 from hpcml.serve.generate.sampling import SamplingParams
-from hpcml.serve.generate.disconnect import Disconnected, unless_disconnected
 from hpcml.serve.generate.service import GenerationService, QueueFull
 
 

@@ -6,12 +6,17 @@ at most `max_batched_tokens` tokens per step, decodes first, so a long prompt do
 the others). Sequences are admitted from the waiting queue and retired at every step (Orca, Yu
 et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
 
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted: its blocks are freed, and it goes back to the front of the queue keeping the tokens
-it has generated; when readmitted it recomputes their keys and values (prompt and output
-together, as one prefill) and carries on exactly where it was. A request that could not fit
-the whole cache alone is refused when it is submitted, so preemption always ends: the oldest
-sequence can always run, alone if need be.
+Admission does not overcommit the cache into thrashing: a waiting sequence is admitted only
+when blocks for its whole prompt (or whole recompute) are free, plus `watermark_blocks` while
+others run, and while the running sequences at their longest (prompt plus max_tokens) need at
+most `kv_overcommit` times the cache. When a running sequence needs a block and none is free,
+the newest running sequence is preempted: its blocks are freed, and it goes back to the front
+of the queue keeping the tokens it has generated; when readmitted it recomputes their keys and
+values (prompt and output together, as one prefill) and carries on exactly where it was. After
+`max_preemptions` a sequence is readmitted holding blocks for its longest length ("reserved":
+it never grows, so it is never preempted again). A request that could not fit the whole cache
+alone is refused when it is submitted, so preemption always ends: the oldest sequence can
+always run, alone if need be, or waits a step for reserved ones, which only shrink the queue.
 
 `static_batching=True` is the baseline the benchmark compares against: a batch is admitted only
 when the previous one has finished, and finished sequences stay in the batch (each step

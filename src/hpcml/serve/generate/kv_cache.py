@@ -14,7 +14,8 @@ writes positions past what it has computed.
 cache=)`): the step's new tokens of all sequences come packed in one row (the linear layers see
 no padding); their keys and values are written into their slots, then each sequence's whole
 context is *gathered* from its blocks (whole blocks at a time) into a contiguous, padded
-`(sequences, heads, context, head_dim)` tensor and attended with `scaled_dot_product_attention` under a mask. The gather
+`(sequences, heads, context, head_dim)` tensor per group of sequences of similar context
+length (`buckets`) and attended with `scaled_dot_product_attention` under a mask. The gather
 copies the context every step and layer: a fused paged-attention kernel (vLLM's) reads the
 blocks in place, but none ships with CPU PyTorch, and this keeps the engine pure torch and
 easy to check. Hand-written because no maintained CPU library offers a paged cache for an

@@ -25,8 +25,9 @@ from hpcml.models.tokenizer import FILE, Tokenizer, export_tokenizer
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.generate.engine import EngineConfig
 from hpcml.serve.generate.engine_process import EngineSpec
+from hpcml.serve.generate.llm_metrics import GenerationMetrics
 from hpcml.serve.generate.sampling import ByteTokenizer
-from hpcml.serve.generate.service import GenerationMetrics, GenerationService
+from hpcml.serve.generate.service import GenerationService
 from hpcml.serve.router import Router
 
 log = logging.getLogger(__name__)

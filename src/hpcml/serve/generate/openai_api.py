@@ -21,9 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hpcml.serve.generate.disconnect import Disconnected, unless_disconnected
 from hpcml.serve.generate.engine import RequestRefused
 from hpcml.serve.generate.sampling import SamplingParams, TextStream
-from hpcml.serve.generate.disconnect import Disconnected, unless_disconnected
 from hpcml.serve.generate.service import GenerationService, QueueFull
 
 Stop = Annotated[str, Field(min_length=1)]
@@ -241,9 +241,7 @@ def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            text, n, finish = await unless_disconnected(
-                request, complete(service, prompt, params)
-            )
+            text, n, finish = await unless_disconnected(request, complete(service, prompt, params))
         except Aborted as exc:
             return error(503, str(exc))
         except Disconnected:
