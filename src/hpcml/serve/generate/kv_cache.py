@@ -199,14 +199,23 @@ def buckets(items: list[tuple[int, StepItem]], block_size: int) -> list[list[tup
     sequences x the longest: sorted by context, the split that minimises the padded key
     positions plus `GROUP_COST_POSITIONS` per group (dynamic programming over the sorted
     order, n^2 for n <= max_num_seqs)."""
+    if not items:
+        return []
     order = sorted(items, key=lambda oi: (oi[1].start + oi[1].n, oi[1].n))
     ctx = [-(-(it.start + it.n) // block_size) * block_size for _, it in order]
     rows = [it.n for _, it in order]
+    if (
+        len(order) * max(rows) * ctx[-1] - sum(r * c for r, c in zip(rows, ctx))
+        <= GROUP_COST_POSITIONS
+    ):
+        return [items]  # one group pads less than a second group would cost (the usual step)
     best = [0.0] + [float("inf")] * len(order)
     cut = [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
-        for i in range(j):  # a group of order[i:j]: padded to ctx[j-1], to the longest chunk
-            cost = best[i] + GROUP_COST_POSITIONS + (j - i) * max(rows[i:j]) * ctx[j - 1]
+        widest = 0
+        for i in range(j - 1, -1, -1):  # a group of order[i:j]: padded to ctx[j-1]
+            widest = max(widest, rows[i])
+            cost = best[i] + GROUP_COST_POSITIONS + (j - i) * widest * ctx[j - 1]
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     groups = []
