@@ -135,6 +135,10 @@ class GenerationConfig(_Section):
     max_preemptions: int = Field(default=2, ge=1)
     """After this many preemptions a sequence is readmitted holding blocks for its whole
     prompt plus max_tokens, so it is never preempted again."""
+    kv_overcommit: float = Field(default=1.25, ge=1.0, allow_inf_nan=False)
+    """Admit a sequence only while the running ones at their longest (prompt plus max_tokens)
+    need at most this many times the cache: 1.0 never preempts; more admits more sequences
+    whose outputs may stop early, at the price of some recompute."""
     max_waiting: int | None = Field(default=None, gt=0)
     """Most requests of one model waiting for a place in its engine; more are answered 429
     with Retry-After at once. null: no bound."""

@@ -204,10 +204,8 @@ def buckets(items: list[tuple[int, StepItem]], block_size: int) -> list[list[tup
     order = sorted(items, key=lambda oi: (oi[1].start + oi[1].n, oi[1].n))
     ctx = [-(-(it.start + it.n) // block_size) * block_size for _, it in order]
     rows = [it.n for _, it in order]
-    if (
-        len(order) * max(rows) * ctx[-1] - sum(r * c for r, c in zip(rows, ctx))
-        <= GROUP_COST_POSITIONS
-    ):
+    padding = len(order) * max(rows) * ctx[-1] - sum(r * c for r, c in zip(rows, ctx, strict=True))
+    if padding <= GROUP_COST_POSITIONS:
         return [items]  # one group pads less than a second group would cost (the usual step)
     best = [0.0] + [float("inf")] * len(order)
     cut = [0] * (len(order) + 1)

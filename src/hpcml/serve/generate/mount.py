@@ -45,6 +45,7 @@ def text_services(
         prefix_sharing=g.prefix_sharing,
         watermark_blocks=g.watermark_blocks,
         max_preemptions=g.max_preemptions,
+        kv_overcommit=g.kv_overcommit,
     )
     services: dict[str, GenerationService] = {}
     metrics: GenerationMetrics | None = None

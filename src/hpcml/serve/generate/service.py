@@ -294,19 +294,24 @@ class GenerationService:
             self.metrics.prompt_tokens.labels(self.name).inc(len(prompt))
         assert self._process is not None
         self._process.send(("submit", seq_id, prompt, params))
+        # The deadline bounds each wait for an event, never the consumer's own awaits between
+        # them (a timeout scope across `yield` would cancel whatever the consumer awaits).
+        limit = self.request_timeout_s
         try:
-            async with asyncio.timeout(self.request_timeout_s):
-                while True:
-                    ev = await stream.events.get()
-                    yield ev
-                    if ev.finish_reason is not None:
-                        return
-        except TimeoutError:
-            why = (
-                f"the request did not finish within the server's request_timeout_s of "
-                f"{self.request_timeout_s:g} s; ask for fewer tokens or retry later."
-            )
-            yield TokenEvent(seq_id, None, "abort", None, why)
+            while True:
+                left = None if limit is None else max(0.0, arrived + limit - time.perf_counter())
+                try:
+                    ev = await asyncio.wait_for(stream.events.get(), left)
+                except TimeoutError:
+                    why = (
+                        f"the request did not finish within the server's request_timeout_s of "
+                        f"{limit:g} s; ask for fewer tokens or retry later."
+                    )
+                    yield TokenEvent(seq_id, None, "abort", None, why)
+                    return
+                yield ev
+                if ev.finish_reason is not None:
+                    return
         finally:
             self._streams.pop(seq_id, None)
             if not stream.done and self._process is not None:
