@@ -94,6 +94,9 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     pos_ratio = positions(mixed_ctx) / positions(short_ctx)
     result: dict[str, Any] = {
+        "question": "Does one long context among 31 short ones slow a decode step only by its own "
+        "positions (bucketed attention), not 32 x its length (one padded group)?",
+        "command": "python benchmarks/llm_attention.py",
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": 1,

@@ -188,9 +188,10 @@ class _Group:
 
 GROUP_COST_POSITIONS = 256
 """What one more attention group costs, in key positions: a group is two block gathers, a mask
-and one `scaled_dot_product_attention` call per layer (~50-100 us of dispatch on a CPU), about
-the time of gathering and attending a few hundred key positions of a small model. Splitting a
-group pays when it saves more padded positions than this."""
+and one `scaled_dot_product_attention` call per layer, a fixed dispatch cost taken to equal
+gathering and attending a few hundred key positions of a small model (an estimate, not a
+tuned value; `benchmarks/llm_attention.py` times the result). A split pays when it saves more
+padded positions than this."""
 
 
 def buckets(items: list[tuple[int, StepItem]], block_size: int) -> list[list[tuple[int, StepItem]]]:
