@@ -118,7 +118,8 @@ def test_a_full_queue_answers_429_and_the_deadline_frees_what_nobody_waits_for(
 def test_an_engine_death_is_named_in_the_503_of_a_non_streamed_chat(
     served: tuple[str, Any],
 ) -> None:
-    """Main told this client "the server is shutting down"."""
+    """Main told this client "the server is shutting down". Readiness is 400 until a new
+    engine runs."""
     url, service = served
     engine = service.pid
     os.kill(engine, signal.SIGSTOP)
@@ -136,4 +137,8 @@ def test_an_engine_death_is_named_in_the_503_of_a_non_streamed_chat(
     message = r.json()["error"]["message"]
     assert "process of model 'poet' died (killed by SIGKILL)" in message, message
     assert "shutting down" not in message
+    # Not ready until a new engine runs: the death is seen before the 503 is sent, and a new
+    # engine process takes seconds to spawn and load its model, the check milliseconds.
+    assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 400
     _until(lambda: service.pid not in (None, engine) and service.is_ready(), "no new engine")
+    assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 200
