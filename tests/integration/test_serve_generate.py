@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -208,6 +209,37 @@ def test_a_client_that_goes_away_frees_its_sequence(served: tuple[GPT, str, Any]
     assert scrape(url)[TOKENS] - before < 1000
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(
+    served: tuple[GPT, str, Any], path: str
+) -> None:
+    """A raw HTTP/1.1 client sends a non-streamed request for 990 tokens and closes its
+    socket once the engine runs it. The server must drop the sequence (main went on generating
+    all 990 tokens for nobody: the running gauge stayed 1 and KV blocks grew)."""
+    _, url, _ = served
+    before = scrape(url).get(TOKENS, 0)
+    body = {"model": NAME, "max_tokens": 990, "temperature": 0}
+    if path == "/v1/completions":
+        body["prompt"] = "a"
+    else:
+        body["messages"] = [{"role": "user", "content": "a"}]
+    data = json.dumps(body).encode()
+    port = int(url.rsplit(":", 1)[1])
+    running = f'hpcml_llm_sequences{{model="{NAME}",state="running"}}'
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        deadline = time.monotonic() + 60
+        while scrape(url).get(TOKENS, 0) == before:  # generating, for nobody soon
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    held = [running, f'hpcml_llm_kv_cache_blocks_used{{model="{NAME}"}}']
+    while any(scrape(url)[k] for k in held) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [scrape(url)[k] for k in held] == [0, 0]
+    assert scrape(url)[TOKENS] - before < 990
+
+
 TOKENS = f'hpcml_llm_output_tokens_total{{model="{NAME}"}}'
 
 
@@ -234,6 +266,20 @@ def test_metrics_count_generated_tokens(served: tuple[GPT, str, Any]) -> None:
     assert after[itl] - before.get(itl, 0) == 6
     assert after[f'hpcml_llm_kv_cache_blocks{{model="{NAME}"}}'] == 130
     assert after[f'hpcml_llm_kv_cache_blocks_used{{model="{NAME}"}}'] == 0
+
+    def grew(name: str) -> float:
+        key = f'hpcml_llm_{name}{{model="{NAME}"}}'
+        return after[key] - before.get(key, 0)
+
+    assert grew("prompt_tokens_total") == 6  # "print(": 6 bytes
+    assert grew("request_duration_seconds_count") == 1
+    assert grew("queue_time_seconds_count") == 1
+    # It arrived, then was admitted, then ended: its queue time is within its latency.
+    assert 0 < grew("queue_time_seconds_sum") <= grew("request_duration_seconds_sum")
+    # Alone in the engine: one prefill step and 6 decode steps, one sequence each.
+    assert grew("batch_size_count") == 7 and grew("batch_size_sum") == 7
+    assert grew("prefix_cache_query_tokens_total") == 6
+    assert grew("prefix_cache_hit_tokens_total") == 0
     promtool = system_binary("promtool", installer=".ci/install_prometheus.sh")
     text = httpx.get(f"{url}/metrics", timeout=30).text
     check = subprocess.run(
@@ -241,6 +287,25 @@ def test_metrics_count_generated_tokens(served: tuple[GPT, str, Any]) -> None:
     )
     # promtool exits 0 and prints nothing when every metric follows the conventions.
     assert check.returncode == 0 and check.stdout + check.stderr == "", check.stdout + check.stderr
+
+
+def test_a_shared_prompt_prefix_counts_as_prefix_cache_hits(served: tuple[GPT, str, Any]) -> None:
+    """B arrives while A, with the same 24-token prompt, runs: B finds A's two full blocks of 8
+    in the prefix cache (its last token is always computed), so 16 of its 24 tokens hit."""
+    _, url, _ = served
+    before = scrape(url)
+    prompt = "the same prompt, 24 b..."
+    payload = {"model": NAME, "prompt": prompt, "max_tokens": 900, "temperature": 0}
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload | {"stream": True}) as r:
+        lines = r.iter_lines()  # held: a dropped iterator closes the stream (A would end)
+        while not next(lines).startswith("data: {"):
+            pass  # A's prompt is computed once its first chunk comes
+        assert complete(url, prompt=prompt, max_tokens=2).status_code == 200
+    after = scrape(url)
+    hits = f'hpcml_llm_prefix_cache_hit_tokens_total{{model="{NAME}"}}'
+    queries = f'hpcml_llm_prefix_cache_query_tokens_total{{model="{NAME}"}}'
+    assert after[hits] - before.get(hits, 0) == 16
+    assert after[queries] - before.get(queries, 0) == 48
 
 
 def test_oip_still_serves_the_export(served: tuple[GPT, str, Any]) -> None:

@@ -66,6 +66,10 @@ def workloads(draw: st.DrawFn) -> tuple[EngineConfig, list[tuple[list[int], int,
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 6)),
         max_batched_tokens=draw(st.sampled_from([2, 5, 64])),
+        # From admission that never preempts to one that lets preemption happen often.
+        kv_overcommit=draw(st.sampled_from([1.0, 1.25, 4.0])),
+        max_preemptions=draw(st.integers(1, 3)),
+        watermark_blocks=draw(st.integers(0, 2)),
     )
     return config, requests
 
@@ -95,7 +99,9 @@ def test_a_cache_too_small_for_all_preempts_and_still_matches() -> None:
     prompts) and cannot all grow to their end."""
     rng = random.Random(7)
     requests = [([rng.randrange(64) for _ in range(4)], 26, 0) for _ in range(4)]
-    engine = Engine(MODEL, EngineConfig(kv_cache_blocks=8, block_size=4, max_num_seqs=4))
+    # Overcommitted 4x, so that admission lets them all in and preemption has to happen.
+    config = EngineConfig(kv_cache_blocks=8, block_size=4, max_num_seqs=4, kv_overcommit=4.0)
+    engine = Engine(MODEL, config)
     got = run_engine(engine, requests)
     assert engine.preemptions > 0
     for i, (prompt, max_tokens, _) in enumerate(requests):
@@ -204,6 +210,10 @@ def shared_prefix_workloads(
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 6)),
         max_batched_tokens=draw(st.sampled_from([2, 5, 64])),
+        # From admission that never preempts to one that lets preemption happen often.
+        kv_overcommit=draw(st.sampled_from([1.0, 1.25, 4.0])),
+        max_preemptions=draw(st.integers(1, 3)),
+        watermark_blocks=draw(st.integers(0, 2)),
     )
     return config, requests
 
@@ -228,7 +238,7 @@ def test_prefix_sharing_keeps_every_output_equal_to_one_request_at_a_time(
         assert got[i] == reference(MODEL, prompt, max_tokens), f"request {i} of {config}"
     assert engine.cache.allocator.free == config.kv_cache_blocks  # every share released
     assert all(r == 0 for r in engine.cache.allocator.refs)
-    SHARED.append(engine.prefix_tokens_shared)  # seen by hand: 17 of the 40 examples share
+    SHARED.append(engine.prefix_hit_tokens)  # seen by hand: 17 of the 40 examples share
 
 
 def test_a_later_request_shares_the_computed_blocks_of_its_prefix() -> None:
@@ -239,15 +249,16 @@ def test_a_later_request_shares_the_computed_blocks_of_its_prefix() -> None:
     engine = Engine(MODEL, config)
     got = run_engine(engine, [(first, 8, 0), (second, 8, 3)])
     assert got[0] == reference(MODEL, first, 8) and got[1] == reference(MODEL, second, 8)
-    assert engine.prefix_tokens_shared == 12  # three full blocks of the 12-token prefix
-    off = Engine(MODEL, EngineConfig(kv_cache_blocks=32, block_size=4, max_num_seqs=4,
-                                     prefix_sharing=False))
+    assert engine.prefix_hit_tokens == 12  # three full blocks of the 12-token prefix
+    off = Engine(
+        MODEL, EngineConfig(kv_cache_blocks=32, block_size=4, max_num_seqs=4, prefix_sharing=False)
+    )
     assert run_engine(off, [(first, 8, 0), (second, 8, 3)]) == got
-    assert off.prefix_tokens_shared == 0
+    assert off.prefix_hit_tokens == 0
     # The same prompt again, a whole number of blocks long: all but its last block is shared,
     # since the last prompt token's logits must be computed to give the first new token.
     again = Engine(MODEL, config)
     same = system + [5, 6, 7, 8]
     out = run_engine(again, [(same, 6, 0), (same, 6, 3)])
     assert out[0] == out[1] == reference(MODEL, same, 6)
-    assert again.prefix_tokens_shared == 12
+    assert again.prefix_hit_tokens == 12

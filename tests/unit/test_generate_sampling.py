@@ -69,7 +69,9 @@ def test_a_seed_makes_sampling_reproducible_whatever_is_batched_with_it() -> Non
     params = SamplingParams(max_tokens=12, temperature=1.5, seed=42)
     alone = run_alone([5, 6, 7], params)
     assert alone == run_alone([5, 6, 7], params)
-    engine = Engine(MODEL, EngineConfig(kv_cache_blocks=12, block_size=2, max_num_seqs=3))
+    # Overcommitted, so that all run together and preemption happens.
+    config = EngineConfig(kv_cache_blocks=12, block_size=2, max_num_seqs=3, kv_overcommit=4.0)
+    engine = Engine(MODEL, config)
     rng = random.Random(0)
     others = [[rng.randrange(256) for _ in range(9)] for _ in range(3)]
     ids = [engine.submit(p, SamplingParams(max_tokens=12, temperature=1.5)) for p in others]

@@ -129,6 +129,22 @@ class GenerationConfig(_Section):
     """Most new tokens in one step: long prompts are prefilled in chunks of at most this."""
     prefix_sharing: bool = True
     """Sequences whose prompts start with the same full KV blocks share them."""
+    watermark_blocks: int = Field(default=1, ge=0)
+    """Free KV blocks a sequence's admission must leave while others run (admission takes
+    blocks for the whole prompt, or the whole recompute of a preempted sequence, at once)."""
+    max_preemptions: int = Field(default=2, ge=1)
+    """After this many preemptions a sequence is readmitted holding blocks for its whole
+    prompt plus max_tokens, so it is never preempted again."""
+    kv_overcommit: float = Field(default=1.25, ge=1.0, allow_inf_nan=False)
+    """Admit a sequence only while the running ones at their longest (prompt plus max_tokens)
+    need at most this many times the cache: 1.0 never preempts; more admits more sequences
+    whose outputs may stop early, at the price of some recompute."""
+    max_waiting: int | None = Field(default=None, gt=0)
+    """Most requests of one model waiting for a place in its engine; more are answered 429
+    with Retry-After at once. null: no bound."""
+    request_timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """A request not finished this long after it arrived is dropped from the engine (504, or
+    an error event when streamed); null: no deadline."""
     quantize: Literal["none", "int8"] = "none"
     """int8: weight-only int8 Linear layers (torchao) for the generation engine."""
     step_timeout_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)

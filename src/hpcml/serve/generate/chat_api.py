@@ -31,9 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from hpcml.serve.generate.disconnect import Disconnected, unless_disconnected
 from hpcml.serve.generate.engine import RequestRefused
 from hpcml.serve.generate.openai_api import (
-    ABORTED,
     Aborted,
     BadRequest,
     M,
@@ -45,7 +45,7 @@ from hpcml.serve.generate.openai_api import (
     validate,
 )
 from hpcml.serve.generate.sampling import SamplingParams
-from hpcml.serve.generate.service import GenerationService
+from hpcml.serve.generate.service import GenerationService, QueueFull
 
 
 class TextPart(BaseModel):
@@ -186,6 +186,8 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
             return error(exc.status, exc.message, exc.param)
         except RequestRefused as exc:
             return error(400, str(exc), "max_tokens")
+        except QueueFull as exc:
+            return error(429, str(exc))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return StreamingResponse(
@@ -194,9 +196,11 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            out, n, finish = await complete(service, prompt, params)
-        except Aborted:
-            return error(503, "the server is shutting down; retry on another replica.")
+            out, n, finish = await unless_disconnected(request, complete(service, prompt, params))
+        except Aborted as exc:
+            return error(503, str(exc))
+        except Disconnected:
+            return Response(status_code=499)  # nobody reads it
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": out},
@@ -230,6 +234,8 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
             return JSONResponse({"error": exc.message}, status_code=exc.status)
         except RequestRefused as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
+        except QueueFull as exc:
+            return JSONResponse({"error": str(exc)}, status_code=429, headers={"Retry-After": "1"})
         head = {"model_name": name, "model_version": service.version}
         if req.id is not None:
             head["id"] = req.id
@@ -240,9 +246,11 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            out, n, finish = await complete(service, prompt, params)
-        except Aborted:
-            return JSONResponse({"error": ABORTED}, status_code=503, headers={"Retry-After": "1"})
+            out, n, finish = await unless_disconnected(request, complete(service, prompt, params))
+        except Aborted as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+        except Disconnected:
+            return Response(status_code=499)  # nobody reads it
         details = {"finish_reason": finish, "output_tokens": n}
         return JSONResponse({**head, "text_output": out, "details": details})
 
@@ -304,8 +312,8 @@ async def _chat_sse(
                     yield chunk({"content": text}, None)
                 if finish is not None:
                     yield chunk({}, finish)
-    except Aborted:
-        yield _event({"error": {"message": ABORTED, "type": "server_error", "param": None}})
+    except Aborted as exc:
+        yield _event({"error": {"message": str(exc), "type": "server_error", "param": None}})
     yield b"data: [DONE]\n\n"
 
 
@@ -319,5 +327,5 @@ async def _generate_sse(
                 if finish is not None:
                     body["details"] = {"finish_reason": finish}
                 yield _event(body)
-    except Aborted:
-        yield _event({"error": ABORTED})
+    except Aborted as exc:
+        yield _event({"error": str(exc)})

@@ -6,12 +6,17 @@ at most `max_batched_tokens` tokens per step, decodes first, so a long prompt do
 the others). Sequences are admitted from the waiting queue and retired at every step (Orca, Yu
 et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
 
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted: its blocks are freed, and it goes back to the front of the queue keeping the tokens
-it has generated; when readmitted it recomputes their keys and values (prompt and output
-together, as one prefill) and carries on exactly where it was. A request that could not fit
-the whole cache alone is refused when it is submitted, so preemption always ends: the oldest
-sequence can always run, alone if need be.
+Admission does not overcommit the cache into thrashing: a waiting sequence is admitted only
+when blocks for its whole prompt (or whole recompute) are free, plus `watermark_blocks` while
+others run, and while the running sequences at their longest (prompt plus max_tokens) need at
+most `kv_overcommit` times the cache. When a running sequence needs a block and none is free,
+the newest running sequence is preempted: its blocks are freed, and it goes back to the front
+of the queue keeping the tokens it has generated; when readmitted it recomputes their keys and
+values (prompt and output together, as one prefill) and carries on exactly where it was. After
+`max_preemptions` a sequence is readmitted holding blocks for its longest length ("reserved":
+it never grows, so it is never preempted again). A request that could not fit the whole cache
+alone is refused when it is submitted, so preemption always ends: the oldest sequence can
+always run, alone if need be, or waits a step for reserved ones, which only shrink the queue.
 
 `static_batching=True` is the baseline the benchmark compares against: a batch is admitted only
 when the previous one has finished, and finished sequences stay in the batch (each step
@@ -46,6 +51,16 @@ class EngineConfig:
     static_batching: bool = False
     prefix_sharing: bool = True
     """Sequences whose prompts start with the same full blocks share those blocks' KV."""
+    watermark_blocks: int = 1
+    """Free blocks a sequence's admission must leave while others run (room for their next
+    decode blocks, so an admission does not force a preemption at the very next step)."""
+    max_preemptions: int = 2
+    kv_overcommit: float = 1.25
+    """Admit a sequence only while the running sequences' blocks at their longest (prompt plus
+    max_tokens) fit in this many times the cache: 1.0 never preempts; more admits more
+    sequences whose outputs may stop early, at the price of some preemptions (recompute)."""
+    """After this many preemptions a sequence is readmitted holding blocks for its whole
+    `prompt + max_tokens` (never preempted again): recompute work per sequence is bounded."""
 
 
 @dataclass(eq=False)  # compared by identity: `running.remove(seq)` removes that sequence
@@ -62,6 +77,8 @@ class Sequence:
     finish_reason: str | None = None
     stopped_by: bytes | None = None
     preemptions: int = 0
+    reserved: bool = False
+    """Holds blocks for its longest possible length: it never grows, so is never preempted."""
 
     @property
     def output(self) -> list[int]:
@@ -77,6 +94,8 @@ class TokenEvent:
     finish_reason: str | None = None
     """None while it goes on; "stop", "length" or "abort" on its last event."""
     stopped_by: bytes | None = None
+    reason: str | None = None
+    """Why an "abort" happened, one sentence for the client (None: not aborted here)."""
 
 
 def check_request(
@@ -134,7 +153,15 @@ class Engine:
         # Prefix sharing (see kv_cache): off under static batching, whose finished sequences
         # rewrite their last slot every step ("ghosts") and so could touch an indexed block.
         self.sharing = config.prefix_sharing and not config.static_batching
-        self.prefix_tokens_shared = 0
+        self.prefix_hit_tokens = 0
+        """Prompt tokens found in the prefix cache at admission (so not computed)."""
+        self.prefix_query_tokens = 0
+        """Tokens of sequences admitted (their whole prompt, or prompt and output on a
+        readmission): what the prefix cache was asked for."""
+        self.admitted: list[int] = []
+        """Ids of sequences admitted for the first time since the owner last looked."""
+        self.batch_size = 0
+        """Sequences in the last step."""
 
     def submit(self, prompt: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
         """Queue a request; its id. Raises RequestRefused if it can never be served."""
@@ -173,12 +200,16 @@ class Engine:
         self.cache.allocator.release(seq.table)
         seq.computed = 0
         seq.preemptions += 1
+        seq.reserved = seq.preemptions >= self.config.max_preemptions
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _plan_running(self, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
-        """Chunks for running sequences, oldest first, preempting the newest when blocks run
-        out. Decodes (1 token) come before prefill chunks."""
+        """Chunks for running sequences, oldest first. Decodes (1 token) come before prefill
+        chunks. A decode that needs a block when none is free preempts the newest running
+        sequence that is not reserved (itself if it is the newest); when that would be itself
+        while reserved sequences hold blocks, it waits a step instead (they never grow, and
+        free their blocks when they end)."""
         order = sorted(self.running, key=lambda s: (len(s.tokens) - s.computed > 1, s.id))
         plan: list[tuple[Sequence, int]] = []
         for seq in order:
@@ -188,7 +219,9 @@ class Engine:
             if n <= 0:
                 continue
             while not self.cache.grow(seq.table, seq.computed + n):
-                victim = max(self.running, key=lambda s: s.id)
+                victim = max((s for s in self.running if not s.reserved), key=lambda s: s.id)
+                if victim is seq and any(s.reserved for s in self.running):
+                    break  # stall one step
                 budget += sum(k for s, k in plan if s is victim)
                 plan = [(s, k) for s, k in plan if s is not victim]
                 self._preempt(victim)
@@ -201,30 +234,51 @@ class Engine:
         return plan, budget
 
     def _admit(self, plan: list[tuple[Sequence, int]], budget: int) -> None:
+        """Admit waiting sequences in order while their whole (re)prefill fits in the free
+        blocks, plus `watermark_blocks` to spare while others run: blocks are taken for the
+        whole prefill at once, so chunks of several prefills never compete for blocks, and
+        admitting never preempts (the queue waits for blocks)."""
         if self.config.static_batching and (self.running or self._ghosts):
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self.sharing and not seq.table:
                 seq.computed = self.cache.share_prefix(seq.table, seq.tokens)
-                self.prefix_tokens_shared += seq.computed
-            n = min(len(seq.tokens) - seq.computed, budget)
-            if not self.cache.grow(seq.table, seq.computed + n):
+            full = seq.prompt_len + seq.params.max_tokens if seq.reserved else len(seq.tokens)
+            need = self.cache.blocks_for(full) - len(seq.table)
+            spare = self.config.watermark_blocks if self.running else 0
+            if need + spare > self.cache.allocator.free or not self._room_for(seq):
                 if self.sharing:  # hold no shared blocks while waiting
-                    self.prefix_tokens_shared -= seq.computed
                     self.cache.allocator.release(seq.table)
                     seq.computed = 0
-                break  # admitting never preempts; it waits for blocks
+                break
+            grown = self.cache.grow(seq.table, full)
+            assert grown
+            n = min(len(seq.tokens) - seq.computed, budget)
             self.waiting.popleft()
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n
+            self.prefix_hit_tokens += seq.computed
+            self.prefix_query_tokens += len(seq.tokens)
+            if not seq.preemptions:
+                self.admitted.append(seq.id)
+
+    def _longest(self, seq: Sequence) -> int:
+        return self.cache.blocks_for(seq.prompt_len + seq.params.max_tokens)
+
+    def _room_for(self, seq: Sequence) -> bool:
+        if not self.running:
+            return True
+        planned = sum(self._longest(s) for s in self.running) + self._longest(seq)
+        return planned <= self.config.kv_overcommit * self.cache.allocator.num_blocks
 
     def step(self) -> list[TokenEvent]:
         """One forward pass over the planned chunks; the tokens it generated."""
         self._end_static_batch()
         plan, budget = self._plan_running(self.config.max_batched_tokens)
         self._admit(plan, budget)
+        self.batch_size = len(plan)
         if not plan:
             return []
         ghosts = [(g, 0) for g in self._ghosts]

@@ -8,7 +8,7 @@ Both directions carry length-prefixed pickles (`backends.write_frame`) between t
 the process it spawned itself, never anything a user sent as a file. The server sends
 `("submit", seq_id, prompt, params)`, `("abort", seq_id)` and `("stop",)`; the process answers
 `("ready", None)` or `("error", message)` once, then after every step
-`("events", [(seq_id, token, finish_reason, stopped_by), ...], stats)`. Between steps it reads
+`("events", [(seq_id, token, finish_reason, stopped_by, reason), ...], StepStats)`. Between steps it reads
 every command that has arrived; with no work it sleeps on its command pipe.
 """
 
@@ -44,9 +44,38 @@ class EngineSpec:
     threads: int | None = None
 
 
-def stats(engine: Engine) -> tuple[int, int, int, int]:
-    """(running, waiting, KV blocks used, preemptions so far) of an engine."""
-    return len(engine.running), len(engine.waiting), engine.blocks_used, engine.preemptions
+@dataclass(frozen=True)
+class StepStats:
+    """What the engine reports with every step's events (for the server's metrics)."""
+
+    running: int
+    waiting: int
+    blocks_used: int
+    preemptions: int
+    """Preemptions so far."""
+    batch_size: int
+    """Sequences in the step (0: no step since the last report)."""
+    admitted: tuple[int, ...]
+    """Sequences admitted for the first time since the last report (their queue time ends)."""
+    prefix_hit_tokens: int
+    """Tokens found in the prefix cache so far."""
+    prefix_query_tokens: int
+    """Tokens of admitted sequences so far (what the prefix cache was asked for)."""
+
+
+def stats(engine: Engine) -> StepStats:
+    admitted, engine.admitted = tuple(engine.admitted), []
+    batch, engine.batch_size = engine.batch_size, 0
+    return StepStats(
+        len(engine.running),
+        len(engine.waiting),
+        engine.blocks_used,
+        engine.preemptions,
+        batch,
+        admitted,
+        engine.prefix_hit_tokens,
+        engine.prefix_query_tokens,
+    )
 
 
 def build_engine(spec: EngineSpec) -> Engine:
@@ -108,7 +137,7 @@ def _apply(engine: Engine, message: tuple[Any, ...]) -> tuple[Any, ...]:
         try:
             engine.submit(prompt, params, seq_id)
         except ValueError:  # checked by the server already; never expected here
-            return (seq_id, None, "abort", None)
+            return (seq_id, None, "abort", None, "the engine refused the request.")
     elif message[0] == "abort":
         engine.abort(message[1])
     return ()
@@ -119,11 +148,12 @@ def _step(engine: Engine, name: str) -> list[TokenEvent]:
         return engine.step()
     except Exception:  # a bug of ours: fail the running requests, keep serving
         log.exception("generation step of model %r failed", name)
-        events = [TokenEvent(s.id, None, "abort") for s in engine.running]
+        why = "a generation step failed on the server (its log has the error); retry."
+        events = [TokenEvent(s.id, None, "abort", None, why) for s in engine.running]
         for ev in events:
             engine.abort(ev.seq_id)
         return events
 
 
 def _flat(ev: TokenEvent) -> tuple[Any, ...]:
-    return ev.seq_id, ev.token, ev.finish_reason, ev.stopped_by
+    return ev.seq_id, ev.token, ev.finish_reason, ev.stopped_by, ev.reason

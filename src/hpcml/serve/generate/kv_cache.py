@@ -14,7 +14,8 @@ writes positions past what it has computed.
 cache=)`): the step's new tokens of all sequences come packed in one row (the linear layers see
 no padding); their keys and values are written into their slots, then each sequence's whole
 context is *gathered* from its blocks (whole blocks at a time) into a contiguous, padded
-`(sequences, heads, context, head_dim)` tensor and attended with `scaled_dot_product_attention` under a mask. The gather
+`(sequences, heads, context, head_dim)` tensor per group of sequences of similar context
+length (`buckets`) and attended with `scaled_dot_product_attention` under a mask. The gather
 copies the context every step and layer: a fused paged-attention kernel (vLLM's) reads the
 blocks in place, but none ships with CPU PyTorch, and this keeps the engine pure torch and
 easy to check. Hand-written because no maintained CPU library offers a paged cache for an
@@ -185,18 +186,58 @@ class _Group:
         self.packed = torch.tensor(packed, dtype=torch.long, device=device)
 
 
+GROUP_COST_POSITIONS = 256
+"""What one more attention group costs, in key positions: a group is two block gathers, a mask
+and one `scaled_dot_product_attention` call per layer, a fixed dispatch cost taken to equal
+gathering and attending a few hundred key positions of a small model (an estimate, not a
+tuned value; `benchmarks/llm_attention.py` times the result). A split pays when it saves more
+padded positions than this."""
+
+
+def buckets(items: list[tuple[int, StepItem]], block_size: int) -> list[list[tuple[int, StepItem]]]:
+    """Split a step's sequences into groups attended together, so that what the step attends
+    (each group padded to its longest context and chunk) follows the sum of the contexts, not
+    sequences x the longest: sorted by context, the split that minimises the padded key
+    positions plus `GROUP_COST_POSITIONS` per group (dynamic programming over the sorted
+    order, n^2 for n <= max_num_seqs)."""
+    if not items:
+        return []
+    order = sorted(items, key=lambda oi: (oi[1].start + oi[1].n, oi[1].n))
+    ctx = [-(-(it.start + it.n) // block_size) * block_size for _, it in order]
+    rows = [it.n for _, it in order]
+    padding = len(order) * max(rows) * ctx[-1] - sum(r * c for r, c in zip(rows, ctx, strict=True))
+    if padding <= GROUP_COST_POSITIONS:
+        return [items]  # one group pads less than a second group would cost (the usual step)
+    best = [0.0] + [float("inf")] * len(order)
+    cut = [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        widest = 0
+        for i in range(j - 1, -1, -1):  # a group of order[i:j]: padded to ctx[j-1]
+            widest = max(widest, rows[i])
+            cost = best[i] + GROUP_COST_POSITIONS + (j - i) * widest * ctx[j - 1]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups = []
+    j = len(order)
+    while j:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1] if len(groups) > 1 else [items] if items else []
+
+
 class StepAttention:
     """The `KVCache` the model attends through during one engine step (see module docstring).
 
-    Decoding sequences (one new token each) are attended as one group and sequences with a
-    prompt chunk as another, so a step that carries a 32-token chunk does not pad every
-    decode's query to 32 rows (that made a mixed step cost twice a decode step). The context is
-    gathered a block at a time (one `index_select` of whole blocks per layer and group, each a
-    contiguous `block_size x heads x head_dim` run) rather than a slot at a time: on a 2-core
-    CPU the per-slot gather was 58% of a 32-sequence decode step. A sequence's context is
-    padded to its group's longest in whole blocks; the causal mask hides every padded key,
-    since each query's position is below its own sequence's length. The step's small index
-    tensors are built from Python lists, once per step, not per sequence and layer."""
+    Decoding sequences (one new token each) and sequences with a prompt chunk are grouped
+    apart, so a step that carries a 32-token chunk does not pad every decode's query to 32
+    rows; within each kind, sequences are split by context length (`buckets`), so one long
+    context does not pad every short one to its length. The context is gathered a block at a
+    time (one `index_select` of whole blocks per layer and group, each a contiguous
+    `block_size x heads x head_dim` run) rather than a slot at a time: on a 2-core CPU the
+    per-slot gather was 58% of a 32-sequence decode step. A sequence's context is padded to
+    its group's longest in whole blocks; the causal mask hides every padded key, since each
+    query's position is below its own sequence's length. The step's small index tensors are
+    built from Python lists, once per step, not per sequence and layer."""
 
     def __init__(self, cache: PagedKVCache, items: list[StepItem]) -> None:
         self.cache = cache
@@ -210,8 +251,10 @@ class StepAttention:
             (decodes if it.n == 1 else chunks).append((offset, it))
             offset += it.n
         self.tokens = offset
-        self.groups = [_Group(cache, g) for g in (decodes, chunks) if g]
+        self.groups = [_Group(cache, g) for kind in (decodes, chunks) for g in buckets(kind, bs)]
         self.write = torch.tensor(write, dtype=torch.long, device=cache.k.device)
+        # One group of decodes in packed order: the packed row is already the padded layout.
+        self.in_order = len(self.groups) == 1 and len(decodes) == len(items)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: (1, heads, N, head_dim), the step's N new tokens packed in one row.
@@ -221,27 +264,26 @@ class StepAttention:
         v_cache.index_copy_(0, self.write, v[0].transpose(0, 1))
         per_block = (-1, self.cache.block_size, heads, head_dim)
         packed_q = q[0].transpose(0, 1)  # (N, heads, head_dim)
-        if len(self.groups) == 1 and self.groups[0].shape[1] == 1:
-            # Decodes only (the common step): the packed row is already the padded layout.
-            g = self.groups[0]
-            b, _, ctx = g.shape
-            keys = k_cache.view(per_block).index_select(0, g.blocks).view(b, ctx, heads, head_dim)
-            vals = v_cache.view(per_block).index_select(0, g.blocks).view(b, ctx, heads, head_dim)
-            y = F.scaled_dot_product_attention(
-                packed_q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=g.mask
-            )
-            return y.squeeze(2).transpose(0, 1).unsqueeze(0)
-        out = q.new_empty(self.tokens, heads, head_dim)
+        out = packed_q if self.in_order else q.new_empty(self.tokens, heads, head_dim)
         for g in self.groups:
             b, t, ctx = g.shape
-            q_pad = q.new_zeros(b * t, heads, head_dim)
-            q_pad[g.rows] = packed_q[g.packed]
-            q_pad = q_pad.view(b, t, heads, head_dim).transpose(1, 2)
+            if t == 1:
+                q_g = packed_q if self.in_order else packed_q[g.packed]
+                q_g = q_g.unsqueeze(2)  # (b, heads, 1, head_dim)
+            else:
+                q_pad = q.new_zeros(b * t, heads, head_dim)
+                q_pad[g.rows] = packed_q[g.packed]
+                q_g = q_pad.view(b, t, heads, head_dim).transpose(1, 2)
             # (b, ctx, heads, head_dim): a copy of whole blocks
             keys = k_cache.view(per_block).index_select(0, g.blocks).view(b, ctx, heads, head_dim)
             vals = v_cache.view(per_block).index_select(0, g.blocks).view(b, ctx, heads, head_dim)
             y = F.scaled_dot_product_attention(
-                q_pad, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=g.mask
+                q_g, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=g.mask
             )
-            out[g.packed] = y.transpose(1, 2).reshape(b * t, heads, head_dim)[g.rows]
+            if self.in_order:
+                out = y.squeeze(2)
+            elif t == 1:
+                out[g.packed] = y.squeeze(2)
+            else:
+                out[g.packed] = y.transpose(1, 2).reshape(b * t, heads, head_dim)[g.rows]
         return out.transpose(0, 1).unsqueeze(0)

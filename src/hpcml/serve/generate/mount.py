@@ -25,8 +25,9 @@ from hpcml.models.tokenizer import FILE, Tokenizer, export_tokenizer
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.generate.engine import EngineConfig
 from hpcml.serve.generate.engine_process import EngineSpec
+from hpcml.serve.generate.llm_metrics import GenerationMetrics
 from hpcml.serve.generate.sampling import ByteTokenizer
-from hpcml.serve.generate.service import GenerationMetrics, GenerationService
+from hpcml.serve.generate.service import GenerationService
 from hpcml.serve.traffic.router import Router
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ def text_services(
         max_num_seqs=g.max_num_seqs,
         max_batched_tokens=g.max_batched_tokens,
         prefix_sharing=g.prefix_sharing,
+        watermark_blocks=g.watermark_blocks,
+        max_preemptions=g.max_preemptions,
+        kv_overcommit=g.kv_overcommit,
     )
     services: dict[str, GenerationService] = {}
     metrics: GenerationMetrics | None = None
@@ -67,7 +71,13 @@ def text_services(
         )
         metrics = metrics or GenerationMetrics(registry)
         services[name] = GenerationService(
-            spec, int(model.cfg.max_seq_len), metrics, mv.version, g.step_timeout_s
+            spec,
+            int(model.cfg.max_seq_len),
+            metrics,
+            mv.version,
+            g.step_timeout_s,
+            max_waiting=g.max_waiting,
+            request_timeout_s=g.request_timeout_s,
         )
     return services
 

@@ -21,9 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hpcml.serve.generate.disconnect import Disconnected, unless_disconnected
 from hpcml.serve.generate.engine import RequestRefused
 from hpcml.serve.generate.sampling import SamplingParams, TextStream
-from hpcml.serve.generate.service import GenerationService
+from hpcml.serve.generate.service import GenerationService, QueueFull
 
 Stop = Annotated[str, Field(min_length=1)]
 M = TypeVar("M", bound=BaseModel)
@@ -77,7 +78,7 @@ def error(status: int, message: str, param: str | None = None) -> Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     # Every 503 here (shutting down, engine restarting) is one a retry, elsewhere, may cure.
-    headers = {"Retry-After": "1"} if status == 503 else None
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -157,14 +158,14 @@ def _chunk(
 
 
 class Aborted(Exception):
-    """The engine stopped generating (the server is shutting down)."""
+    """The engine stopped generating; its message names why."""
 
 
 async def complete(
     service: GenerationService, prompt: list[int], params: SamplingParams
 ) -> tuple[str, int, str | None]:
     """The whole text of one request, its token count and finish reason ("stop", "length")."""
-    text, n, finish = "", 0, None
+    text, n, finish, reason = "", 0, None, None
     stream = TextStream(params.stop, service.tokenizer)
     async with aclosing(service.generate(prompt, params)) as events:
         async for ev in events:
@@ -172,10 +173,10 @@ async def complete(
                 n += 1
                 text += stream.push(ev.token)
             if ev.finish_reason is not None:
-                finish = ev.finish_reason
+                finish, reason = ev.finish_reason, ev.reason
                 text += stream.finish(ev.stopped_by)
     if finish == "abort":
-        raise Aborted
+        raise Aborted(reason or ABORTED)
     return text, n, finish
 
 
@@ -194,7 +195,7 @@ async def text_deltas(
                     yield text, None
                 continue
             if ev.finish_reason == "abort":
-                raise Aborted
+                raise Aborted(ev.reason or ABORTED)
             yield text + stream.finish(ev.stopped_by), ev.finish_reason
             return
 
@@ -229,6 +230,8 @@ def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
             return error(exc.status, exc.message, exc.param)
         except RequestRefused as exc:
             return error(400, str(exc), "max_tokens")
+        except QueueFull as exc:
+            return error(429, str(exc))
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
@@ -238,9 +241,11 @@ def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            text, n, finish = await complete(service, prompt, params)
-        except Aborted:
-            return error(503, ABORTED)
+            text, n, finish = await unless_disconnected(request, complete(service, prompt, params))
+        except Aborted as exc:
+            return error(503, str(exc))
+        except Disconnected:
+            return Response(status_code=499)  # nobody reads it
         usage = {
             "prompt_tokens": len(prompt),
             "completion_tokens": n,
@@ -272,6 +277,6 @@ async def _sse(
         async with aclosing(text_deltas(service, prompt, params)) as deltas:
             async for text, finish in deltas:
                 yield event(_chunk(cid, created, model, text, finish))
-    except Aborted:
-        yield event({"error": {"message": ABORTED, "type": "server_error", "param": None}})
+    except Aborted as exc:
+        yield event({"error": {"message": str(exc), "type": "server_error", "param": None}})
     yield b"data: [DONE]\n\n"

@@ -7,8 +7,13 @@ segfault, the OOM killer, kill -9) fails the requests it was generating, each wi
 meanwhile wait for it. Requests and cancellations go to the process as frames written by the
 event loop (non-blocking); each step's tokens come back as one frame the event loop reads and
 hands to the requests' `asyncio.Queue`s. Metrics (Prometheus, in the server's registry): time
-to first token, inter-token latency, output tokens, preemptions, running and waiting
-sequences, KV blocks used, engine restarts.
+to first token, inter-token latency, end-to-end latency, queue time, prompt and output tokens,
+prefix-cache hit and query tokens, sequences per step, preemptions, running and waiting
+sequences, KV blocks used, refused requests, engine restarts.
+
+A request that fails ends with an "abort" event whose `reason` is one sentence naming the real
+cause (the engine process died, it cannot start, the server is shutting down, the deadline
+passed), which the HTTP endpoints answer with 503 and Retry-After.
 """
 
 from __future__ import annotations
@@ -20,70 +25,34 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from hpcml.errors import ModelError
 from hpcml.serve.generate.engine import TokenEvent, check_request
-from hpcml.serve.generate.engine_process import EngineSpec, run_engine
+from hpcml.serve.generate.engine_process import EngineSpec, StepStats, run_engine
+from hpcml.serve.generate.llm_metrics import GenerationMetrics
 from hpcml.serve.generate.sampling import SamplingParams, Tokenizer
 from hpcml.serve.runtime.backends import FrameProtocol, frame, read_frame
 
 log = logging.getLogger(__name__)
 
-TOKEN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+SHUTTING_DOWN = "the server is shutting down; retry on another replica."
 
 
-class GenerationMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.ttft = Histogram(
-            "hpcml_llm_time_to_first_token_seconds",
-            "From a completion request's arrival to its first generated token.",
-            ["model"],
-            buckets=TOKEN_BUCKETS_S,
-            registry=registry,
-        )
-        self.itl = Histogram(
-            "hpcml_llm_inter_token_latency_seconds",
-            "Between two consecutive generated tokens of one request.",
-            ["model"],
-            buckets=TOKEN_BUCKETS_S,
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "hpcml_llm_output_tokens", "Generated tokens.", ["model"], registry=registry
-        )
-        self.preemptions = Counter(
-            "hpcml_llm_preemptions",
-            "Sequences preempted for KV blocks (recomputed later).",
-            ["model"],
-            registry=registry,
-        )
-        self.sequences = Gauge(
-            "hpcml_llm_sequences",
-            "Sequences in the engine, by state (running, waiting).",
-            ["model", "state"],
-            registry=registry,
-        )
-        self.kv_blocks_used = Gauge(
-            "hpcml_llm_kv_cache_blocks_used",
-            "KV cache blocks in use.",
-            ["model"],
-            registry=registry,
-        )
-        self.kv_blocks = Gauge(
-            "hpcml_llm_kv_cache_blocks", "KV cache blocks in all.", ["model"], registry=registry
-        )
-        self.restarts = Counter(
-            "hpcml_llm_engine_restarts",
-            "Engine processes started again after one died.",
-            ["model"],
-            registry=registry,
-        )
+def _exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+class QueueFull(Exception):
+    """More requests wait for the engine than `generation.max_waiting` (answer 429)."""
+
+    retry_after_s = 1
 
 
 @dataclass
@@ -190,6 +159,8 @@ class GenerationService:
         metrics: GenerationMetrics | None = None,
         version: str = "1",
         step_timeout_s: float = 60.0,
+        max_waiting: int | None = None,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.name = spec.name
         self.version = version
@@ -212,6 +183,11 @@ class GenerationService:
         self._restarting: asyncio.Task[None] | None = None
         self._preemptions_counted = 0
         self.step_timeout_s = step_timeout_s
+        self.max_waiting = max_waiting
+        self.request_timeout_s = request_timeout_s
+        self._running = 0
+        """Sequences running in the engine at its last report."""
+        self._prefix_counted = (0, 0)
         self._progress = time.monotonic()
         """When the engine process last reported a step, or took work while idle."""
         self._watchdog: asyncio.Task[None] | None = None
@@ -227,16 +203,30 @@ class GenerationService:
         """The engine process's pid (None while none runs)."""
         return self._process.proc.pid if self._process is not None else None
 
+    @property
+    def waiting(self) -> int:
+        """Requests that have no place in the engine yet: queued in it (by its last report, or
+        sent since), or waiting for an engine process to start."""
+        return len(self._streams) - self._running + len(self._waiters)
+
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise RequestRefused now for a request the engine could never serve."""
+        """Raise RequestRefused now for a request the engine could never serve, QueueFull for
+        one that would wait behind `max_waiting` others (checked when the request arrives)."""
         check_request(prompt, params, self.max_seq_len, self.capacity)
+        if self.max_waiting is not None and self.waiting >= self.max_waiting:
+            if self.metrics is not None:
+                self.metrics.refused.labels(self.name).inc()
+            raise QueueFull(
+                f"{self.waiting} requests already wait for model {self.name!r} (max_waiting "
+                f"{self.max_waiting}); retry after {QueueFull.retry_after_s} s."
+            )
 
     async def start(self) -> None:
         """Start the engine process and wait until it has built its engine."""
         process = await asyncio.to_thread(self._spawn)
         await process.attach(_Messages(self._on_message, self._on_lost))
         self._process = process
-        self._preemptions_counted = 0
+        self._preemptions_counted, self._prefix_counted, self._running = 0, (0, 0), 0
         self._ready, self._broken = True, None
         self._progress = time.monotonic()
         if self.metrics is not None:  # a new engine holds nothing (a dead one's gauges go)
@@ -270,35 +260,55 @@ class GenerationService:
             process, self._process = self._process, None
             process.detach()
             await asyncio.to_thread(process.close, 30.0)
-        self._fail_all()
+        self._fail_all(SHUTTING_DOWN)
         self._wake(False)
 
     async def generate(
         self, prompt: list[int], params: SamplingParams
     ) -> AsyncGenerator[TokenEvent, None]:
-        """Token events of one request, ending with the one that has a finish reason ("abort"
-        when the engine process died or the server is closing). Leaving the loop early (a
-        client that went away) aborts the sequence in the engine."""
-        self.check(prompt, params)
+        """Token events of one request, ending with the one that has a finish reason ("abort",
+        with the reason, when the engine process died, the server is closing or the request's
+        deadline passed). Leaving the loop early (a client that went away) aborts the
+        sequence in the engine."""
+        check_request(prompt, params, self.max_seq_len, self.capacity)
         seq_id = next(self._ids)
+        arrived = time.perf_counter()
         if not self._ready:  # a dead engine process is being replaced: wait for the new one
             up = False
             if not self._closing and self._broken is None:
                 waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
                 self._waiters.append(waiter)
-                up = await waiter
+                try:
+                    up = await waiter
+                finally:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
             if not up:
-                yield TokenEvent(seq_id, None, "abort")
+                yield TokenEvent(seq_id, None, "abort", None, self._why_not_ready())
                 return
-        stream = _Stream(asyncio.Queue(), time.perf_counter())
+        stream = _Stream(asyncio.Queue(), arrived)
         if not self._streams:  # an idle engine reports nothing; its clock starts now
             self._progress = time.monotonic()
         self._streams[seq_id] = stream
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.labels(self.name).inc(len(prompt))
         assert self._process is not None
         self._process.send(("submit", seq_id, prompt, params))
+        # The deadline bounds each wait for an event, never the consumer's own awaits between
+        # them (a timeout scope across `yield` would cancel whatever the consumer awaits).
+        limit = self.request_timeout_s
         try:
             while True:
-                ev = await stream.events.get()
+                left = None if limit is None else max(0.0, arrived + limit - time.perf_counter())
+                try:
+                    ev = await asyncio.wait_for(stream.events.get(), left)
+                except TimeoutError:
+                    why = (
+                        f"the request did not finish within the server's request_timeout_s of "
+                        f"{limit:g} s; ask for fewer tokens or retry later."
+                    )
+                    yield TokenEvent(seq_id, None, "abort", None, why)
+                    return
                 yield ev
                 if ev.finish_reason is not None:
                     return
@@ -307,23 +317,39 @@ class GenerationService:
             if not stream.done and self._process is not None:
                 self._process.send(("abort", seq_id))
 
+    def _why_not_ready(self) -> str:
+        if self._closing:
+            return SHUTTING_DOWN
+        return (
+            f"the generation engine of model {self.name!r} cannot start ({self._broken}); "
+            "the server keeps trying: retry later."
+        )
+
     # Supervision ---------------------------------------------------------------------------
-    def _fail_all(self) -> None:
+    def _fail_all(self, reason: str) -> None:
         for seq_id in list(self._streams):
             stream = self._streams.pop(seq_id)
             stream.done = True
-            stream.events.put_nowait(TokenEvent(seq_id, None, "abort"))
+            stream.events.put_nowait(TokenEvent(seq_id, None, "abort", None, reason))
 
     def _on_lost(self) -> None:
         """The engine process died: fail its requests now and start another."""
         if self._closing:
             return
-        code = self._process.proc.exitcode if self._process is not None else None
+        code = None
+        if self._process is not None:
+            # Its pipe closes as it dies; reaping it is at once (1 s: one that closed its
+            # pipe and lives on is killed by `_restart`).
+            self._process.proc.join(1.0)
+            code = self._process.proc.exitcode
         log.error(
             "the generation engine of model %r died (exit code %s); restarting it", self.name, code
         )
         self._ready = False
-        self._fail_all()
+        self._fail_all(
+            f"the generation engine process of model {self.name!r} died "
+            f"({_exit(code)}) while generating this request; it is being restarted: retry."
+        )
         self.restarts += 1
         if self.metrics is not None:
             self.metrics.restarts.labels(self.name).inc()
@@ -370,16 +396,31 @@ class GenerationService:
         self._progress = time.monotonic()
         if message[0] != "events":
             return
-        _, events, (running, waiting, blocks_used, preemptions) = message
+        _, events, stats = message
+        self._running = stats.running
+        if self.metrics is not None:
+            self._observe(self.metrics, stats)
         self._dispatch([TokenEvent(*ev) for ev in events])
-        m = self.metrics
-        if m is not None:
-            m.sequences.labels(self.name, "running").set(running)
-            m.sequences.labels(self.name, "waiting").set(waiting)
-            m.kv_blocks_used.labels(self.name).set(blocks_used)
-            if preemptions > self._preemptions_counted:
-                m.preemptions.labels(self.name).inc(preemptions - self._preemptions_counted)
-                self._preemptions_counted = preemptions
+
+    def _observe(self, m: GenerationMetrics, stats: StepStats) -> None:
+        name = self.name
+        m.sequences.labels(name, "running").set(stats.running)
+        m.sequences.labels(name, "waiting").set(stats.waiting)
+        m.kv_blocks_used.labels(name).set(stats.blocks_used)
+        if stats.preemptions > self._preemptions_counted:
+            m.preemptions.labels(name).inc(stats.preemptions - self._preemptions_counted)
+            self._preemptions_counted = stats.preemptions
+        hits, queries = self._prefix_counted
+        m.prefix_hits.labels(name).inc(stats.prefix_hit_tokens - hits)
+        m.prefix_queries.labels(name).inc(stats.prefix_query_tokens - queries)
+        self._prefix_counted = (stats.prefix_hit_tokens, stats.prefix_query_tokens)
+        if stats.batch_size:
+            m.batch_size.labels(name).observe(stats.batch_size)
+        now = time.perf_counter()
+        for seq_id in stats.admitted:
+            stream = self._streams.get(seq_id)
+            if stream is not None:
+                m.queue_time.labels(name).observe(now - stream.submitted)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         now = time.perf_counter()
@@ -390,6 +431,8 @@ class GenerationService:
                 continue
             if ev.finish_reason is not None:
                 stream.done = True
+                if m is not None and ev.finish_reason != "abort":
+                    m.latency.labels(self.name).observe(now - stream.submitted)
             if m is not None and ev.token is not None:
                 if stream.last is None:
                     m.ttft.labels(self.name).observe(now - stream.submitted)
