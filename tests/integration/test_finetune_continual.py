@@ -21,8 +21,8 @@ from hpcml.config import load_config
 from hpcml.data.sources import load_source
 from hpcml.data.tokens import prepare_pystdlib
 from hpcml.errors import ConfigError
-from hpcml.track.registry import RegistryError
 from hpcml.models.export import load_export
+from hpcml.track.registry import RegistryError
 from hpcml.train.hooks import Hooks
 from hpcml.train.trainer import Trainer
 
