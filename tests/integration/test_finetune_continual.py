@@ -20,7 +20,7 @@ from tests.conftest import summary
 from hpcml.config import load_config
 from hpcml.data.sources import load_source
 from hpcml.data.tokens import prepare_pystdlib
-from hpcml.errors import ConfigError
+from hpcml.errors import ConfigError, DataError
 from hpcml.models.export import load_export
 from hpcml.track.registry import RegistryError
 from hpcml.train.hooks import Hooks
@@ -45,13 +45,13 @@ finetune: {{method: lora, r: 8, alpha: 32}}
 """
 
 
-def new_task(out: Path, seed: int) -> None:
+def new_task(out: Path, seed: int, vocab: int = 256) -> None:
     """Byte tokens of seeded random lowercase letters: nothing like Python source."""
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True)
     for name, n in (("train.bin", 20_000), ("val.bin", 4_000)):
         (out / name).write_bytes(rng.integers(97, 123, n).astype(np.uint16).tobytes())
-    (out / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 256}))
+    (out / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": vocab}))
 
 
 def fit(config: Path, run: Path, *overrides: str, resume: str | None = None) -> dict[str, Any]:
@@ -135,6 +135,7 @@ def test_resume_keeps_the_scores_before_training(tasks: Path) -> None:
         ("model.init_from=models:/old@nosuch", RegistryError, "has no alias 'nosuch'"),
         ("model.init_from=models:/missing@production", RegistryError, "missing"),
         ("train.eval_sets={'old task': x}", ConfigError, "cannot name a metric"),
+        ("train.eval_sets={gone: /nonexistent/i34}", DataError, "eval_sets.gone: data.path"),
     ],
 )
 def test_bad_continual_config_is_one_sentence(
@@ -146,3 +147,15 @@ def test_bad_continual_config_is_one_sentence(
     with pytest.raises(error, match=says) as err:
         resolve(cfg, 1)
     assert "\n" not in str(err.value) and err.value.exit_code == 2  # type: ignore[attr-defined]
+
+
+def test_an_eval_set_unlike_the_training_data_is_refused(tasks: Path) -> None:
+    """A set whose tokens need another vocabulary than data.path's cannot be scored by this
+    model: one sentence, naming the set, before anything runs."""
+    from hpcml.train.validate import resolve
+
+    new_task(tasks / "wide", seed=8, vocab=300)
+    cfg = load_config(tasks / "new.yaml", [f"train.eval_sets={{wide: {tasks / 'wide'}}}"])
+    with pytest.raises(ConfigError, match=r"train.eval_sets.wide .* 300 classes") as err:
+        resolve(cfg, 1)
+    assert "\n" not in str(err.value) and err.value.exit_code == 2

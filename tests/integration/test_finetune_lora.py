@@ -186,6 +186,22 @@ def test_bad_finetune_config_is_one_sentence(root: Path, override: str, says: st
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "world", "says"),
+    [
+        (["finetune.base_dtype=int8"], 2, "trains on one process, not 2"),
+        (["finetune.base_dtype=int8", "finetune.method=full"], 1, "finetune.method is full"),
+    ],
+)
+def test_int8_base_refusals(root: Path, overrides: list[str], world: int, says: str) -> None:
+    """torchao's int8 tensors break DDP's broadcast and FSDP's sharding (no view/split), and
+    quantizing a base that trains whole means nothing: both refused before any work."""
+    cfg = load_config(root / "lora.yaml", overrides)
+    with pytest.raises(ConfigError, match=says) as err:
+        resolve(cfg, world)
+    assert "\n" not in str(err.value) and err.value.exit_code == 2
+
+
 def test_rank_must_be_positive(root: Path) -> None:
     with pytest.raises(ConfigError, match="finetune.r"):
         load_config(root / "lora.yaml", ["finetune.r=0"])

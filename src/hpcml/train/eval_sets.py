@@ -19,7 +19,7 @@ from hpcml.config import RunConfig
 from hpcml.data.loader import eval_loader, shard_for_eval
 from hpcml.data.sources import load_source
 from hpcml.data.splits import Splits
-from hpcml.errors import ConfigError
+from hpcml.errors import ConfigError, HpcmlError
 from hpcml.train.evaluation import evaluate_model
 
 STATE_KEY = "eval_sets_before"
@@ -38,7 +38,10 @@ def load(cfg: RunConfig, main: Splits) -> dict[str, Splits]:
                 "digits, '_', '.' or '-' (e.g. old, new)."
             )
         data = cfg.data.model_copy(update={"path": path, "mix": None, "limit_train": None})
-        splits = load_source(data)
+        try:
+            splits = load_source(data)
+        except HpcmlError as exc:  # its sentence says data.path: say which setting it was
+            raise type(exc)(f"train.eval_sets.{name}: {exc.message}") from None
         have = (splits.input_shape, splits.input_dtype, splits.target_shape, splits.num_classes)
         want = (main.input_shape, main.input_dtype, main.target_shape, main.num_classes)
         if have != want:

@@ -39,9 +39,15 @@ def lora_config_of(cfg: RunConfig, model: nn.Module) -> Any:
     return lora.lora_config(f.r, f.alpha, f.dropout, f.target or lora.default_targets(model))
 
 
-def check(cfg: RunConfig, meta_model: nn.Module) -> None:
+def check(cfg: RunConfig, meta_model: nn.Module, world_size: int = 1) -> None:
     """Refusals that need no weights, run by `validate.resolve` on every rank and the parent."""
     method = cfg.finetune.method
+    if method != "lora" and cfg.finetune.base_dtype != "fp32":
+        raise ConfigError(
+            f"finetune.base_dtype {cfg.finetune.base_dtype} quantizes a frozen base under "
+            f"adapters, but finetune.method is {method}; use finetune.method lora or "
+            "finetune.base_dtype fp32."
+        )
     if not active(cfg):
         return
     if cfg.model.init_from is None:
@@ -57,11 +63,12 @@ def check(cfg: RunConfig, meta_model: nn.Module) -> None:
         )
     if method == "lora":
         lora.check_targets(meta_model, lora_config_of(cfg, meta_model))
-    elif cfg.finetune.base_dtype != "fp32":
+    if cfg.finetune.base_dtype == "int8" and world_size > 1:
+        # torchao's int8 tensors implement no view/split: DDP's broadcast and FSDP's sharding
+        # of the frozen base fail inside torch (seen with torchao 0.18 on torch 2.13).
         raise ConfigError(
-            f"finetune.base_dtype {cfg.finetune.base_dtype} quantizes a frozen base under "
-            f"adapters, but finetune.method is {method}; use finetune.method lora or "
-            "finetune.base_dtype fp32."
+            f"finetune.base_dtype int8 trains on one process, not {world_size}; run it with "
+            "--nproc 1, or use finetune.base_dtype fp32 with ddp or zero3."
         )
 
 
@@ -178,8 +185,8 @@ def summary_block(cfg: RunConfig, model: nn.Module, res: Any) -> dict[str, Any]:
         block["base_dtype"] = cfg.finetune.base_dtype
         block["base"] = str(res.init_from)
         block["base_sha256"] = base_sha256(res.init_from)
-        if res.base_ref is not None:  # a registry URI: which version it was
-            block["base_model"] = {k: res.base_ref[k] for k in ("uri", "name", "version")}
+    if res.base_ref is not None:  # model.init_from a registry URI: which version it was
+        block["base_model"] = {k: res.base_ref[k] for k in ("uri", "name", "version")}
     return block
 
 

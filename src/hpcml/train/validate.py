@@ -67,7 +67,7 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     grad_accum = derive_grad_accum(cfg, dp_size)
     base_ref = finetune.resolve_registry_base(cfg)  # models:/NAME@ALIAS -> its export folder
     init_from = check_init_from(base_ref["path"] if base_ref else cfg.model.init_from, model)
-    finetune.check(cfg, model)  # finetune: needs init_from, targets that match
+    finetune.check(cfg, model, world_size)  # needs init_from, targets that match
     sets = eval_sets.load(cfg, splits)  # train.eval_sets
     return Resolved(
         splits, model_args, model, world_size, dp_size, grad_accum, init_from, sets, base_ref
