@@ -46,7 +46,7 @@ def load(cfg: RunConfig, main: Splits) -> dict[str, Splits]:
         want = (main.input_shape, main.input_dtype, main.target_shape, main.num_classes)
         if have != want:
             raise ConfigError(
-                f"train.eval_sets.{name} ({path}) holds samples of shape {list(have[0])} "
+                f"train.eval_sets.{name} ({path!r}) holds samples of shape {list(have[0])} "
                 f"({have[1]}, {have[3]} classes) but data.path's are {list(want[0])} ({want[1]}, "
                 f"{want[3]} classes); name a set prepared like the training data."
             )
