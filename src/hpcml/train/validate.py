@@ -135,6 +135,13 @@ def derive_grad_accum(cfg: RunConfig, dp_size: int) -> int:
     return accum
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for the file system (Python 3.11 raises it): no file
+        return False
+
+
 def check_init_from(path: str | None, model: nn.Module) -> Path | None:
     """The export folder `model.init_from` names, after checking (from the safetensors header,
     nothing loaded) that it holds every parameter and buffer of `model` with the same shape."""
@@ -153,7 +160,7 @@ def check_init_from(path: str | None, model: nn.Module) -> Path | None:
             given / "export" / WEIGHTS,
         ]
     )
-    found = next((c for c in candidates if c.is_file()), None)
+    found = next((c for c in candidates if _is_file(c)), None)
     if found is None:
         raise ConfigError(
             f"model.init_from {str(path)!r}: no {WEIGHTS} there (nor in its export/ folder); point it "
