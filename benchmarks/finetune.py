@@ -1,9 +1,10 @@
-"""LoRA vs full fine-tuning of the same gpt export, side by side in one invocation: model-state
+"""LoRA vs full fine-tuning of the same gpt export, and LoRA on the same base held as int8
+(`finetune.base_dtype: int8`, QLoRA-style) vs fp32, side by side in one invocation: model-state
 bytes (parameters + gradients + optimizer state), saved activations, peak RSS, median step
 time, checkpoint bytes and the validation loss reached at equal steps.
 
 A base is trained first (`--pretrain-steps`, every parameter, byte tokens of the Python
-standard library); both fine-tuning runs start from its export (`model.init_from`) on the same
+standard library); the three fine-tuning runs start from its export (`model.init_from`) on the same
 data for `--steps` steps, one process each, through the real `hpcml train`. LoRA gets a higher
 learning rate (`--lora-lr`, as adapters usually do); both use the same schedule and batch.
 On a CPU `peak_rss_bytes` is dominated by the interpreter and torch itself; the model-state
@@ -58,6 +59,7 @@ def row(s: dict[str, Any], run: Path) -> dict[str, Any]:
     return {
         "trainable_params": s["finetune"]["trainable_params"],
         "total_params": s["finetune"]["total_params"],
+        "param_bytes": s["finetune"]["param_bytes"],
         "model_states_bytes": m["model_states_bytes"],
         "saved_activation_bytes": m["saved_activation_bytes"],
         "peak_rss_bytes": m["peak_rss_bytes"],
@@ -112,6 +114,19 @@ def main() -> None:
                 ),
                 root / "lora",
             ),
+            "lora_int8": row(
+                train(
+                    config,
+                    root / "lora_int8",
+                    *common,
+                    "finetune.method=lora",
+                    "finetune.base_dtype=int8",
+                    f"finetune.r={a.r}",
+                    f"finetune.alpha={2 * a.r}",
+                    f"optim.lr={a.lora_lr}",
+                ),
+                root / "lora_int8",
+            ),
         }
     full, lora = rows["full"], rows["lora"]
     ratios = {
@@ -119,13 +134,19 @@ def main() -> None:
         for k in ("model_states_bytes", "peak_rss_bytes", "step_time_s", "checkpoint_bytes")
     }
     ratios["val_loss"] = lora["val_loss"] / full["val_loss"]
+    int8 = rows["lora_int8"]
+    int8_ratios = {
+        k: int8[k] / lora[k]
+        for k in ("param_bytes", "model_states_bytes", "peak_rss_bytes", "step_time_s", "val_loss")
+    }
     result = {
-        "question": "LoRA vs full fine-tuning of the same export at equal steps",
+        "question": "LoRA vs full fine-tuning of the same export, and LoRA on an int8 vs fp32 base, at equal steps",
         "command": "python benchmarks/finetune.py " + " ".join(sys.argv[1:]),
         "settings": vars(a),
         "base_val_loss": base["final"]["val_loss"],
         "runs": rows,
         "lora_over_full": ratios,
+        "lora_int8_over_lora": int8_ratios,
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -142,6 +163,7 @@ def main() -> None:
     for name, r in rows.items():
         lines.append(f"| {name} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + " |")
     lines += ["", "lora / full: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), ""]
+    lines += ["lora_int8 / lora: " + ", ".join(f"{k} {v:.3f}" for k, v in int8_ratios.items()), ""]
     (RESULTS / "finetune.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -35,7 +35,9 @@ class ModelConfig(_Section):
     init_from: str | None = None
     """Start from the weights of a full export (a run folder, its `export/` folder or the
     `model.safetensors` in it) instead of a fresh initialisation: fine-tuning. Each rank reads
-    only its shards."""
+    only its shards. A registry URI (`models:/NAME@ALIAS` or `models:/NAME/VERSION`, in the
+    registry `tracking.uri` names) starts from that registered version's export, its files
+    checked against the sha256 recorded at registration."""
 
 
 class MixSource(_Section):
@@ -235,6 +237,12 @@ class TrainConfig(_Section):
     N+1-th, ...); 1 recomputes all. Ignored by `none` and `full`."""
     compile: bool = False
     """torch.compile each block (or the whole model when it has no blocks)."""
+    eval_sets: dict[str, str] | None = None
+    """Named evaluation sets besides data.path's validation split, `{old: data/a, new:
+    data/b}`: each a data path of the same data.source, whose validation split every
+    evaluation also scores (`NAME/val_loss`, `NAME/val_accuracy`); a fresh run scores them
+    before its first step too, and summary.json's `eval_sets` gives each set's scores before
+    and after and its forgetting (continual learning; hpcml.train.eval_sets)."""
     peak_flops: float | None = Field(None, gt=0)
     """Peak FLOP/s of one device for the precision in use, for MFU; null looks it up by name."""
     loss: str = "cross_entropy"
@@ -394,6 +402,10 @@ class FinetuneConfig(_Section):
     Conv2d of other models."""
     export_adapter: bool = False
     """With lora: also write the adapter alone (PEFT's safetensors + config) to export/adapter."""
+    base_dtype: Literal["fp32", "int8"] = "fp32"
+    """With lora: the frozen base's Linear weights as stored for training; `int8` keeps them
+    as int8 with one fp32 scale per output row (QLoRA-style; hpcml.models.quant), adapters
+    in fp32. The export is merged into fp32 weights either way."""
 
 
 class TuneParam(_Section):

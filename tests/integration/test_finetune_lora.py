@@ -186,6 +186,22 @@ def test_bad_finetune_config_is_one_sentence(root: Path, override: str, says: st
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "world", "says"),
+    [
+        (["finetune.base_dtype=int8"], 2, "trains on one process, not 2"),
+        (["finetune.base_dtype=int8", "finetune.method=full"], 1, "finetune.method is full"),
+    ],
+)
+def test_int8_base_refusals(root: Path, overrides: list[str], world: int, says: str) -> None:
+    """torchao's int8 tensors break DDP's broadcast and FSDP's sharding (no view/split), and
+    quantizing a base that trains whole means nothing: both refused before any work."""
+    cfg = load_config(root / "lora.yaml", overrides)
+    with pytest.raises(ConfigError, match=says) as err:
+        resolve(cfg, world)
+    assert "\n" not in str(err.value) and err.value.exit_code == 2
+
+
 def test_rank_must_be_positive(root: Path) -> None:
     with pytest.raises(ConfigError, match="finetune.r"):
         load_config(root / "lora.yaml", ["finetune.r=0"])
@@ -263,3 +279,44 @@ def test_activation_checkpointing_keeps_the_losses(root: Path, lora_run: dict[st
         for r in (run, lora_run["run"])
     ]
     assert names[0] == names[1]
+
+
+def test_int8_base_trains_adapters_and_exports_what_it_trained(
+    root: Path, lora_run: dict[str, Any]
+) -> None:
+    """finetune.base_dtype int8: every untied Linear of the frozen base held as int8 with a
+    scale per row (torchao), adapters in fp32 (PEFT's torchao LoRA layer); the checkpoint holds
+    the adapters alone; the merged export is the int8 base dequantized plus the adapters (not
+    the fp32 base plus the adapters), within fp32 rounding."""
+    from peft import PeftModel
+
+    from hpcml.models import quant
+
+    run = root / "int8"
+    s = fit(root, run, "finetune.base_dtype=int8", "train.max_steps=3", "train.checkpoint_every=0")
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(run / "checkpoints/step-3")).read_metadata()
+    model_keys = [k for k in saved.state_dict_metadata if k.startswith("model.")]
+    assert len(model_keys) == LAYERS * TARGETS * 2 and all(".lora_" in k for k in model_keys)
+    block, fp32 = s["finetune"], summary(lora_run["run"])["finetune"]
+    assert block["trainable_params"] == fp32["trainable_params"] == 4096
+    # Per layer wq, wk, wv, wo (d x d) and the MLP's w1, w2 (d x 4d, 4d x d): 3 bytes saved
+    # per weight, 4 bytes added per row for its scale; lm_head (tied to the embedding) stays.
+    quantized, rows = LAYERS * (4 * D * D + 2 * 4 * D * D), LAYERS * (4 * D + 4 * D + D)
+    assert fp32["param_bytes"] - block["param_bytes"] == 3 * quantized - 4 * rows
+    losses, want = step_losses(run), step_losses(lora_run["run"])
+    for step in losses:  # rounding each weight to 1/254 of its row's largest: a small change
+        assert losses[step] == pytest.approx(want[step], rel=0.01), step
+    base = load_export(root / "base")[0]
+    quant.quantize_base(base)
+    dequantized = load_export(root / "base")[0]
+    dequantized.load_state_dict(quant.dequantize_state(base.state_dict()))
+    x = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(5))
+    adapter = str(run / "export/adapter")
+    with torch.no_grad():
+        got = load_export(run / "export")[0](x)
+        want_out = PeftModel.from_pretrained(dequantized, adapter).eval()(x)
+        fp32_out = PeftModel.from_pretrained(load_export(root / "base")[0], adapter).eval()(x)
+    torch.testing.assert_close(got, want_out, rtol=0, atol=1e-5)  # merge vs two matmuls
+    assert (got - fp32_out).abs().max() > 1e-4  # the int8 base differs from the fp32 one

@@ -355,6 +355,9 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     reshard(model)
 
     def nbytes(t: torch.Tensor) -> int:
+        parts = [getattr(t, n) for n in ("qdata", "scale") if hasattr(t, n)]
+        if parts:  # a torchao int8 tensor (finetune.base_dtype int8): its data and scales
+            return sum(nbytes(p) for p in parts)
         local = getattr(t, "_local_tensor", t)  # DTensor shards count what is local
         return int(local.numel() * local.element_size())
 

@@ -54,8 +54,10 @@ def apply_ac(model: nn.Module, mode: str, every: int) -> int:
     return wrapped
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """Compile each unit in place (names unchanged); the whole model when it has no units.
+    `backend`: torch.compile's (tests pick `aot_eager`, the same graph capture and autograd
+    without inductor's C++ compile, which takes minutes on a busy CPU).
     Units, not one graph, also on one process: the step timer's module hooks on the model
     (hpcml.train.straggler) must run outside compiled code, and compiling the whole model
     traced them (seen on an H100 with torch 2.11: CUDA events never recorded, the straggler
@@ -63,10 +65,10 @@ def apply_compile(model: nn.Module) -> None:
     a hand loop compiled whole there (benchmarks/results/gpu/README.md): not yet a speed-up."""
     found = units(model)
     if not found:
-        model.compile()
+        model.compile(backend=backend)
         return
     for parent, name in found:
-        getattr(parent, name).compile()
+        getattr(parent, name).compile(backend=backend)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:

@@ -22,7 +22,7 @@ from torch import nn
 
 from hpcml.config import RunConfig
 from hpcml.errors import CheckpointError, ConfigError, ModelError
-from hpcml.models import lora
+from hpcml.models import lora, quant
 from hpcml.models.export import WEIGHTS
 from hpcml.models.zoo import build_model, count_parameters, forward_flops_per_sample
 
@@ -39,9 +39,15 @@ def lora_config_of(cfg: RunConfig, model: nn.Module) -> Any:
     return lora.lora_config(f.r, f.alpha, f.dropout, f.target or lora.default_targets(model))
 
 
-def check(cfg: RunConfig, meta_model: nn.Module) -> None:
+def check(cfg: RunConfig, meta_model: nn.Module, world_size: int = 1) -> None:
     """Refusals that need no weights, run by `validate.resolve` on every rank and the parent."""
     method = cfg.finetune.method
+    if method != "lora" and cfg.finetune.base_dtype != "fp32":
+        raise ConfigError(
+            f"finetune.base_dtype {cfg.finetune.base_dtype} quantizes a frozen base under "
+            f"adapters, but finetune.method is {method}; use finetune.method lora or "
+            "finetune.base_dtype fp32."
+        )
     if not active(cfg):
         return
     if cfg.model.init_from is None:
@@ -57,6 +63,27 @@ def check(cfg: RunConfig, meta_model: nn.Module) -> None:
         )
     if method == "lora":
         lora.check_targets(meta_model, lora_config_of(cfg, meta_model))
+    if cfg.finetune.base_dtype == "int8" and world_size > 1:
+        # torchao's int8 tensors implement no view/split: DDP's broadcast and FSDP's sharding
+        # of the frozen base fail inside torch (seen with torchao 0.18 on torch 2.13).
+        raise ConfigError(
+            f"finetune.base_dtype int8 trains on one process, not {world_size}; run it with "
+            "--nproc 1, or use finetune.base_dtype fp32 with ddp or zero3."
+        )
+
+
+def resolve_registry_base(cfg: RunConfig) -> dict[str, Any] | None:
+    """`model.init_from: models:/NAME@ALIAS` (or `models:/NAME/VERSION`): the registered
+    version's export folder, its files checked against the sha256 tagged at registration, read
+    in place from a local artifact store (downloaded into a temporary folder from a remote one);
+    None for a path. The registry is the one `tracking.uri` names."""
+    uri = cfg.model.init_from
+    if uri is None or not uri.startswith("models:/"):
+        return None
+    from hpcml.track.resolve import resolve_model
+
+    found = resolve_model(uri, tracking_uri=cfg.tracking.uri)
+    return {"uri": uri, "name": found.name, "version": found.version, "path": str(found.path)}
 
 
 def base_sha256(folder: Path) -> str:
@@ -81,6 +108,8 @@ def _last_layer(model: nn.Module) -> nn.Module:
 def prepare(cfg: RunConfig, model: nn.Module) -> nn.Module:
     """Freeze the base and add what trains: LoRA adapters, or the output layer unfrozen."""
     if cfg.finetune.method == "lora":
+        if cfg.finetune.base_dtype == "int8":  # QLoRA-style: the frozen Linears held as int8
+            quant.quantize_base(model)
         return lora.inject(model, lora_config_of(cfg, model), cfg.train.seed)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -150,10 +179,14 @@ def summary_block(cfg: RunConfig, model: nn.Module, res: Any) -> dict[str, Any]:
         "method": cfg.finetune.method,
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
         "total_params": sum(p.numel() for p in params),
+        "param_bytes": quant.weight_bytes(model),  # as held: int8 weights count 1 byte each
     }
     if active(cfg):
+        block["base_dtype"] = cfg.finetune.base_dtype
         block["base"] = str(res.init_from)
         block["base_sha256"] = base_sha256(res.init_from)
+    if res.base_ref is not None:  # model.init_from a registry URI: which version it was
+        block["base_model"] = {k: res.base_ref[k] for k in ("uri", "name", "version")}
     return block
 
 
@@ -162,7 +195,8 @@ def export_weights(cfg: RunConfig, res: Any, weights: dict[str, torch.Tensor]) -
     if cfg.finetune.method != "lora":
         return weights
     build = lambda: build_model(cfg.model.name, res.model_args)  # noqa: E731
-    return lora.merged_state(build, lora_config_of(cfg, res.meta_model), weights)
+    fp32 = quant.dequantize_state(weights)  # base_dtype int8: the weights the run trained on
+    return lora.merged_state(build, lora_config_of(cfg, res.meta_model), fp32)
 
 
 def write_adapter(

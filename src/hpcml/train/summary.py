@@ -94,6 +94,7 @@ def build_summary(t: Any) -> dict[str, Any]:
         "config": cfg.model_dump(mode="json"),
         "provenance": t.provenance,
         "finetune": finetune.summary_block(cfg, unwrap(t.model), res),
+        "eval_sets": t.eval_sets.summary_block(t.last_eval, t.step),
     }
     export = save_export(
         t.out_dir / "export",

@@ -45,6 +45,7 @@ from hpcml.train import checkpoint as ckpt
 from hpcml.train import finetune, memprobe, mfu, resume_changes, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
+from hpcml.train.eval_sets import EvalSets
 from hpcml.train.evaluation import evaluate_model
 from hpcml.train.fault import FaultGuard
 from hpcml.train.fault_hook import FaultHook
@@ -95,6 +96,7 @@ class Trainer:
         self.fault_hook: FaultHook | None = None
         self.grad_norm: torch.Tensor | None = None
         self.resume_record: dict[str, Any] = {}
+        self.resume_state: dict[str, Any] | None = None
         """This step's global gradient norm on the device (None under fp16 loss scaling)."""
 
     # --- the whole run ---------------------------------------------------------------------
@@ -161,6 +163,7 @@ class Trainer:
         if finished:
             self._warn(rundir.finished_line(self.out_dir, self.resume_from, cfg), prefix="")
             return (done or {}) if rt.is_main else {}
+        self.eval_sets.start(self, self.resume_state)  # train.eval_sets: scores before training
         self.setup_rss = self.setup_memory.result()  # this rank's set-up peak and growth
         self._open_run_folder()
         return None
@@ -208,6 +211,8 @@ class Trainer:
         self.device_augment = device_augment(cfg, rt.dp_rank, splits.num_classes)
         self.device_normalize = splits.device_normalize
         self.data_versions = first_read(splits.version, cfg.data.path)
+        batch = cfg.data.batch_size * 2
+        self.eval_sets = EvalSets(self.resolved.eval_sets, rt.dp_rank, rt.dp_size, batch, pin)
 
     def restore(self, path: Path, quiet: bool = False) -> int:
         """Load a checkpoint into model, optimizer, schedule, scaler, data position and RNG;
@@ -218,6 +223,7 @@ class Trainer:
             loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
         self.guard.load_s = time.perf_counter() - t0
         finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
+        self.resume_state = loaded.trainer
         saved_cfg = loaded.trainer.get("config")
         resume_changes.refuse_unappliable(path, saved_cfg, self.cfg)
         self.scheduler.load_state_dict(loaded.trainer["scheduler"])
@@ -445,6 +451,7 @@ class Trainer:
                 self.cfg.train.channels_last,
                 self.device_normalize,
             )
+            self.last_eval.update(self.eval_sets.evaluate(self))  # train.eval_sets
         if self.rt.is_main:
             rec = {"kind": "eval", "step": self.step, **self.last_eval}
             if self.log is not None:
@@ -464,6 +471,7 @@ class Trainer:
             "lr_horizon": lr_horizon(cfg.optim, cfg.train.max_steps),
             "config": cfg.model_dump(mode="json"),
             **finetune.checkpoint_fields(cfg, self.resolved),  # the base's sha256
+            **self.eval_sets.checkpoint_fields(),  # the scores before training
         }
         with self.guard.checkpointing(), self.phase("hpcml.checkpoint", step=self.step):
             path = ckpt.save(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from hpcml.distributed import meta_init
 from hpcml.distributed.parallel import check_parallel
 from hpcml.errors import ConfigError, DataError, ModelError
 from hpcml.models.zoo import build_model, complete_args, forward_flops_per_sample, get_spec
-from hpcml.train import finetune
+from hpcml.train import eval_sets, finetune
 
 
 @dataclass
@@ -40,6 +40,10 @@ class Resolved:
     """Micro-batches per optimizer step: train.grad_accum, or derived from train.global_batch."""
     init_from: Path | None = None
     """The folder of the export `model.init_from` names, checked against the model."""
+    eval_sets: dict[str, Splits] = field(default_factory=dict)
+    """The validation splits `train.eval_sets` names (`hpcml.train.eval_sets`)."""
+    base_ref: dict[str, Any] | None = None
+    """`model.init_from` as a registry URI: the URI, model name and version it resolved to."""
 
 
 def resolve(cfg: RunConfig, world_size: int) -> Resolved:
@@ -61,9 +65,13 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     check_loss(cfg)
     check_augment(cfg)
     grad_accum = derive_grad_accum(cfg, dp_size)
-    init_from = check_init_from(cfg.model.init_from, model)
-    finetune.check(cfg, model)  # finetune: needs init_from, targets that match
-    return Resolved(splits, model_args, model, world_size, dp_size, grad_accum, init_from)
+    base_ref = finetune.resolve_registry_base(cfg)  # models:/NAME@ALIAS -> its export folder
+    init_from = check_init_from(base_ref["path"] if base_ref else cfg.model.init_from, model)
+    finetune.check(cfg, model, world_size)  # needs init_from, targets that match
+    sets = eval_sets.load(cfg, splits)  # train.eval_sets
+    return Resolved(
+        splits, model_args, model, world_size, dp_size, grad_accum, init_from, sets, base_ref
+    )
 
 
 def physical_memory_bytes() -> int | None:
@@ -127,6 +135,13 @@ def derive_grad_accum(cfg: RunConfig, dp_size: int) -> int:
     return accum
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for the file system (Python 3.11 raises it): no file
+        return False
+
+
 def check_init_from(path: str | None, model: nn.Module) -> Path | None:
     """The export folder `model.init_from` names, after checking (from the safetensors header,
     nothing loaded) that it holds every parameter and buffer of `model` with the same shape."""
@@ -145,7 +160,7 @@ def check_init_from(path: str | None, model: nn.Module) -> Path | None:
             given / "export" / WEIGHTS,
         ]
     )
-    found = next((c for c in candidates if c.is_file()), None)
+    found = next((c for c in candidates if _is_file(c)), None)
     if found is None:
         raise ConfigError(
             f"model.init_from {str(path)!r}: no {WEIGHTS} there (nor in its export/ folder); point it "
