@@ -249,20 +249,28 @@ def drift(
     reference: Path = typer.Argument(..., help="The reference profile (reference_profile.json)."),
     current: Path = typer.Argument(..., help="The current profile (e.g. saved by hpcml serve)."),
     psi_threshold: float = typer.Option(
-        0.2, "--psi-threshold", help="A feature whose PSI is over this has drifted."
+        0.1, "--psi-threshold", help="A drifted feature's PSI is over this (and its p under alpha)."
+    ),
+    alpha: float = typer.Option(
+        0.001,
+        "--alpha",
+        help="False-alarm rate: a drifted feature's chi-square p-value times the number of "
+        "features is under this.",
     ),
     ks_alpha: float = typer.Option(
         0.01, "--ks-alpha", help="KS test level: p below it is reported as a rejection."
     ),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """PSI and the two-sample KS test per feature between two drift profiles.
+    """PSI, the chi-square test and the KS test per feature between two drift profiles.
 
-    Exits 1 when any feature's PSI is over the threshold (drift found, as `data diff` exits 1
-    on a difference), 0 when none is, 2 on bad input."""
-    from hpcml.data.drift import compare, load_profile
+    Exits 1 when any feature has drifted (PSI over the threshold and Bonferroni-corrected
+    p-value under alpha; drift found, as `data diff` exits 1 on a difference), 0 when none
+    has, 2 on bad input."""
+    from hpcml.data.drift import load_profile
+    from hpcml.data.drift_compare import compare
 
-    result = compare(load_profile(reference), load_profile(current), psi_threshold, ks_alpha)
+    result = compare(load_profile(reference), load_profile(current), psi_threshold, ks_alpha, alpha)
     result = {"reference": str(reference), "current": str(current), **result}
     if json_out:
         print_json(result)
@@ -280,12 +288,14 @@ def _print_drift(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"drift {result['reference']} -> {result['current']}")
-    for col in ("feature", "psi", "ks p", "ref mean", "cur mean", "samples", "drifted"):
+    cols = ("feature", "psi", "p corrected", "ks p", "ref mean", "cur mean", "samples", "drifted")
+    for col in cols:
         table.add_column(col, justify="left" if col == "feature" else "right")
     for r in result["features"]:
         table.add_row(
             r["feature"],
             _num(r["psi"], ".4f"),
+            _num(r["pvalue_corrected"], ".3g"),
             _num(r["ks_pvalue"], ".3g"),
             _num(r["reference_mean"], ".4g"),
             _num(r["current_mean"], ".4g"),
@@ -293,9 +303,12 @@ def _print_drift(result: dict[str, Any]) -> None:
             "DRIFT" if r["drifted"] else "",
         )
     console.print(table)
+    if result["warning"]:
+        console.print(f"note: {result['warning']}", highlight=False, markup=False)
     if result["drifted"]:
         console.print(
-            f"drifted (PSI > {result['psi_threshold']}): {', '.join(result['drifted'])}",
+            f"drifted (PSI > {result['psi_threshold']}, corrected p < {result['alpha']}): "
+            f"{', '.join(result['drifted'])}",
             highlight=False,
         )
     else:
