@@ -58,8 +58,9 @@ def prepare(
 def shard(
     source: str = typer.Argument(
         ...,
-        help="digits, cifar10, synthetic, tokens, an image folder (a subfolder per class) or "
-        "a .parquet / .arrow table file.",
+        help="digits, cifar10, synthetic, tokens, an image folder (a subfolder per class), "
+        "a .parquet / .arrow table file, WebDataset .tar shards (a .tar or a folder of them: "
+        "KEY.jpg/png + KEY.cls) or a Hugging Face datasets folder (save_to_disk).",
     ),
     out: Path = typer.Option(..., "--out", help="New folder for the shards and manifest.json."),
     shard_size: str = typer.Option(
@@ -242,6 +243,27 @@ def diff(
             markup=False,
         )
     raise typer.Exit(1)
+
+
+@app.command("to-webdataset")
+def to_webdataset(
+    shard_set: str = typer.Argument(..., help="A shard set (folder or s3:// prefix)."),
+    out: Path = typer.Option(..., "--out", help="New folder for the .tar shards."),
+    split: str = typer.Option("train", "--split", help="train or val."),
+    maxcount: int = typer.Option(10_000, "--maxcount", min=1, help="Samples per .tar shard."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Write a shard set's split as WebDataset .tar shards (KEY.png or KEY.npy, KEY.cls)."""
+    from hpcml.data.interop import export_webdataset
+
+    result = export_webdataset(shard_set, out, split, maxcount)
+    if json_out:
+        print_json(result)
+        return
+    console.print(
+        f"wrote {result['samples']} samples in {len(result['shards'])} shards to {out}",
+        highlight=False,
+    )
 
 
 @app.command("drift")

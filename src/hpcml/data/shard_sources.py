@@ -3,8 +3,9 @@
 Sources: the built-in ones by name (`digits`, `cifar10`, `synthetic`: their train/val tensors
 as float32, exactly what training on that source would read; `tokens`: non-overlapping windows
 of `seq_len + 1` uint16 tokens), an image folder (one subfolder per class, read with Pillow,
-resized, stored as uint8 and scaled/normalised at read time) and a Parquet or Arrow table (one
-label column, the other numeric columns as a float32 feature vector). Image folders and tables
+resized, stored as uint8 and scaled/normalised at read time), a Parquet or Arrow table (one
+label column, the other numeric columns as a float32 feature vector), WebDataset tar shards and
+a Hugging Face `datasets` folder (`hpcml.data.interop`). Image folders and tables
 go to validation by a hash of the file path / row number, so the split does not depend on
 file order. The manifest records the source, every option that shaped the bytes (`transform`)
 and the hpcml version.
@@ -315,7 +316,15 @@ def shard(
         samples, header = from_builtin(cfg)
     else:
         p = Path(source).expanduser()
-        if p.is_dir():
+        from hpcml.data import interop
+
+        if interop.is_hf_dataset(p):
+            samples, header = interop.from_hf_disk(
+                p, label, image_size, val_fraction, encoded, features, fill
+            )
+        elif interop.is_webdataset(p):
+            samples, header = interop.from_webdataset(p, image_size, val_fraction, encoded)
+        elif p.is_dir():
             samples, header = from_image_folder(p, image_size, val_fraction, encoded)
         elif encoded:
             raise DataError(f"--encoded applies to image folders; {source!r} is not one.")
@@ -324,7 +333,8 @@ def shard(
         else:
             raise DataError(
                 f"SOURCE {source!r} is neither a data source ({', '.join(BUILTIN)}), an image "
-                f"folder nor a table file ({', '.join(TABLE_SUFFIXES)})."
+                f"folder, a table file ({', '.join(TABLE_SUFFIXES)}), WebDataset .tar shards "
+                "nor a saved `datasets` folder."
             )
     header["hpcml"] = __version__
     manifest = shards.write_shard_set(out, samples, header, shard_bytes, compression)
