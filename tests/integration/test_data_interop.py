@@ -150,3 +150,29 @@ def test_a_datasets_image_column_is_stored_as_pixels_and_bad_tars_are_refused(
     assert r.exit_code == 2, r.output
     assert "sample 'k0'" in r.output and "KEY.cls" in " ".join(r.output.split())
     assert "Traceback" not in r.output and not (tmp_path / "no").exists()
+
+
+def test_token_documents_of_any_length_are_packed_into_windows(tmp_path: Path) -> None:
+    """An `input_ids` column of documents of 1..40 tokens: windows of seq_len + 1 tokens with
+    stride seq_len over the documents, each followed by the EOT id, nothing padded."""
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(1, 100, size=int(n)).tolist() for n in rng.integers(1, 41, size=60)]
+    src = tmp_path / "docs"
+    hf.DatasetDict({"train": hf.Dataset.from_dict({"input_ids": docs[:50]}),
+                    "validation": hf.Dataset.from_dict({"input_ids": docs[50:]})}
+                   ).save_to_disk(str(src))  # fmt: skip
+    out = tmp_path / "shards"
+    r = CliRunner().invoke(app, ["data", "shard", str(src), "--out", str(out), "--seq-len", "16",
+                                 "--eot", "0"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["sample"]["layout"] == "tokens" and manifest["seq_len"] == 16
+    for split, part in (("train", docs[:50]), ("val", docs[50:])):
+        stream = np.concatenate([np.array([*d, 0]) for d in part])
+        data = ShardSet(out, split)
+        assert len(data) == (len(stream) - 1) // 16  # every full window, nothing padded
+        for k in range(len(data)):
+            x, y = data[k]
+            want = stream[16 * k : 16 * k + 17]
+            assert np.array_equal(x.numpy(), want[:-1]) and np.array_equal(y.numpy(), want[1:])
+    assert manifest["num_classes"] == max(max(d) for d in docs) + 1

@@ -91,7 +91,12 @@ def shard(
         help="Tables: the number written for an empty (null) feature value (default: such a "
         "value is refused, naming its column).",
     ),
-    seq_len: int = typer.Option(256, "--seq-len", help="tokens: tokens per window."),
+    seq_len: int = typer.Option(
+        256, "--seq-len", help="tokens, and token documents packed: tokens per window."
+    ),
+    eot: int = typer.Option(
+        0, "--eot", help="Token documents (a datasets folder's input_ids): the id after each."
+    ),
     synthetic_samples: int = typer.Option(4096, "--synthetic-samples", help="synthetic: samples."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
@@ -112,6 +117,7 @@ def shard(
         features=[c.strip() for c in features.split(",") if c.strip()] if features else None,
         fill=fill,
         encoded=encoded,
+        eot=eot,
     )
     if json_out:
         print_json(_info(result["manifest"], result["out"]))

@@ -1,14 +1,16 @@
 """Formats users already have: WebDataset tar shards and Hugging Face `datasets` folders
 (`Dataset.save_to_disk`) read as sources of `hpcml data shard`, and a shard set written out as
-WebDataset tar shards (`hpcml data export`). Reading goes through the formats' own packages
+WebDataset tar shards (`hpcml data to-webdataset`). Reading goes through the formats' own packages
 (`webdataset`, `datasets`: the `interop` extra), so whatever they accept is read as they read it.
 
 A WebDataset sample is an image (`jpg`, `jpeg`, `png`, `webp`, `bmp` key) and its class number
 (`cls`); it goes to validation by a hash of its `__key__`, as an image folder's files do by path.
 A `datasets` folder with a `train` split keeps its `validation` (or `test`) split; otherwise rows
-go to validation by a hash of their number, as a table's do. Its images (an `Image` column) are
-stored as pixels (or with `--encoded` as their bytes); without one, its other columns must hold
-numbers and make the feature vector, as a table's do (nulls refused, or `--fill`).
+go to validation by a hash of their number, as a table's do. Token documents of any length (an
+`input_ids` column, as tokenizers write) are packed into windows of `--seq-len` + 1 tokens, each
+document followed by `--eot`, without padding; images (an `Image` column) are stored as pixels
+(or with `--encoded` as their bytes); otherwise the other columns must hold numbers and make the
+feature vector, as a table's do (nulls refused, or `--fill`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from hpcml.errors import DataError
 
 Samples = dict[str, Iterator[tuple[int, np.ndarray, np.ndarray]]]
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp")
+TOKENS_COLUMN = "input_ids"
 
 
 def _val(key: str, fraction: float) -> bool:
@@ -134,8 +137,11 @@ def from_hf_disk(
     encoded: bool = False,
     features: list[str] | None = None,
     fill: float | None = None,
+    seq_len: int = 256,
+    eot: int = 0,
 ) -> tuple[Samples, dict[str, Any]]:
-    """A Hugging Face `datasets` folder written by `save_to_disk`."""
+    """A Hugging Face `datasets` folder written by `save_to_disk`: token documents (an
+    `input_ids` column) packed into windows, images, or numeric columns."""
     hf = _need("datasets")
     try:
         loaded = hf.load_from_disk(str(path))
@@ -147,6 +153,8 @@ def from_hf_disk(
     train = parts["train"]
     val = parts.get("validation", parts.get("test"))
     feats = train.features
+    if TOKENS_COLUMN in feats:
+        return _packed(path, parts, val, seq_len, eot, val_fraction)
     if label not in feats:
         raise DataError(
             f"{path} has no column {label!r} (columns: {', '.join(feats)}); pass the label "
@@ -206,6 +214,53 @@ def from_hf_disk(
             yield offset + i, x_of(row, where), np.asarray(int(row[label]), dtype=np.int64)
 
     return {"train": rows("train"), "val": rows("val")}, header
+
+
+def _pack(docs: Iterator[Any], seq: int, eot: int, where: str) -> Iterator[np.ndarray]:
+    """Windows of seq + 1 tokens, stride seq (as data.source tokens reads a token file), over
+    the documents one after another, each followed by `eot`: no padding, and a document longer
+    than a window runs on into the next. The last partial window is dropped."""
+    buf = np.empty(0, np.int64)
+    for i, doc in enumerate(docs):
+        ids = np.asarray(doc, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.uint16).max):
+            raise DataError(
+                f"document {i} of {where} has token ids outside 0..65535, which shards store "
+                "as uint16; use a vocabulary of at most 65,536 tokens."
+            )
+        buf = np.concatenate([buf, ids, [eot]])
+        while buf.size >= seq + 1:
+            yield buf[: seq + 1].astype(np.uint16)
+            buf = buf[seq:]
+
+
+def _packed(path: Path, parts: dict[str, Any], val: Any, seq: int, eot: int,
+            val_fraction: float) -> tuple[Samples, dict[str, Any]]:  # fmt: skip
+    if not 0 <= eot <= np.iinfo(np.uint16).max:
+        raise DataError(f"--eot {eot} must be a token id in 0..65535.")
+    header: dict[str, Any] = {
+        "sample": {"layout": "tokens", "x": shards.spec(np.uint16, (seq + 1,)),
+                   "y": shards.spec(np.int64, ())},
+        "num_classes": eot + 1,
+        "seq_len": seq,
+        "source": {"name": "hf_datasets", "path": str(path), "documents": len(parts["train"])},
+        "transform": {"windows": "documents packed, each followed by eot; seq_len + 1 tokens, "
+                      "stride seq_len", "eot": eot, "val_fraction": val_fraction, "read": {}},
+    }  # fmt: skip
+
+    def docs(split: str) -> Iterator[Any]:
+        ds = parts["train"] if split == "train" or val is None else val
+        for i, row in enumerate(ds.select_columns([TOKENS_COLUMN])):
+            if val is None and _val(str(i), val_fraction) != (split == "val"):
+                continue
+            yield row[TOKENS_COLUMN]
+
+    def windows(split: str) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        for k, w in enumerate(_pack(docs(split), seq, eot, f"{path} ({split})")):
+            header["num_classes"] = max(header["num_classes"], int(w.max()) + 1)  # the vocab
+            yield k, w, np.zeros((), np.int64)
+
+    return {"train": windows("train"), "val": windows("val")}, header
 
 
 def _numeric_columns(

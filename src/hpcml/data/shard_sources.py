@@ -298,6 +298,7 @@ def shard(
     features: list[str] | None = None,
     fill: float | None = None,
     encoded: bool = False,
+    eot: int = 0,
 ) -> dict[str, Any]:
     """Write the shard set of `source` (a built-in name, an image folder or a table file)."""
     shard_bytes = shards.parse_size(shard_size)
@@ -320,7 +321,7 @@ def shard(
 
         if interop.is_hf_dataset(p):
             samples, header = interop.from_hf_disk(
-                p, label, image_size, val_fraction, encoded, features, fill
+                p, label, image_size, val_fraction, encoded, features, fill, seq_len, eot
             )
         elif interop.is_webdataset(p):
             samples, header = interop.from_webdataset(p, image_size, val_fraction, encoded)
