@@ -58,8 +58,8 @@ def epoch_rate(ds: object, workers: int) -> float:
 
 def loader_cases(tmp: Path, reps: int, cifar_samples: int) -> dict[str, dict[str, float]]:
     from hpcml.config import DataConfig
-    from hpcml.data.shard_sources import shard
     from hpcml.data.shards import ShardSet
+    from hpcml.data.shards.convert import shard
     from hpcml.data.sources import load_source
 
     datasets: dict[str, object] = {}
@@ -179,7 +179,7 @@ def shards_training(tmp: Path, epochs: int, workers: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.integration.s3_server import CREDENTIALS, MotoServer
 
-    from hpcml.data.shard_sources import shard
+    from hpcml.data.shards.convert import shard
 
     local = tmp / "digits-shards"
     manifest = shard("digits", local, shard_size="1MB", val_fraction=0.2)["manifest"]

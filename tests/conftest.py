@@ -79,7 +79,7 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _hpcml_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The shard hash cache (`hpcml.data.hash_cache`, else ~/.cache/hpcml) goes to this
+    """The shard hash cache (`hpcml.data.shards.hash_cache`, else ~/.cache/hpcml) goes to this
     session's temporary folder, for this process and the `hpcml` processes tests start: a test
     writes nothing outside its temporary folders."""
     with pytest.MonkeyPatch.context() as mp:

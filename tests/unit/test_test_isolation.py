@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcml.data.hash_cache import HashCache, cache_path
+from hpcml.data.shards.hash_cache import HashCache, cache_path
 
 
 def test_the_hash_cache_lives_in_the_sessions_temporary_folder(

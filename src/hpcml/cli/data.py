@@ -29,7 +29,7 @@ def prepare(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Write uint16 token files (train.bin, val.bin) and meta.json for data.source tokens."""
-    from hpcml.data.tokens import prepare_pystdlib
+    from hpcml.data.sources.tokens import prepare_pystdlib
     from hpcml.errors import DataError
 
     if corpus not in CORPORA:
@@ -101,7 +101,7 @@ def shard(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Write a shard set (Arrow IPC shards + manifest.json) for data.source shards."""
-    from hpcml.data.shard_sources import shard as write
+    from hpcml.data.shards.convert import shard as write
 
     result = write(
         source,
@@ -260,7 +260,7 @@ def to_webdataset(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Write a shard set's split as WebDataset .tar shards (KEY.png or KEY.npy, KEY.cls)."""
-    from hpcml.data.interop import export_webdataset
+    from hpcml.data.sources.interop import export_webdataset
 
     result = export_webdataset(shard_set, out, split, maxcount)
     if json_out:

@@ -5,7 +5,7 @@ as float32, exactly what training on that source would read; `tokens`: non-overl
 of `seq_len + 1` uint16 tokens), an image folder (one subfolder per class, read with Pillow,
 resized, stored as uint8 and scaled/normalised at read time), a Parquet or Arrow table (one
 label column, the other numeric columns as a float32 feature vector), WebDataset tar shards and
-a Hugging Face `datasets` folder (`hpcml.data.interop`). Image folders and tables
+a Hugging Face `datasets` folder (`hpcml.data.sources.interop`). Image folders and tables
 go to validation by a hash of the file path / row number, so the split does not depend on
 file order. The manifest records the source, every option that shaped the bytes (`transform`)
 and the hpcml version.
@@ -24,11 +24,11 @@ import numpy as np
 from hpcml import __version__
 from hpcml.config import DataConfig
 from hpcml.data import shards
-from hpcml.data.shard_loading import check_shards as check_shards  # re-exported, as before
-from hpcml.data.shard_loading import device_normalize as device_normalize
-from hpcml.data.shard_loading import is_image_set as is_image_set
-from hpcml.data.shard_loading import load_shard_source as load_shard_source
-from hpcml.data.shard_loading import shuffle_window as shuffle_window
+from hpcml.data.shards.loading import check_shards as check_shards  # re-exported, as before
+from hpcml.data.shards.loading import device_normalize as device_normalize
+from hpcml.data.shards.loading import is_image_set as is_image_set
+from hpcml.data.shards.loading import load_shard_source as load_shard_source
+from hpcml.data.shards.loading import shuffle_window as shuffle_window
 from hpcml.errors import DataError
 
 BUILTIN = ("digits", "cifar10", "synthetic", "tokens")
@@ -75,7 +75,7 @@ def _source_config(cfg: DataConfig) -> dict[str, Any]:
 
 
 def from_tokens(cfg: DataConfig) -> tuple[Samples, dict[str, Any]]:
-    from hpcml.data.tokens import TokenWindows, load_tokens
+    from hpcml.data.sources.tokens import TokenWindows, load_tokens
 
     splits = load_tokens(cfg)
     seq = cfg.seq_len
@@ -317,7 +317,7 @@ def shard(
         samples, header = from_builtin(cfg)
     else:
         p = Path(source).expanduser()
-        from hpcml.data import interop
+        from hpcml.data.sources import interop
 
         if interop.is_hf_dataset(p):
             samples, header = interop.from_hf_disk(
