@@ -13,7 +13,12 @@ data-wait share, and the peak RSS of streaming shard sets of two sizes.
    equal peaks for both sizes say the memory is bounded by the cache, not the data. The shard
    sets are deleted afterwards.
 
+4. (`--only shards`) The demo trained from a digits shard set: from a local folder, and from a
+   bucket on moto's S3 server on loopback without and with the disk cache: data wait as a share
+   of step time, and shard bytes fetched per epoch over the set's bytes (moto's request log).
+
     python benchmarks/data_pipeline.py [--reps 3] [--small-gb 0.5] [--big-gb 2] [--tmp /tmp]
+    python benchmarks/data_pipeline.py --only shards [--shard-epochs 2] [--shard-workers 2]
 
 Results: benchmarks/results/data_pipeline.{json,md}.
 """
@@ -53,8 +58,8 @@ def epoch_rate(ds: object, workers: int) -> float:
 
 def loader_cases(tmp: Path, reps: int, cifar_samples: int) -> dict[str, dict[str, float]]:
     from hpcml.config import DataConfig
-    from hpcml.data.shard_sources import shard
     from hpcml.data.shards import ShardSet
+    from hpcml.data.shards.convert import shard
     from hpcml.data.sources import load_source
 
     datasets: dict[str, object] = {}
@@ -151,6 +156,82 @@ def stream_rss(tmp: Path, sizes: list[float]) -> list[dict[str, float]]:
     return rows
 
 
+def _train_wait(tmp: Path, name: str, overrides: list[str], env: dict[str, str]) -> dict:
+    """One `hpcml train` of the demo config from shards: data wait over step time (steps after
+    the first, which starts the workers and maps the first shards)."""
+    run = tmp / f"run-{name}"
+    cmd = [sys.executable, "-m", "hpcml", "train", "examples/digits_cnn.yaml", "--run-dir"]
+    cmd += [str(run), "train.eval_every=0", "train.checkpoint_every=0", "--quiet", *overrides]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=env)
+    wall = time.perf_counter() - t0
+    recs = [json.loads(line) for line in (run / "run.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r.get("kind") == "step"][1:]
+    wait = sum(r["data_wait_s"] for r in recs)
+    total = sum(r["step_time_s"] for r in recs)
+    return {"steps": len(recs), "data_wait_share": wait / total, "wall_s": wall}
+
+
+def shards_training(tmp: Path, epochs: int, workers: int) -> dict:
+    """The demo trained from a digits shard set (18 shards of about 1 MB): from a local folder,
+    and from a bucket on moto's S3 server on loopback without and with `data.cache_dir`; the
+    bucket's shard GETs (moto's request recorder) in bytes per epoch over the set's bytes."""
+    sys.path.insert(0, str(ROOT))
+    from tests.integration.s3_server import CREDENTIALS, MotoServer
+
+    from hpcml.data.shards.convert import shard
+
+    local = tmp / "digits-shards"
+    manifest = shard("digits", local, shard_size="1MB", val_fraction=0.2)["manifest"]
+    sizes = {s["file"]: int(s["bytes"]) for sp in manifest["splits"].values() for s in sp["shards"]}
+    train_bytes = sum(int(s["bytes"]) for s in manifest["splits"]["train"]["shards"])
+    n_train = sum(int(s["samples"]) for s in manifest["splits"]["train"]["shards"])
+    steps = epochs * (n_train // 32)  # digits_cnn: batch 32, one process
+    common = [f"train.max_steps={steps}", "data.source=shards", f"data.num_workers={workers}"]
+    env = {**os.environ, **CREDENTIALS}
+    out = {"train_samples": n_train, "train_shards": len(manifest["splits"]["train"]["shards"]),
+           "train_bytes": train_bytes, "epochs": epochs, "steps": steps, "workers": workers}
+    out["local"] = _train_wait(tmp, "local", [*common, f"data.path={local}"], env)
+    server = MotoServer(tmp)
+    try:
+        url = server.upload(local, "hpcml", "digits")
+        for name, extra in (("s3", []), ("s3_cache", [f"data.cache_dir={tmp / 'cache'}"])):
+            mark = len(server.requests())
+            row = _train_wait(tmp, name, [*common, f"data.path={url}", *extra], env)
+            got = sum(sizes[p.rsplit("/", 1)[1]] for p in server.shard_gets(mark))
+            row["shard_bytes_fetched"] = got
+            row["fetched_per_epoch_over_dataset"] = got / epochs / train_bytes
+            out[name] = row
+    finally:
+        server.stop()
+    return out
+
+
+def shards_markdown(res: dict) -> str:
+    lines = [
+        "# Training from shards (CPU)",
+        "",
+        res["note"],
+        "",
+        f"The demo config (`examples/digits_cnn.yaml`, 1 process, batch 32, "
+        f"{res['shards']['workers']} loader workers) for {res['shards']['steps']} steps "
+        f"({res['shards']['epochs']} epochs of {res['shards']['train_samples']} samples in "
+        f"{res['shards']['train_shards']} shards, {res['shards']['train_bytes']:,} bytes).",
+        "",
+        "| data | data wait / step time | shard bytes fetched per epoch / set bytes |",
+        "|---|---|---|",
+    ]
+    for key, label in (("local", "local folder"), ("s3", "S3 (moto, loopback), no cache"),
+                       ("s3_cache", "S3 (moto, loopback), data.cache_dir")):  # fmt: skip
+        r = res["shards"][key]
+        fetched = r.get("fetched_per_epoch_over_dataset")
+        lines.append(
+            f"| {label} | {100 * r['data_wait_share']:.2f}% | "
+            f"{'-' if fetched is None else f'{fetched:.2f}x'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(res: dict) -> str:
     lines = [
         "# Data pipeline (CPU)",
@@ -188,8 +269,22 @@ def main() -> None:
     p.add_argument("--small-gb", type=float, default=0.5)
     p.add_argument("--big-gb", type=float, default=2.0)
     p.add_argument("--tmp", default="/tmp")
+    p.add_argument("--only", choices=["all", "shards"], default="all",
+                   help="shards: only training from shards (results in data_pipeline_shards.*)")
+    p.add_argument("--shard-epochs", type=int, default=2)
+    p.add_argument("--shard-workers", type=int, default=2)
     a = p.parse_args()
     os.environ.setdefault("PYTHONPATH", str(ROOT / "src"))
+    if a.only == "shards":
+        with tempfile.TemporaryDirectory(dir=a.tmp) as d:
+            res = {"note": "CPU only, 2 cores shared with other sessions' work while measured.",
+                   "args": vars(a), "shards": shards_training(Path(d), a.shard_epochs,
+                                                              a.shard_workers)}  # fmt: skip
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "data_pipeline_shards.json").write_text(json.dumps(res, indent=2) + "\n")
+        (RESULTS / "data_pipeline_shards.md").write_text(shards_markdown(res))
+        print(shards_markdown(res))
+        return
     with tempfile.TemporaryDirectory(dir=a.tmp) as d:
         tmp = Path(d)
         res = {

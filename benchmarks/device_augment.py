@@ -90,7 +90,7 @@ def main() -> None:
     p.add_argument("--note", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
-    from hpcml.data.shard_sources import shard
+    from hpcml.data.shards.convert import shard
 
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:

@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--full-lr", type=float, default=1e-3)
     ap.add_argument("--lora-lr", type=float, default=3e-3)
     a = ap.parse_args()
-    from hpcml.data.tokens import prepare_pystdlib
+    from hpcml.data.sources.tokens import prepare_pystdlib
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -54,7 +54,7 @@ def arguments() -> argparse.Namespace:
 
 def train(tmp: Path, steps: int) -> tuple[Path, Path]:
     from hpcml.config import build_config
-    from hpcml.data.tokens import prepare_pystdlib
+    from hpcml.data.sources.tokens import prepare_pystdlib
     from hpcml.train.engine import run
 
     corpus = tmp / "corpus"

@@ -287,7 +287,7 @@ def main() -> None:
     if a.reuse and a.keep is None:
         ap.error("--reuse needs --keep DIR, the folder holding the runs to predict again")
 
-    from hpcml.data.tokens import prepare_pystdlib
+    from hpcml.data.sources.tokens import prepare_pystdlib
     from hpcml.plan.check import leave_one_model_out, setup_from_summary
     from hpcml.plan.floor import floors
     from hpcml.plan.hardware import load_catalog

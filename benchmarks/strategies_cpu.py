@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "strategies_cpu.json")
     args = ap.parse_args()
 
-    from hpcml.data.tokens import prepare_pystdlib
+    from hpcml.data.sources.tokens import prepare_pystdlib
 
     names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="hpcml-strategies-"))

@@ -77,6 +77,16 @@ def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _hpcml_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The shard hash cache (`hpcml.data.shards.hash_cache`, else ~/.cache/hpcml) goes to this
+    session's temporary folder, for this process and the `hpcml` processes tests start: a test
+    writes nothing outside its temporary folders."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HPCML_CACHE_DIR", str(tmp_path_factory.mktemp("hpcml-cache")))
+        yield
+
+
 @pytest.fixture
 def tiny_args() -> list[str]:
     """Overrides that make a digits run take a few seconds."""

@@ -141,6 +141,10 @@ class DataConfig(_Section):
     readahead: int | None = Field(None, ge=0)
     """data.source shards: shards fetched ahead in a background thread while the current one is
     read (within data.shard_cache); null means 1 for a set in a bucket, 0 for a local folder."""
+    drift_reference_samples: int = Field(10_000, ge=1)
+    """Training inputs (drawn with train.seed, all of them when the set is smaller) profiled into
+    the export's drift reference (`reference_profile.json`); an image keeps 64 pixels per
+    channel of each. Serving tests its live window against it."""
 
 
 class OptimConfig(_Section):

@@ -17,8 +17,8 @@ from tests.conftest import ROOT, hpcml_env
 
 from hpcml.config import DataConfig
 from hpcml.data.loader import EpochLoader
-from hpcml.data.shard_sources import shard
 from hpcml.data.shards import ShardSet
+from hpcml.data.shards.convert import shard
 
 N, B, SEED = 248, 8, 11  # 310 synthetic samples less 62 (val_fraction 0.2)
 WORKER = Path(__file__).with_name("shards_elastic_worker.py")

@@ -14,8 +14,8 @@ from tests.integration.s3_server import CREDENTIALS, MotoServer
 
 from hpcml.config import DataConfig
 from hpcml.data.loader import EpochLoader
-from hpcml.data.shard_sources import shard, shuffle_window
 from hpcml.data.shards import ShardSet
+from hpcml.data.shards.convert import shard, shuffle_window
 
 SEED, BATCH = 3, 16
 

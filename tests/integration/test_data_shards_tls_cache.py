@@ -31,9 +31,9 @@ from tests.integration.s3_server import CREDENTIALS, MotoServer, make_ca_and_ser
 from typer.testing import CliRunner
 
 from hpcml.cli.app import app
-from hpcml.data.shard_cache import SUBFOLDER, DiskCache
-from hpcml.data.shard_sources import shard
 from hpcml.data.shards import ShardSet, read_manifest, version_id
+from hpcml.data.shards.cache import SUBFOLDER, DiskCache
+from hpcml.data.shards.convert import shard
 
 SEED = 5
 

@@ -15,9 +15,9 @@ import pytest
 from tests.conftest import ROOT, hpcml_env
 
 from hpcml.config import DataConfig
-from hpcml.data.hash_cache import FILE
-from hpcml.data.shard_sources import shard
 from hpcml.data.shards import read_manifest, verify
+from hpcml.data.shards.convert import shard
+from hpcml.data.shards.hash_cache import FILE
 from hpcml.data.sources import load_source
 from hpcml.errors import DataError
 

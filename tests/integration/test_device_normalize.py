@@ -25,7 +25,7 @@ from tests.conftest import run_hpcml, step_losses, summary
 from hpcml.config import DataConfig
 from hpcml.data import shards
 from hpcml.data.drift import REFERENCE_FILE, load_profile, profile_dataset
-from hpcml.data.shard_sources import shard
+from hpcml.data.shards.convert import shard
 from hpcml.data.sources import load_source
 from hpcml.models.export import load_export
 

@@ -20,7 +20,7 @@ from tests.conftest import hpcml_env, step_losses, summary
 from tests.integration.gpt_export import save_gpt_export
 
 from hpcml.config import load_config
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 from hpcml.errors import CheckpointError, ConfigError
 from hpcml.models.export import load_export
 from hpcml.models.zoo import build_model

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpcml.config import load_config
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 from hpcml.distributed.parallel import full_state_dict, local_value, loss_context
 from hpcml.distributed.runtime import Runtime, init_runtime, shutdown
 from hpcml.models.zoo import build_model, forward_flops_per_sample, get_spec

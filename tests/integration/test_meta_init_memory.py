@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import hpcml_env, summary
 
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

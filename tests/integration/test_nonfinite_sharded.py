@@ -20,7 +20,7 @@ from tests.conftest import ROOT, hpcml_env, summary
 from tests.conftest import step_losses as losses
 from tests.integration.worker_models import INF_STEP
 
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -27,7 +27,7 @@ import torch
 from fault_util import env, finish, records, start_train, wait_for, write_config
 from tests.conftest import run_hpcml, system_binary
 
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
 

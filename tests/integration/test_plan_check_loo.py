@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import hpcml.plan.memory as plan_memory
 from hpcml.cli.app import app
 from hpcml.config import build_config
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 from hpcml.plan.check import leave_one_model_out, setup_from_summary
 from hpcml.plan.hardware import load_catalog
 from hpcml.plan.perf import Calibration, step_time

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tests.conftest import run_hpcml, summary
 
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 
 pytestmark = [
     pytest.mark.gpu,

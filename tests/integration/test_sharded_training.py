@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from tests.conftest import hpcml_env, summary
 from tests.conftest import step_losses as losses
 
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from hpcml.cli.app import app
 from hpcml.config import DataConfig
 from hpcml.data.loader import EpochLoader
-from hpcml.data.shard_sources import shard
 from hpcml.data.shards import ShardSet, read_manifest
+from hpcml.data.shards.convert import shard
 
 
 @pytest.fixture(scope="module")

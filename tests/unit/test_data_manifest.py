@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from hpcml.cli.app import app
 from hpcml.config import DataConfig
 from hpcml.data import shards
-from hpcml.data.shard_sources import shard
+from hpcml.data.shards.convert import shard
 from hpcml.data.sources import load_source
 from hpcml.errors import DataError
 

@@ -16,9 +16,9 @@ from torch.utils.data import TensorDataset
 
 from hpcml.config import DataConfig, MixSource
 from hpcml.data.loader import EpochLoader
-from hpcml.data.mix import MixedSet
-from hpcml.data.shard_sources import shard
 from hpcml.data.shards import ShardSet
+from hpcml.data.shards.convert import shard
+from hpcml.data.shards.mix import MixedSet
 from hpcml.data.sources import load_source
 from hpcml.errors import DataError
 

@@ -1,4 +1,4 @@
-"""The shard-aware order of an epoch (`hpcml.data.order`): a permutation that is a function of
+"""The shard-aware order of an epoch (`hpcml.data.shards.order`): a permutation that is a function of
 (seed, epoch) alone, whose runs of `window` shards are visited one after another, and that
 keeps the elastic guarantee: a resume on another world size or worker count continues at the
 next unseen sample, each sample once per epoch."""
@@ -14,9 +14,9 @@ import pytest
 
 from hpcml.config import DataConfig
 from hpcml.data.loader import EpochLoader
-from hpcml.data.order import shard_window_order
-from hpcml.data.shard_sources import shard
 from hpcml.data.shards import ShardSet
+from hpcml.data.shards.convert import shard
+from hpcml.data.shards.order import shard_window_order
 
 B, SEED, WINDOW = 8, 13, 2
 

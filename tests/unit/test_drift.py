@@ -10,7 +10,8 @@ from scipy.stats import norm
 from typer.testing import CliRunner
 
 from hpcml.cli.app import app
-from hpcml.data.drift import build_profile, compare, load_profile
+from hpcml.data.drift import build_profile, load_profile
+from hpcml.data.drift_compare import compare
 
 N = 20_000
 BINS = 10

@@ -35,7 +35,8 @@ def test_request_path_keeps_bounded_rows_and_check_folds_bounded_values() -> Non
     assert m.check(w) is None  # 40 rows < min_samples (200): no comparison yet
     assert w.rows == 40 and w.pending_rows == 0
     assert w.live is not None
-    assert [f.seen for f in w.live.features] == [500, 500, 500]  # 40*64 values capped at 500
+    # 40 rows of 64 pixels a channel, capped at 500 values: 500 // 40 = 12 pixels of each row.
+    assert [f.seen for f in w.live.profile().features] == [480, 480, 480]
     for _ in range(50):
         m.observe("m", "1", rng.normal(size=(4, *SHAPE)) + np.array([0.0, 0.0, 1.0])[:, None, None])
         if w.pending_rows == 40:
@@ -60,8 +61,10 @@ def test_without_a_reference_the_live_profile_takes_bins_from_its_first_rows() -
 
 def test_serve_config_drift_block_is_checked() -> None:
     cfg = build_serve_config({"drift": {"command": ["retrain", "--now"], "every_s": 5}})
-    assert cfg.drift.command == ["retrain", "--now"] and cfg.drift.psi_threshold == 0.2
+    assert cfg.drift.command == ["retrain", "--now"] and cfg.drift.psi_threshold == 0.1
     with pytest.raises(ConfigError, match="drift.command"):
         build_serve_config({"drift": {"command": []}})
+    with pytest.raises(ConfigError, match="window_rows .50. is under min_samples .200."):
+        build_serve_config({"drift": {"window_rows": 50}})
     with pytest.raises(ConfigError, match="drift.shell"):
         build_serve_config({"drift": {"shell": "rm -rf /"}})

@@ -1,4 +1,4 @@
-"""The disk cache of remote shards on its own (`hpcml.data.shard_cache`): which file goes when
+"""The disk cache of remote shards on its own (`hpcml.data.shards.cache`): which file goes when
 the limit is passed, what is refused, what a dead writer leaves, and that it never deletes a
 file it did not write. Real files in tmp_path."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcml.data.shard_cache import MARKER, SUBFOLDER, TMP_PREFIX, DiskCache
+from hpcml.data.shards.cache import MARKER, SUBFOLDER, TMP_PREFIX, DiskCache
 from hpcml.errors import DataError
 
 

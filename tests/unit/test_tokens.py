@@ -15,7 +15,7 @@ import torch
 from hpcml.config import DataConfig
 from hpcml.data.loader import EpochLoader
 from hpcml.data.sources import check_source, load_source
-from hpcml.data.tokens import RandomWindowSampler, eval_starts, prepare_pystdlib
+from hpcml.data.sources.tokens import RandomWindowSampler, eval_starts, prepare_pystdlib
 from hpcml.errors import DataError
 
 SRC = Path(__file__).resolve().parents[2] / "src"

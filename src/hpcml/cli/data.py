@@ -29,7 +29,7 @@ def prepare(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Write uint16 token files (train.bin, val.bin) and meta.json for data.source tokens."""
-    from hpcml.data.tokens import prepare_pystdlib
+    from hpcml.data.sources.tokens import prepare_pystdlib
     from hpcml.errors import DataError
 
     if corpus not in CORPORA:
@@ -58,8 +58,9 @@ def prepare(
 def shard(
     source: str = typer.Argument(
         ...,
-        help="digits, cifar10, synthetic, tokens, an image folder (a subfolder per class) or "
-        "a .parquet / .arrow table file.",
+        help="digits, cifar10, synthetic, tokens, an image folder (a subfolder per class), "
+        "a .parquet / .arrow table file, WebDataset .tar shards (a .tar or a folder of them: "
+        "KEY.jpg/png + KEY.cls) or a Hugging Face datasets folder (save_to_disk).",
     ),
     out: Path = typer.Option(..., "--out", help="New folder for the shards and manifest.json."),
     shard_size: str = typer.Option(
@@ -90,12 +91,17 @@ def shard(
         help="Tables: the number written for an empty (null) feature value (default: such a "
         "value is refused, naming its column).",
     ),
-    seq_len: int = typer.Option(256, "--seq-len", help="tokens: tokens per window."),
+    seq_len: int = typer.Option(
+        256, "--seq-len", help="tokens, and token documents packed: tokens per window."
+    ),
+    eot: int = typer.Option(
+        0, "--eot", help="Token documents (a datasets folder's input_ids): the id after each."
+    ),
     synthetic_samples: int = typer.Option(4096, "--synthetic-samples", help="synthetic: samples."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Write a shard set (Arrow IPC shards + manifest.json) for data.source shards."""
-    from hpcml.data.shard_sources import shard as write
+    from hpcml.data.shards.convert import shard as write
 
     result = write(
         source,
@@ -111,6 +117,7 @@ def shard(
         features=[c.strip() for c in features.split(",") if c.strip()] if features else None,
         fill=fill,
         encoded=encoded,
+        eot=eot,
     )
     if json_out:
         print_json(_info(result["manifest"], result["out"]))
@@ -244,25 +251,54 @@ def diff(
     raise typer.Exit(1)
 
 
+@app.command("to-webdataset")
+def to_webdataset(
+    shard_set: str = typer.Argument(..., help="A shard set (folder or s3:// prefix)."),
+    out: Path = typer.Option(..., "--out", help="New folder for the .tar shards."),
+    split: str = typer.Option("train", "--split", help="train or val."),
+    maxcount: int = typer.Option(10_000, "--maxcount", min=1, help="Samples per .tar shard."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Write a shard set's split as WebDataset .tar shards (KEY.png or KEY.npy, KEY.cls)."""
+    from hpcml.data.sources.interop import export_webdataset
+
+    result = export_webdataset(shard_set, out, split, maxcount)
+    if json_out:
+        print_json(result)
+        return
+    console.print(
+        f"wrote {result['samples']} samples in {len(result['shards'])} shards to {out}",
+        highlight=False,
+    )
+
+
 @app.command("drift")
 def drift(
     reference: Path = typer.Argument(..., help="The reference profile (reference_profile.json)."),
     current: Path = typer.Argument(..., help="The current profile (e.g. saved by hpcml serve)."),
     psi_threshold: float = typer.Option(
-        0.2, "--psi-threshold", help="A feature whose PSI is over this has drifted."
+        0.1, "--psi-threshold", help="A drifted feature's PSI is over this (and its p under alpha)."
+    ),
+    alpha: float = typer.Option(
+        0.001,
+        "--alpha",
+        help="False-alarm rate: a drifted feature's chi-square p-value times the number of "
+        "features is under this.",
     ),
     ks_alpha: float = typer.Option(
         0.01, "--ks-alpha", help="KS test level: p below it is reported as a rejection."
     ),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """PSI and the two-sample KS test per feature between two drift profiles.
+    """PSI, the chi-square test and the KS test per feature between two drift profiles.
 
-    Exits 1 when any feature's PSI is over the threshold (drift found, as `data diff` exits 1
-    on a difference), 0 when none is, 2 on bad input."""
-    from hpcml.data.drift import compare, load_profile
+    Exits 1 when any feature has drifted (PSI over the threshold and Bonferroni-corrected
+    p-value under alpha; drift found, as `data diff` exits 1 on a difference), 0 when none
+    has, 2 on bad input."""
+    from hpcml.data.drift import load_profile
+    from hpcml.data.drift_compare import compare
 
-    result = compare(load_profile(reference), load_profile(current), psi_threshold, ks_alpha)
+    result = compare(load_profile(reference), load_profile(current), psi_threshold, ks_alpha, alpha)
     result = {"reference": str(reference), "current": str(current), **result}
     if json_out:
         print_json(result)
@@ -280,12 +316,14 @@ def _print_drift(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"drift {result['reference']} -> {result['current']}")
-    for col in ("feature", "psi", "ks p", "ref mean", "cur mean", "samples", "drifted"):
+    cols = ("feature", "psi", "p corrected", "ks p", "ref mean", "cur mean", "samples", "drifted")
+    for col in cols:
         table.add_column(col, justify="left" if col == "feature" else "right")
     for r in result["features"]:
         table.add_row(
             r["feature"],
             _num(r["psi"], ".4f"),
+            _num(r["pvalue_corrected"], ".3g"),
             _num(r["ks_pvalue"], ".3g"),
             _num(r["reference_mean"], ".4g"),
             _num(r["current_mean"], ".4g"),
@@ -293,9 +331,12 @@ def _print_drift(result: dict[str, Any]) -> None:
             "DRIFT" if r["drifted"] else "",
         )
     console.print(table)
+    if result["warning"]:
+        console.print(f"note: {result['warning']}", highlight=False, markup=False)
     if result["drifted"]:
         console.print(
-            f"drifted (PSI > {result['psi_threshold']}): {', '.join(result['drifted'])}",
+            f"drifted (PSI > {result['psi_threshold']}, corrected p < {result['alpha']}): "
+            f"{', '.join(result['drifted'])}",
             highlight=False,
         )
     else:

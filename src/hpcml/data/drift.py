@@ -1,18 +1,20 @@
-"""Input drift: feature profiles (fixed-bin histograms + a bounded reservoir sample per feature),
-the population stability index (PSI) between two profiles, and scipy's two-sample KS test.
+"""Input drift profiles: fixed-bin histograms + a bounded reservoir sample per feature (compared
+by `hpcml.data.drift_compare`; a live window of them in `hpcml.data.drift_window`).
 
-Features: an image input (C, H, W) has one feature per channel (that channel's pixel values);
-any other input shape is flattened and has one feature per element, the first `MAX_FEATURES`
-only (a wider input keeps its first 64 elements; the profile records the cap).
+Features: an image input (C, H, W) has one feature per channel (that channel's pixel values,
+`values_per_row` of them drawn per image); any other input shape is flattened and has one
+feature per element, the first `MAX_FEATURES` only (the profile records the cap). A feature
+whose reference holds at most `MAX_CATEGORIES` distinct integer values is categorical: each
+value is a bin of its own, plus one for values the reference never had.
 
 Memory is bounded whatever the traffic: per feature a histogram of `len(edges) + 1` counts and
 a reservoir of at most `reservoir` values (Vitter's algorithm R, seeded), plus a running count,
-sum and sum of squares. Bins are the reference's quantiles (deciles by default) with an
-underflow and an overflow bin, so a current profile built against a reference counts into the
-same bins. Profiles are JSON, never pickle.
+sum and sum of squares. A continuous feature's bins are cut at the reference's inner quantiles
+(deciles by default; the first and last bins are open), so a current profile built against a
+reference counts into the same bins. Profiles are JSON, never pickle.
 
-PSI and the reservoir update are hand-written: each is a few numpy lines, and no kept library
-(scipy, numpy) offers PSI or a vectorised reservoir; the KS test is scipy's `ks_2samp`.
+The reservoir update is hand-written: a few numpy lines, and no kept library (scipy, numpy)
+offers a vectorised reservoir.
 """
 
 from __future__ import annotations
@@ -35,8 +37,22 @@ PSI_FLOOR = 1e-4
 """A bin's share is floored at this before the log in PSI, so an empty bin gives a large but
 finite term (the common convention; with 10 bins a 1e-4 floor keeps a single empty bin's
 contribution of the same order as a real shift)."""
-PSI_THRESHOLD = 0.2
-"""The usual rule of thumb: PSI < 0.1 no change, 0.1-0.2 some, > 0.2 a significant shift."""
+PSI_THRESHOLD = 0.1
+"""A feature has drifted when its PSI is over this (the usual rule of thumb: < 0.1 no change,
+0.1-0.2 some, > 0.2 a significant shift) and its corrected chi-square p-value under `ALPHA`:
+PSI alone grows with noise on small samples (the largest of 64 PSIs on 200 rows was over 0.2
+in about half of undrifted trials), the test alone flags tiny shifts on large ones."""
+ALPHA = 0.001
+"""Family-wise false-alarm rate of one comparison (Bonferroni over the features)."""
+MAX_CATEGORIES = 20
+VALUES_PER_ROW = 64
+"""Pixel values drawn per image and channel (seeded, with replacement): pixels of one image are
+not independent, so more of them add cost more than information; the tests count rows."""
+TOKEN_NOTE = (
+    "the inputs are token ids: their values are names, not quantities, and their histogram "
+    "mixes every position of the window, so drift found on them means little; watch the "
+    "outputs (perplexity, lengths) instead."
+)
 
 
 def feature_names(input_shape: tuple[int, ...]) -> tuple[str, list[str]]:
@@ -47,8 +63,15 @@ def feature_names(input_shape: tuple[int, ...]) -> tuple[str, list[str]]:
     return "vector", [f"x{i}" for i in range(min(n, MAX_FEATURES))]
 
 
-def feature_values(x: np.ndarray, input_shape: tuple[int, ...]) -> list[np.ndarray]:
-    """Per feature, the 1-D float64 values of a batch `x` of shape (N, *input_shape)."""
+def feature_values(
+    x: np.ndarray,
+    input_shape: tuple[int, ...],
+    values_per_row: int | None = None,
+    rng: np.random.Generator | None = None,
+) -> list[np.ndarray]:
+    """Per feature, the float64 values of a batch `x` of shape (N, *input_shape), as an
+    (N, k) array: k = 1 for a vector element, an image channel's H*W pixels, or
+    `values_per_row` of them drawn per image with `rng` where there are more."""
     x = np.asarray(x)
     if tuple(x.shape[1:]) != tuple(input_shape):
         raise DataError(
@@ -57,9 +80,15 @@ def feature_values(x: np.ndarray, input_shape: tuple[int, ...]) -> list[np.ndarr
         )
     kind, names = feature_names(input_shape)
     if kind == "image":
-        return [x[:, c].reshape(-1).astype(np.float64) for c in range(len(names))]
+        pixels = x.reshape(x.shape[0], x.shape[1], -1)
+        hw = pixels.shape[2]
+        if values_per_row is not None and values_per_row < hw:
+            rng = rng if rng is not None else np.random.default_rng(0)
+            at = rng.integers(0, hw, size=(x.shape[0], 1, values_per_row))
+            pixels = np.take_along_axis(pixels, at, axis=2)
+        return [pixels[:, c].astype(np.float64) for c in range(len(names))]
     flat = x.reshape(x.shape[0], -1)
-    return [flat[:, i].astype(np.float64) for i in range(len(names))]
+    return [flat[:, i : i + 1].astype(np.float64) for i in range(len(names))]
 
 
 @dataclass
@@ -74,17 +103,30 @@ class Feature:
     nonfinite: int = 0
     """NaN and infinite values: counted in a bin of their own (PSI sees inputs turning NaN),
     kept out of the histogram, the moments and the reservoir."""
+    categorical: bool = False
+    """`edges` are the reference's values, each its own bin; the last bin holds any other."""
+
+    def bin_index(self, values: np.ndarray) -> np.ndarray:
+        """The bin of each finite value."""
+        n = len(self.edges)
+        if self.categorical:
+            pos = np.searchsorted(self.edges, values, side="left")
+            hit = (pos < n) & (self.edges[np.minimum(pos, n - 1)] == values)
+            return np.where(hit, pos, n)
+        # searchsorted 'right' puts v == edges[0] in bin 1, v < edges[0] in bin 0 (underflow),
+        # v >= edges[-1] in the last bin (overflow) except v == edges[-1], kept in the top bin.
+        idx = np.searchsorted(self.edges, values, side="right")
+        idx[values == self.edges[-1]] = n - 1
+        return idx
 
     def update(self, values: np.ndarray, rng: np.random.Generator, capacity: int) -> None:
+        values = values.reshape(-1)
         finite = np.isfinite(values)
         self.nonfinite += int(values.size - np.count_nonzero(finite))
         values = values[finite]
         if values.size == 0:
             return
-        # searchsorted 'right' puts v == edges[0] in bin 1, v < edges[0] in bin 0 (underflow),
-        # v >= edges[-1] in the last bin (overflow) except v == edges[-1], kept in the top bin.
-        idx = np.searchsorted(self.edges, values, side="right")
-        idx[values == self.edges[-1]] = len(self.edges) - 1
+        idx = self.bin_index(values)
         self.counts += np.bincount(idx, minlength=len(self.edges) + 1).astype(np.int64)
         self.total += float(values.sum())
         self.total_sq += float(np.square(values).sum())
@@ -125,6 +167,7 @@ class Feature:
             "sum": self.total,
             "sum_sq": self.total_sq,
             "nonfinite": self.nonfinite,
+            "categorical": self.categorical,
             "reservoir": self.reservoir.tolist(),
         }
 
@@ -135,6 +178,10 @@ class Profile:
     features: list[Feature]
     reservoir_size: int = RESERVOIR
     seed: int = 0
+    rows: int = 0
+    """Input rows profiled: the sample size of the tests (an image's pixels are one row)."""
+    note: str | None = None
+    """A caveat every comparison with this profile repeats (token ids: `TOKEN_NOTE`)."""
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,23 +193,24 @@ class Profile:
 
     @property
     def samples(self) -> int:
-        return self.features[0].seen if self.features else 0
+        return self.rows
 
-    def update(self, x: np.ndarray, max_values: int | None = None) -> None:
-        """Add a batch (N, *input_shape); with `max_values`, each feature adds at most that many
-        of the batch's values, drawn uniformly (seeded, with replacement): a bounded cost."""
-        for feat, values in zip(self.features, feature_values(x, self.input_shape), strict=True):
-            if max_values is not None and values.size > max_values:
-                values = values[self.rng.integers(0, values.size, max_values)]
+    def update(self, x: np.ndarray, values_per_row: int | None = VALUES_PER_ROW) -> None:
+        """Add a batch (N, *input_shape); an image adds `values_per_row` pixel values per
+        channel (drawn, seeded), a vector one value per feature."""
+        per_feature = feature_values(x, self.input_shape, values_per_row, self.rng)
+        for feat, values in zip(self.features, per_feature, strict=True):
             feat.update(values, self.rng, self.reservoir_size)
+        self.rows += int(np.asarray(x).shape[0])
 
     def empty_like(self, seed: int = 0) -> Profile:
         """A profile with this one's bins and no data (a live profile against a reference)."""
         feats = [
-            Feature(f.name, f.edges.copy(), np.zeros_like(f.counts), np.empty(0))
+            Feature(f.name, f.edges.copy(), np.zeros_like(f.counts), np.empty(0),
+                    categorical=f.categorical)
             for f in self.features
-        ]
-        return Profile(self.input_shape, feats, self.reservoir_size, seed)
+        ]  # fmt: skip
+        return Profile(self.input_shape, feats, self.reservoir_size, seed, note=self.note)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -172,6 +220,8 @@ class Profile:
             "max_features": MAX_FEATURES,
             "reservoir_size": self.reservoir_size,
             "seed": self.seed,
+            "rows": self.rows,
+            "note": self.note,
             "features": [f.to_json() for f in self.features],
         }
 
@@ -182,48 +232,90 @@ class Profile:
         return path
 
 
+def _bins_of(name: str, values: np.ndarray, bins: int) -> Feature:
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        finite = np.zeros(1)
+    if np.array_equal(finite, np.round(finite)):  # integers: maybe a few categories
+        distinct = np.unique(finite)
+        if distinct.size <= MAX_CATEGORIES:
+            return Feature(name, distinct, np.zeros(distinct.size + 1, np.int64), np.empty(0),
+                           categorical=True)  # fmt: skip
+    edges = np.unique(np.quantile(finite, np.linspace(0.0, 1.0, bins + 1)[1:-1]))
+    return Feature(name, edges, np.zeros(len(edges) + 1, np.int64), np.empty(0))
+
+
+def profile_from_values(
+    shape: tuple[int, ...],
+    per_feature: list[np.ndarray],
+    bins: int = BINS,
+    reservoir: int = RESERVOIR,
+    seed: int = 0,
+    note: str | None = None,
+) -> Profile:
+    """A reference profile of per-feature (rows, k) values (`feature_values`)."""
+    _, names = feature_names(shape)
+    feats = [_bins_of(n, v.reshape(-1), bins) for n, v in zip(names, per_feature, strict=True)]
+    profile = Profile(shape, feats, reservoir, seed, note=note)
+    for feat, values in zip(feats, per_feature, strict=True):
+        feat.update(values, profile.rng, reservoir)
+    profile.rows = int(per_feature[0].shape[0]) if per_feature else 0
+    return profile
+
+
 def build_profile(
     x: np.ndarray,
     bins: int = BINS,
     reservoir: int = RESERVOIR,
     seed: int = 0,
+    values_per_row: int | None = VALUES_PER_ROW,
 ) -> Profile:
     """A reference profile of a batch (N, *input_shape): bins at each feature's quantiles."""
     x = np.asarray(x)
     if x.ndim < 1 or x.shape[0] == 0:
         raise DataError("a drift profile needs at least one sample; pass a non-empty batch.")
     shape = tuple(int(s) for s in x.shape[1:])
-    _, names = feature_names(shape)
-    feats = []
-    for name, values in zip(names, feature_values(x, shape), strict=True):
-        finite = values[np.isfinite(values)]
-        if finite.size == 0:
-            finite = np.zeros(1)
-        edges = np.unique(np.quantile(finite, np.linspace(0.0, 1.0, bins + 1)))
-        feats.append(Feature(name, edges, np.zeros(len(edges) + 1, np.int64), np.empty(0)))
-    profile = Profile(shape, feats, reservoir, seed)
-    profile.update(x)
-    return profile
+    rng = np.random.default_rng(seed)
+    return profile_from_values(
+        shape, feature_values(x, shape, values_per_row, rng), bins, reservoir, seed
+    )
 
 
 REFERENCE_FILE = "reference_profile.json"
-REFERENCE_SAMPLES = 512
+REFERENCE_SAMPLES = 10_000
+"""Default reference size (`data.drift_reference_samples`): with 10 bins, 10,000 rows keep the
+reference's own sampling noise a tenth of a 1,000-row live window's."""
 
 
 def profile_dataset(
-    dataset: Any, samples: int = REFERENCE_SAMPLES, seed: int = 0, prepare: Any = None
+    dataset: Any,
+    samples: int = REFERENCE_SAMPLES,
+    seed: int = 0,
+    prepare: Any = None,
+    token_ids: bool = False,
 ) -> Profile:
     """A reference profile of `samples` inputs drawn without replacement (seeded) from a map-
     style dataset of (input, target) pairs: what training writes beside its export. `prepare`
-    turns a stored input into the model's (a source's normalization left to the device)."""
+    turns a stored input into the model's (a source's normalization left to the device).
+    Inputs are read 256 at a time, and an image keeps `VALUES_PER_ROW` pixels per channel, so
+    memory stays a few MB at the default size."""
     n = len(dataset)
     if n == 0:
         raise DataError("the training set is empty; a drift profile needs at least one sample.")
     rng = np.random.default_rng(seed)
     idx = np.sort(rng.choice(n, size=min(samples, n), replace=False))
     first = (lambda v: v) if prepare is None else prepare
-    x = np.stack([np.asarray(first(dataset[int(i)][0]), dtype=np.float64) for i in idx])
-    return build_profile(x, seed=seed)
+    parts: list[list[np.ndarray]] = []
+    shape: tuple[int, ...] = ()
+    for start in range(0, len(idx), 256):
+        x = np.stack(
+            [np.asarray(first(dataset[int(i)][0]), np.float64) for i in idx[start : start + 256]]
+        )
+        shape = tuple(int(s) for s in x.shape[1:])
+        parts.append(feature_values(x, shape, VALUES_PER_ROW, rng))
+    per_feature = [np.concatenate(p) for p in zip(*parts, strict=True)]
+    note = TOKEN_NOTE if token_ids else None
+    return profile_from_values(shape, per_feature, seed=seed, note=note)
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -257,88 +349,15 @@ def profile_from_json(doc: Any, where: str) -> Profile:
                     float(f["sum"]),
                     float(f["sum_sq"]),
                     int(f.get("nonfinite", 0)),
+                    bool(f.get("categorical", False)),
                 )
             )
         shape = tuple(int(s) for s in doc["input_shape"])
-        return Profile(shape, feats, int(doc["reservoir_size"]), int(doc["seed"]))
+        # Profiles written before `rows` counted every pixel of an image as a value.
+        per_row = int(np.prod(shape[1:])) if len(shape) == 3 else 1
+        rows = int(doc.get("rows", feats[0].seen // per_row if feats else 0))
+        note = doc.get("note")
+        return Profile(shape, feats, int(doc["reservoir_size"]), int(doc["seed"]), rows,
+                       None if note is None else str(note))  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{where} is not a valid drift profile ({e}).") from e
-
-
-def psi(expected: np.ndarray, actual: np.ndarray, floor: float = PSI_FLOOR) -> float:
-    """Population stability index sum((a - e) * ln(a / e)) over bin shares, floored."""
-    e = np.maximum(expected / max(expected.sum(), 1), floor)
-    a = np.maximum(actual / max(actual.sum(), 1), floor)
-    return float(np.sum((a - e) * np.log(a / e)))
-
-
-def _finite(x: float) -> float | None:
-    """A number for JSON: None where there is none (no samples), never NaN."""
-    return x if math.isfinite(x) else None
-
-
-def _counts_on(ref: Feature, cur: Feature) -> tuple[np.ndarray, str]:
-    if cur.edges.shape == ref.edges.shape and np.array_equal(cur.edges, ref.edges):
-        return cur.counts, "histogram"
-    # Different bins (a profile built on its own data): re-bin its reservoir sample.
-    tmp = Feature(cur.name, ref.edges, np.zeros_like(ref.counts), np.empty(0))
-    tmp.update(cur.reservoir, np.random.default_rng(0), 0)
-    return tmp.counts, "reservoir"
-
-
-def compare(
-    reference: Profile,
-    current: Profile,
-    psi_threshold: float = PSI_THRESHOLD,
-    ks_alpha: float = 0.01,
-) -> dict[str, Any]:
-    """Per feature PSI (current against the reference's bins) and the KS test of the two
-    reservoir samples. A feature has drifted when its PSI is over `psi_threshold`."""
-    from scipy.stats import ks_2samp
-
-    ref_names = [f.name for f in reference.features]
-    cur_names = [f.name for f in current.features]
-    if reference.input_shape != current.input_shape or ref_names != cur_names:
-        raise DataError(
-            f"the profiles describe different features (input shapes "
-            f"{list(reference.input_shape)} and {list(current.input_shape)}); compare profiles "
-            "of the same model input."
-        )
-    rows: list[dict[str, Any]] = []
-    values: list[float] = []
-    for ref, cur in zip(reference.features, current.features, strict=True):
-        counts, binned = _counts_on(ref, cur)
-        # The non-finite values as one more bin on both sides.
-        value = (
-            psi(np.append(ref.counts, ref.nonfinite), np.append(counts, cur.nonfinite))
-            if (cur.seen or cur.nonfinite) and ref.seen
-            else float("nan")
-        )
-        values.append(value)
-        if ref.reservoir.size and cur.reservoir.size:
-            ks = ks_2samp(ref.reservoir, cur.reservoir)
-            stat, p = float(ks.statistic), float(ks.pvalue)
-        else:
-            stat, p = float("nan"), float("nan")
-        rows.append(
-            {
-                "feature": ref.name,
-                "psi": _finite(value),
-                "drifted": bool(value > psi_threshold),
-                "ks_statistic": _finite(stat),
-                "ks_pvalue": _finite(p),
-                "ks_reject": bool(p < ks_alpha),
-                "reference_mean": _finite(ref.mean),
-                "current_mean": _finite(cur.mean),
-                "current_samples": cur.seen,
-                "current_nonfinite": cur.nonfinite,
-                "binned_from": binned,
-            }
-        )
-    return {
-        "psi_threshold": psi_threshold,
-        "ks_alpha": ks_alpha,
-        "features": rows,
-        "drifted": [r["feature"] for r in rows if r["drifted"]],
-        "max_psi": max((v for v in values if not math.isnan(v)), default=0.0),
-    }

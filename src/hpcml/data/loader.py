@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hpcml.config import DataConfig
-from hpcml.data.order import OrderSampler
+from hpcml.data.shards.order import OrderSampler
 
 # torchdata 0.11 calls a deprecated torch API on every iterator; the warning says nothing to users.
 warnings.filterwarnings("ignore", message=".*set_vital.*")

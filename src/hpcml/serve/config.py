@@ -158,12 +158,19 @@ class DriftConfig(_Section):
     enabled: bool = True
     """Keep a few input rows of each answered request and compare them every `every_s` with the
     export's reference profile; false keeps nothing and runs no check (nor `command`)."""
-    psi_threshold: float = Field(default=0.2, gt=0.0)
-    """A version whose largest feature PSI is over this has drifted."""
+    psi_threshold: float = Field(default=0.1, gt=0.0)
+    """A feature has drifted when its PSI is over this and its corrected p-value under `alpha`
+    (`hpcml.data.drift_compare.compare`)."""
+    alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
+    """False-alarm rate of one check: the chi-square p-values, times the number of features
+    (Bonferroni), are compared with it."""
+    window_rows: int = Field(default=1000, gt=0, le=20_000)
+    """The live profile is the last this many rows (it forgets older ones); also the tests'
+    sample size. Memory: window_rows x features x (bins + 2) x 4 bytes."""
     min_samples: int = Field(default=200, gt=0)
-    """Input rows seen before a version's PSI is computed and exported."""
+    """Rows in the window before a version's PSI is computed and exported."""
     every_s: float = Field(default=60.0, gt=0.0)
-    """Seconds between checks; also the least time between two runs of `command`."""
+    """Seconds between checks; also the least time between two runs of a model's `command`."""
     command: list[str] | None = None
     """argv run (no shell) when a version first crosses the threshold, with HPCML_MODEL,
     HPCML_VERSION and HPCML_PSI in its environment. From this file only, never a model file."""
@@ -174,6 +181,15 @@ class DriftConfig(_Section):
     max_values_per_check: int = Field(default=65536, gt=0)
     """Most values per feature folded into the live profile by one check (a uniform sample of
     the pending rows' values when they hold more: an image channel has H*W values a row)."""
+
+    @model_validator(mode="after")
+    def _window_holds_min_samples(self) -> DriftConfig:
+        if self.window_rows < self.min_samples:
+            raise ValueError(
+                f"window_rows ({self.window_rows}) is under min_samples ({self.min_samples}), "
+                "so no check would ever run; raise window_rows or lower min_samples"
+            )
+        return self
 
     @field_validator("command")
     @classmethod

@@ -116,10 +116,14 @@ def build_summary(t: Any) -> dict[str, Any]:
         },
     )
     finetune.write_adapter(export, cfg, res, tuned)  # finetune.export_adapter
-    # The drift reference: 512 seeded training inputs (one pass of __getitem__ over them).
-    profile_dataset(splits.train, seed=cfg.train.seed, prepare=splits.device_normalize).save(
-        export / REFERENCE_FILE
-    )
+    # The drift reference: seeded training inputs (one pass of __getitem__ over them).
+    profile_dataset(
+        splits.train,
+        cfg.data.drift_reference_samples,
+        seed=cfg.train.seed,
+        prepare=splits.device_normalize,
+        token_ids=splits.input_dtype == "int64",
+    ).save(export / REFERENCE_FILE)
     return summary
 
 

@@ -18,7 +18,7 @@ import torch
 from hpcml.config import RunConfig, dump_config
 from hpcml.data.device_augment import device_augment
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
-from hpcml.data.versions import first_read, versions_after_resume
+from hpcml.data.shards.versions import first_read, versions_after_resume
 from hpcml.distributed.parallel import (
     clip_grad_norm,
     grad_norm,

@@ -221,8 +221,8 @@ def _is_image_source(cfg: RunConfig) -> bool:
         return True
     if cfg.data.source != "shards":
         return False
-    from hpcml.data.shard_sources import check_shards, is_image_set
     from hpcml.data.shards import read_manifest
+    from hpcml.data.shards.convert import check_shards, is_image_set
 
     return is_image_set(read_manifest(check_shards(cfg.data)))
 

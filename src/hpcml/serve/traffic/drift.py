@@ -6,15 +6,17 @@ Hot path cost: after a request is answered, the router hands its input array her
 `drift.sample_rows` rows of it are kept (by reference when the request has no more rows, else
 copied; no statistics) in a bounded list of at most `drift.max_pending_rows` rows (rows
 arriving while the list is full are dropped and counted). The histogram and reservoir updates,
-PSI and the KS test run in the periodic check, in a worker thread, off the event loop; a check
-folds at most `drift.max_values_per_check` values per feature (drawn uniformly from the pending
-rows' values), which bounds its cost.
+the tests run in the periodic check, in a worker thread, off the event loop; a check folds at
+most `drift.max_values_per_check` values per feature (an image row gives a share of its
+pixels), which bounds its cost. The live profile is the last `drift.window_rows` rows
+(`hpcml.data.drift_window`), so it forgets.
 
-When a version's largest feature PSI first goes over `drift.psi_threshold` (with at least
-`drift.min_samples` rows seen), the crossing counter goes up and the operator's `drift.command`
-(an argv list from the serve config, never from a model file) runs without a shell, with
-HPCML_MODEL, HPCML_VERSION and HPCML_PSI in its environment, at most once per `every_s`; its exit
-status is logged and serving never waits for it.
+When a version first has a drifted feature (`hpcml.data.drift.compare`: PSI over
+`drift.psi_threshold` and a Bonferroni-corrected chi-square p-value under `drift.alpha`, with at
+least `drift.min_samples` rows in the window), the crossing counter goes up and the operator's
+`drift.command` (an argv list from the serve config, never from a model file) runs without a
+shell, with HPCML_MODEL, HPCML_VERSION and HPCML_PSI in its environment, at most once per
+`every_s` for each model; its exit status is logged and serving never waits for it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import numpy as np
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 
-from hpcml.data.drift import REFERENCE_FILE, Profile, build_profile, compare, load_profile
+from hpcml.data.drift import REFERENCE_FILE, Profile, build_profile, load_profile
+from hpcml.data.drift_compare import compare
+from hpcml.data.drift_window import LiveWindow
 from hpcml.errors import DataError
 from hpcml.serve.config import DriftConfig
 from hpcml.serve.metrics import ServeMetrics
@@ -53,7 +57,7 @@ class Watched:
     model: str
     version: str
     reference: Profile | None
-    live: Profile | None = None
+    live: LiveWindow | None = None
     rows: int = 0
     dropped: int = 0
     pending: list[np.ndarray] = field(default_factory=list)
@@ -73,7 +77,8 @@ class DriftMonitor:
         self.metrics = metrics
         self.watched: dict[tuple[str, str], Watched] = {}
         self.commands_run = 0
-        self._last_command = float("-inf")
+        self._last_command: dict[str, float] = {}
+        """Per model: a drift on one model never holds back another's command."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     def add(self, model: str, version: str, path: Path) -> None:
@@ -84,6 +89,8 @@ class DriftMonitor:
                 reference = load_profile(ref_path)
             except DataError as exc:
                 log.warning("drift: %s; %s:%s is watched without a reference", exc, model, version)
+        if reference is not None and reference.note:
+            log.warning("drift on %s:%s: %s", model, version, reference.note)
         self.watched[(model, version)] = Watched(model, version, reference)
 
     def observe(self, model: str, version: str, x: np.ndarray) -> None:
@@ -107,23 +114,25 @@ class DriftMonitor:
         if not pending:
             return
         x = np.concatenate(pending)
-        cap = self.config.max_values_per_check
+        per_row = max(1, self.config.max_values_per_check // len(x))
         with w.fold_lock:
-            if w.live is None and w.reference is not None:
-                w.live = w.reference.empty_like(seed=1)
-            if w.live is not None:
-                w.live.update(x, cap)
-            else:  # no reference: bins from the first rows seen
-                w.live = build_profile(x, seed=1)
+            if w.live is None:  # no reference: bins from the first rows seen
+                bins = w.reference if w.reference is not None else build_profile(x, seed=1)
+                w.live = LiveWindow(bins, self.config.window_rows, seed=1)
+            w.live.add(x, per_row)
             w.rows += len(x)
 
     def check(self, w: Watched) -> dict[str, Any] | None:
         """Fold pending rows into the live profile and compare it with the reference."""
         self._drain(w)
-        if w.reference is None or w.live is None or w.rows < self.config.min_samples:
+        if w.reference is None or w.live is None or w.live.filled < self.config.min_samples:
             return None
         with w.fold_lock:
-            result = compare(w.reference, w.live, self.config.psi_threshold)
+            live = w.live.profile()
+        # No KS here: it is reported only, and it was most of a check's cost.
+        result = compare(
+            w.reference, live, self.config.psi_threshold, alpha=self.config.alpha, ks=False
+        )
         result.update(model=w.model, version=w.version, rows=w.rows, dropped_rows=w.dropped)
         w.last = result
         return result
@@ -138,7 +147,7 @@ class DriftMonitor:
                 if row["psi"] is not None:
                     gauge = self.metrics.drift_psi.labels(w.model, w.version, row["feature"])
                     gauge.set(row["psi"])
-            over = result["max_psi"] > self.config.psi_threshold
+            over = bool(result["drifted"])
             if over and not w.over:
                 self.metrics.drift_crossings.labels(w.model, w.version).inc()
                 self._run_command(w, result["max_psi"])
@@ -146,9 +155,10 @@ class DriftMonitor:
 
     def _run_command(self, w: Watched, value: float) -> None:
         now = time.monotonic()
-        if not self.config.command or now - self._last_command < self.config.every_s:
+        last = self._last_command.get(w.model, float("-inf"))
+        if not self.config.command or now - last < self.config.every_s:
             return
-        self._last_command = now
+        self._last_command[w.model] = now
         env = {
             **os.environ,
             "HPCML_MODEL": w.model,
@@ -179,7 +189,7 @@ class DriftMonitor:
         """The live profile as JSON (what `hpcml data drift` reads), pending rows included."""
         self._drain(w)
         with w.fold_lock:
-            return w.live.to_json() if w.live is not None else None
+            return w.live.profile().to_json() if w.live is not None else None
 
     async def run(self) -> None:
         """The periodic check (a router background task)."""
@@ -208,6 +218,8 @@ class DriftMonitor:
                     "pending_rows": w.pending_rows,
                     "dropped_rows": w.dropped,
                     "psi_threshold": self.config.psi_threshold,
+                    "alpha": self.config.alpha,
+                    "window_rows": self.config.window_rows,
                     "over_threshold": w.over,
                     "checks": w.checks,
                     "comparison": w.last,

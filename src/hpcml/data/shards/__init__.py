@@ -40,18 +40,18 @@ import torch
 from torch.utils.data import Dataset
 
 from hpcml.data.device_augment import normalize_pixels
-from hpcml.data.manifest import (
+from hpcml.data.shards.cache import DiskCache
+from hpcml.data.shards.manifest import (
     MANIFEST,
     SPLITS,
     check_shard,
     read_manifest,
 )
-from hpcml.data.manifest import canonical as canonical  # re-exported: the version id's input
-from hpcml.data.manifest import version_id as version_id
-from hpcml.data.order import shard_window_order
-from hpcml.data.readahead import ShardSlots
-from hpcml.data.shard_cache import DiskCache
-from hpcml.data.store import Store, is_remote
+from hpcml.data.shards.manifest import canonical as canonical  # re-exported: the version id's input
+from hpcml.data.shards.manifest import version_id as version_id
+from hpcml.data.shards.order import shard_window_order
+from hpcml.data.shards.readahead import ShardSlots
+from hpcml.data.shards.store import Store, is_remote
 from hpcml.errors import DataError
 
 
@@ -67,7 +67,7 @@ def verify(
     a local folder; for a remote set only sizes are checked here, since every shard's sha256 is
     checked when it is read (`Store.open_shard`). `shared` (`data.verify: full` in training):
     the hashing is split over the ranks of the process group, each hashing its share once, and
-    a local file's digest is remembered while the file is unchanged (`hpcml.data.hash_cache`)."""
+    a local file's digest is remembered while the file is unchanged (`hpcml.data.shards.hash_cache`)."""
     store = Store(folder)
     deep = not store.remote if deep is None else deep
     manifest_at = store.describe(MANIFEST)
@@ -84,7 +84,7 @@ def verify(
     if deep:
         names = [s["file"] for s in entries]
         if shared:
-            from hpcml.data.hash_cache import HashCache
+            from hpcml.data.shards.hash_cache import HashCache
             from hpcml.distributed.runtime import split_work
 
             cache = HashCache()
@@ -134,9 +134,9 @@ class ShardSet(Dataset[Any]):
     memory the reader holds are bounded by about `cache_shards` shards whatever the data size.
     With `with_ids` items carry the stored sample id as a third element (tests, lineage).
 
-    Remote sets: `cache_dir` keeps downloaded shards on local disk (`hpcml.data.shard_cache`);
+    Remote sets: `cache_dir` keeps downloaded shards on local disk (`hpcml.data.shards.cache`);
     `readahead` shards (default 1 remote, 0 local) are fetched in a background thread while the
-    current one is read (`hpcml.data.readahead`): within a batch (`__getitems__`, what the
+    current one is read (`hpcml.data.shards.readahead`): within a batch (`__getitems__`, what the
     DataLoader calls), the batch's next shards in the order it reads them, a batch read shard
     by shard and returned in its own order; one sample at a time (`__getitem__`), the shards
     after a newly opened one in file order, which is the reading order of an unshuffled pass.
@@ -169,7 +169,7 @@ class ShardSet(Dataset[Any]):
         counts = [int(s["samples"]) for s in entry["shards"]]
         self.counts = counts
         self.shuffle_shards = shuffle_shards
-        """Shards a shuffled epoch mixes at a time (`hpcml.data.order`); None: all of them."""
+        """Shards a shuffled epoch mixes at a time (`hpcml.data.shards.order`); None: all of them."""
         self.starts = list(np.cumsum([0, *counts])[:-1].tolist())
         self.length = int(sum(counts))
         self.rows_per_batch = int(entry["rows_per_batch"])
@@ -346,8 +346,8 @@ def _cell(arr: Any, j: int) -> memoryview:
 
 
 # Writing lives in its own module; its names stay reachable here, where callers found them.
-from hpcml.data.hash_cache import sha256_of as sha256_file  # noqa: E402, F401
-from hpcml.data.shard_write import ShardWriter as ShardWriter  # noqa: E402
-from hpcml.data.shard_write import parse_size as parse_size  # noqa: E402
-from hpcml.data.shard_write import spec as spec  # noqa: E402
-from hpcml.data.shard_write import write_shard_set as write_shard_set  # noqa: E402
+from hpcml.data.shards.hash_cache import sha256_of as sha256_file  # noqa: E402, F401
+from hpcml.data.shards.write import ShardWriter as ShardWriter  # noqa: E402
+from hpcml.data.shards.write import parse_size as parse_size  # noqa: E402
+from hpcml.data.shards.write import spec as spec  # noqa: E402
+from hpcml.data.shards.write import write_shard_set as write_shard_set  # noqa: E402

@@ -3,8 +3,9 @@
 Sources: the built-in ones by name (`digits`, `cifar10`, `synthetic`: their train/val tensors
 as float32, exactly what training on that source would read; `tokens`: non-overlapping windows
 of `seq_len + 1` uint16 tokens), an image folder (one subfolder per class, read with Pillow,
-resized, stored as uint8 and scaled/normalised at read time) and a Parquet or Arrow table (one
-label column, the other numeric columns as a float32 feature vector). Image folders and tables
+resized, stored as uint8 and scaled/normalised at read time), a Parquet or Arrow table (one
+label column, the other numeric columns as a float32 feature vector), WebDataset tar shards and
+a Hugging Face `datasets` folder (`hpcml.data.sources.interop`). Image folders and tables
 go to validation by a hash of the file path / row number, so the split does not depend on
 file order. The manifest records the source, every option that shaped the bytes (`transform`)
 and the hpcml version.
@@ -23,11 +24,11 @@ import numpy as np
 from hpcml import __version__
 from hpcml.config import DataConfig
 from hpcml.data import shards
-from hpcml.data.shard_loading import check_shards as check_shards  # re-exported, as before
-from hpcml.data.shard_loading import device_normalize as device_normalize
-from hpcml.data.shard_loading import is_image_set as is_image_set
-from hpcml.data.shard_loading import load_shard_source as load_shard_source
-from hpcml.data.shard_loading import shuffle_window as shuffle_window
+from hpcml.data.shards.loading import check_shards as check_shards  # re-exported, as before
+from hpcml.data.shards.loading import device_normalize as device_normalize
+from hpcml.data.shards.loading import is_image_set as is_image_set
+from hpcml.data.shards.loading import load_shard_source as load_shard_source
+from hpcml.data.shards.loading import shuffle_window as shuffle_window
 from hpcml.errors import DataError
 
 BUILTIN = ("digits", "cifar10", "synthetic", "tokens")
@@ -74,7 +75,7 @@ def _source_config(cfg: DataConfig) -> dict[str, Any]:
 
 
 def from_tokens(cfg: DataConfig) -> tuple[Samples, dict[str, Any]]:
-    from hpcml.data.tokens import TokenWindows, load_tokens
+    from hpcml.data.sources.tokens import TokenWindows, load_tokens
 
     splits = load_tokens(cfg)
     seq = cfg.seq_len
@@ -297,6 +298,7 @@ def shard(
     features: list[str] | None = None,
     fill: float | None = None,
     encoded: bool = False,
+    eot: int = 0,
 ) -> dict[str, Any]:
     """Write the shard set of `source` (a built-in name, an image folder or a table file)."""
     shard_bytes = shards.parse_size(shard_size)
@@ -315,7 +317,15 @@ def shard(
         samples, header = from_builtin(cfg)
     else:
         p = Path(source).expanduser()
-        if p.is_dir():
+        from hpcml.data.sources import interop
+
+        if interop.is_hf_dataset(p):
+            samples, header = interop.from_hf_disk(
+                p, label, image_size, val_fraction, encoded, features, fill, seq_len, eot
+            )
+        elif interop.is_webdataset(p):
+            samples, header = interop.from_webdataset(p, image_size, val_fraction, encoded)
+        elif p.is_dir():
             samples, header = from_image_folder(p, image_size, val_fraction, encoded)
         elif encoded:
             raise DataError(f"--encoded applies to image folders; {source!r} is not one.")
@@ -324,7 +334,8 @@ def shard(
         else:
             raise DataError(
                 f"SOURCE {source!r} is neither a data source ({', '.join(BUILTIN)}), an image "
-                f"folder nor a table file ({', '.join(TABLE_SUFFIXES)})."
+                f"folder, a table file ({', '.join(TABLE_SUFFIXES)}), WebDataset .tar shards "
+                "nor a saved `datasets` folder."
             )
     header["hpcml"] = __version__
     manifest = shards.write_shard_set(out, samples, header, shard_bytes, compression)

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcml.data.hash_cache import sha256_of as sha256_file
-from hpcml.data.manifest import COMPRESSIONS, FORMAT, MANIFEST
+from hpcml.data.shards.hash_cache import sha256_of as sha256_file
+from hpcml.data.shards.manifest import COMPRESSIONS, FORMAT, MANIFEST
 from hpcml.errors import DataError
 
 ENCODED_ROWS = 64

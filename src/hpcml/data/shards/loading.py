@@ -1,5 +1,5 @@
 """`data.source: shards`: a shard set loaded for training (verified as `data.verify` says),
-its shuffle window and its normalization; writing one is `hpcml.data.shard_sources`. A module
+its shuffle window and its normalization; writing one is `hpcml.data.shards.convert`. A module
 of its own so that `hpcml.data.sources` reaches it without importing the writers, which import
 the sources."""
 
@@ -13,8 +13,8 @@ import numpy as np
 from hpcml.config import DataConfig
 from hpcml.data import shards
 from hpcml.data.device_augment import DeviceNormalize
+from hpcml.data.shards.store import is_remote
 from hpcml.data.splits import Splits, pixels_on_device
-from hpcml.data.store import is_remote
 from hpcml.errors import DataError
 
 
@@ -91,7 +91,7 @@ def device_normalize(cfg: DataConfig, manifest: dict[str, Any]) -> Any:
 
 
 def check_shards(cfg: DataConfig) -> str | Path:
-    """data.path of a shard set: a local folder, or an s3:// URL (`hpcml.data.store`)."""
+    """data.path of a shard set: a local folder, or an s3:// URL (`hpcml.data.shards.store`)."""
     if cfg.path is None:
         raise DataError(
             "data source 'shards' needs data.path: a folder written by "

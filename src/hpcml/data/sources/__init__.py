@@ -4,7 +4,7 @@
 3x32x32 so the CIFAR-shaped CNNs take it unchanged. `cifar10` reads the official
 python-pickle batches from a local folder (numpy arrays and plain data only: no other global is
 unpickled). `synthetic` is random tensors of a given shape.
-`tokens` reads uint16 token files for language models (`hpcml.data.tokens`); `shards` reads a
+`tokens` reads uint16 token files for language models (`hpcml.data.sources.tokens`); `shards` reads a
 shard set written by `hpcml data shard` (`hpcml.data.shards`).
 """
 
@@ -214,17 +214,17 @@ def load_synthetic(cfg: DataConfig) -> Splits:
 
 
 def load_token_source(cfg: DataConfig) -> Splits:
-    from hpcml.data.tokens import load_tokens
+    from hpcml.data.sources.tokens import load_tokens
 
     return load_tokens(cfg)  # type: ignore[no-any-return]
 
 
 def load_shards(cfg: DataConfig) -> Splits:
     if cfg.mix is not None:
-        from hpcml.data.mix import load_mix
+        from hpcml.data.shards.mix import load_mix
 
         return load_mix(cfg)
-    from hpcml.data.shard_loading import load_shard_source
+    from hpcml.data.shards.loading import load_shard_source
 
     return load_shard_source(cfg)  # type: ignore[no-any-return]
 
@@ -247,15 +247,15 @@ def check_source(cfg: DataConfig) -> None:
     if cfg.source == "cifar10":
         _cifar_dir(cfg)
     if cfg.source == "tokens":
-        from hpcml.data.tokens import check_tokens
+        from hpcml.data.sources.tokens import check_tokens
 
         check_tokens(cfg)
     if cfg.source == "shards" and cfg.mix is not None:
-        from hpcml.data.mix import check_mix
+        from hpcml.data.shards.mix import check_mix
 
         check_mix(cfg)
     elif cfg.source == "shards":
-        from hpcml.data.shard_loading import check_shards
+        from hpcml.data.shards.loading import check_shards
 
         check_shards(cfg)
 

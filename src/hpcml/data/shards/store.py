@@ -22,7 +22,7 @@ A remote shard is read whole into memory when first needed (at most `data.shard_
 per reading process, as with the memory maps of a local folder) and its sha256 is checked
 against the manifest right there, so a corrupted or replaced object is refused before a sample
 of it is used, without a pass over the whole set before training. With `data.cache_dir` the
-checked bytes are kept on local disk and memory-mapped from there (`hpcml.data.shard_cache`).
+checked bytes are kept on local disk and memory-mapped from there (`hpcml.data.shards.cache`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
 
-from hpcml.data.hash_cache import sha256_of
-from hpcml.data.shard_cache import DiskCache
+from hpcml.data.shards.cache import DiskCache
+from hpcml.data.shards.hash_cache import sha256_of
 from hpcml.errors import DataError
 
 SCHEMES = ("s3://",)

@@ -20,7 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from hpcml.config import DataConfig
-from hpcml.data.shard_loading import check_shards, load_shard_source
+from hpcml.data.shards.loading import check_shards, load_shard_source
 from hpcml.data.splits import Splits
 from hpcml.errors import DataError
 

@@ -166,8 +166,8 @@ def validate(manifest: Any, where: str) -> dict[str, Any]:
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:
     """The manifest of the shard set at `folder`: a local folder or an s3:// URL
-    (`hpcml.data.store`), checked against the schema."""
-    from hpcml.data.store import Store
+    (`hpcml.data.shards.store`), checked against the schema."""
+    from hpcml.data.shards.store import Store
 
     store = Store(folder)
     path = store.describe(MANIFEST)
