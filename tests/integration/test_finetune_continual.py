@@ -19,7 +19,7 @@ from tests.conftest import summary
 
 from hpcml.config import load_config
 from hpcml.data.sources import load_source
-from hpcml.data.tokens import prepare_pystdlib
+from hpcml.data.sources.tokens import prepare_pystdlib
 from hpcml.errors import ConfigError, DataError
 from hpcml.models.export import load_export
 from hpcml.track.registry import RegistryError
