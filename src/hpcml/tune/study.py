@@ -35,7 +35,7 @@ from optuna.trial import TrialState
 
 from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, load_yaml
 from hpcml.errors import ConfigError, HpcmlError, WorkFailed
-from hpcml.tune import feasible, space, tracking
+from hpcml.tune import feasible, guard, space, tracking
 from hpcml.tune import trial as trial_run
 from hpcml.tune.report import counts, summary, write_report
 
@@ -367,7 +367,7 @@ def _error_file(job: TuneJob, worker: int) -> Path:
 def _child(job: TuneJob, worker: int, verbose: bool) -> None:
     """A worker process: dies with the tuner (kill -9 of the tuner leaves nothing running).
     Its error's sentence goes to the tuner, which prints it once."""
-    trial_run.die_with_parent(signal.SIGKILL)
+    guard.die_with_parent(signal.SIGKILL)
     try:
         work(job, worker, say_stderr if verbose else lambda _line: None)
     except HpcmlError as exc:
