@@ -1,5 +1,5 @@
-"""`hpcml tune` end to end: real `hpcml train` trials in subprocesses sharing one SQLite
-study, pruned from their evaluations, continued by a rerun, surviving kill -9 of the tuner,
+"""`hpcml tune` end to end: real `hpcml train` trials in subprocesses sharing one study (the
+default journal file), pruned from their evaluations, continued by a rerun, surviving kill -9 of the tuner,
 planner-infeasible trials never started, and bad input refused with the study unchanged.
 
 The trials train a 16-unit MLP on synthetic data (no scikit-learn import per trial) for at
@@ -18,6 +18,7 @@ from typing import Any
 import optuna
 import pytest
 import yaml
+from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 from tests.conftest import ROOT, hpcml_env
 from tests.integration.mlflow_util import fresh_store
@@ -69,8 +70,12 @@ def run_tune(config: Path, out: Path, *args: str) -> dict[str, Any]:
     return json.loads(lines[0])
 
 
+def journal(out: Path) -> JournalStorage:
+    return JournalStorage(JournalFileBackend(str(out / "study.journal")))
+
+
 def load(out: Path, name: str = "tune") -> optuna.Study:
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}")
+    return optuna.load_study(study_name=name, storage=journal(out))
 
 
 def steps_run(run_dir: Path) -> int:
@@ -273,11 +278,9 @@ def _cli(*args: str) -> Any:
 
 
 def _existing_study(out: Path) -> bytes:
-    """A study.db holding one finished trial, made with Optuna itself (no training)."""
+    """A study.journal holding one finished trial, made with Optuna itself (no training)."""
     out.mkdir(parents=True)
-    study = optuna.create_study(
-        study_name="tune", storage=f"sqlite:///{out / 'study.db'}", direction="minimize"
-    )
+    study = optuna.create_study(study_name="tune", storage=journal(out), direction="minimize")
     study.add_trial(
         optuna.create_trial(
             value=1.0,
@@ -285,7 +288,7 @@ def _existing_study(out: Path) -> bytes:
             distributions={"optim.lr": optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)},
         )
     )
-    return (out / "study.db").read_bytes()
+    return (out / "study.journal").read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -297,6 +300,7 @@ def _existing_study(out: Path) -> bytes:
         ({"device": "tpu-v9"}, [], "tune.device 'tpu-v9'"),
         ({}, ["--workers", "0"], "--workers is 0"),
         ({}, ["--storage", "sqlite:////nonexistent-dir/x/study.db"], "cannot be opened"),
+        ({}, ["--storage", "journal:/nonexistent-dir/x/study.journal"], "does not exist"),
         ({"direction": "maximize"}, [], "set to minimize"),
     ],
 )
@@ -311,7 +315,7 @@ def test_bad_input_exits_2_in_one_sentence_and_leaves_the_study_unchanged(
     lines = res.output.strip().splitlines()
     assert len(lines) <= 2 and lines[0].startswith("error: ") and "Traceback" not in res.output
     assert words in " ".join(lines), res.output
-    assert (out / "study.db").read_bytes() == before
+    assert (out / "study.journal").read_bytes() == before
     assert not (out / "trials").exists()
 
 
@@ -337,4 +341,3 @@ def test_without_a_tune_section_exits_2(tmp_path: Path):
     res = _cli(str(config), "--out", str(tmp_path / "study"))
     assert res.exit_code == 2 and "has no tune section" in res.output
     assert not (tmp_path / "study").exists()
-

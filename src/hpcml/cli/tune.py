@@ -28,14 +28,15 @@ def tune(
     out: Path | None = typer.Option(
         None,
         "--out",
-        help="Study folder: trials/ (one run folder each) and study.db (default "
+        help="Study folder: trials/ (one run folder each) and study.journal (default "
         "runs/tune-<config>); the same folder continues the study.",
     ),
     storage: str | None = typer.Option(
         None,
         "--storage",
-        help="Optuna RDB storage URL, e.g. sqlite:///study.db or postgresql://host/db "
-        "(default sqlite:///OUT/study.db).",
+        help="Study storage: journal:PATH (Optuna's journal file, safe on NFS) or an Optuna "
+        "RDB URL, e.g. sqlite:///study.db or postgresql+psycopg://host/db "
+        "(default journal:OUT/study.journal).",
     ),
     study: str | None = typer.Option(
         None, "--study", help="Study name in the storage (default the config's file name)."
@@ -51,6 +52,7 @@ def tune(
         if value is not None and value < 1:
             raise ConfigError(f"{name} is {value}; give at least 1.")
     try:
+        from hpcml.tune import storage as storage_mod
         from hpcml.tune import study as st
     except ImportError:
         raise ConfigError(
@@ -64,7 +66,7 @@ def tune(
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"--out {folder} is a file, not a folder; choose another path.")
     folder.mkdir(parents=True, exist_ok=True)
-    url = storage or st.default_storage(folder)
+    url = storage or storage_mod.default_storage(folder)
     name = study or config.stem
     job = st.TuneJob(
         config=config,
@@ -75,7 +77,7 @@ def tune(
         trials=trials or prep.tune.trials,
         nproc=nproc,
         timeout_s=prep.tune.timeout_s,
-        known=st.known_trials(url, name),
+        known=storage_mod.known_trials(url, name),
     )
     result = st.run_study(job, workers, verbose=not json_out, report=report)
     if json_out:
