@@ -341,3 +341,27 @@ def test_without_a_tune_section_exits_2(tmp_path: Path):
     res = _cli(str(config), "--out", str(tmp_path / "study"))
     assert res.exit_code == 2 and "has no tune section" in res.output
     assert not (tmp_path / "study").exists()
+
+
+def test_trials_on_two_processes_each_are_ddp_runs_and_a_pruned_one_stops_on_both_ranks(
+    tmp_path: Path,
+):
+    # One worker, seed 28, --nproc 2: trial 0 (lr 0.0154) completes; trial 1 (lr 0.0048) has
+    # the higher val_loss at ASHA's first rung (step 5, as on one process) and is pruned: the
+    # tuner's SIGINT goes to `hpcml train --nproc 2`, which passes it to torchrun's workers,
+    # and both ranks stop at the same step boundary.
+    tune = {"pruner": "asha", "trials": 2, "seed": 28}
+    config = tune_config(tmp_path / "tune.yaml", tune, max_steps=150)
+    out = tmp_path / "study"
+    result = run_tune(config, out, "--nproc", "2")
+    assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
+    for t in load(out).get_trials():
+        run = Path(t.user_attrs["run_dir"])
+        summary = json.loads((run / "summary.json").read_text())
+        assert sorted(p.name for p in (run / "pids").iterdir()) == ["rank-0.pid", "rank-1.pid"]
+        if t.state == TrialState.COMPLETE:
+            assert summary["status"] == "finished" and summary["world_size"] == 2
+            assert steps_run(run) == 150
+        else:
+            assert t.state == TrialState.PRUNED and summary["status"] == "interrupted"
+            assert steps_run(run) < 150
