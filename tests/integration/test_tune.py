@@ -232,7 +232,7 @@ def test_planner_infeasible_trials_are_recorded_and_never_started(tmp_path: Path
         assert t.state == TrialState.PRUNED and t.constraints["memory"] > 0
 
 
-def test_mlflow_holds_a_parent_run_and_a_child_run_per_trial_with_its_state(
+def test_mlflow_holds_a_parent_run_and_a_child_run_per_trial_and_registers_the_best(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ):
     from mlflow import MlflowClient
@@ -244,11 +244,20 @@ def test_mlflow_holds_a_parent_run_and_a_child_run_per_trial_with_its_state(
     tune = {"pruner": "asha", "trials": 2, "seed": 28}
     config = tune_config(tmp_path / "tune.yaml", tune, tracking, max_steps=300)
     out = tmp_path / "study"
-    result = run_tune(config, out)
+    result = run_tune(config, out, "--register", "tune-best")
     assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
     study = load(out)
 
     client = MlflowClient(uri)
+    # --register: the best trial's export is version 1 of the model, linked to that trial's
+    # own training run (the child below), from its run folder.
+    best_run = Path(study.best_trial.user_attrs["run_dir"])
+    version = client.get_model_version("tune-best", "1")
+    assert result["registered"] == {"name": "tune-best", "version": 1, "run_id": version.run_id}
+    assert client.get_run(version.run_id).data.tags["hpcml.run_dir"] == str(best_run.resolve())
+    assert client.get_run(version.run_id).data.tags["hpcml.tune.trial"] == str(
+        study.best_trial.number
+    )
     experiment = client.get_experiment_by_name("tune-test")
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.data.tags.get("hpcml.tune.study") == "tune"]

@@ -41,6 +41,18 @@ def tune(
     study: str | None = typer.Option(
         None, "--study", help="Study name in the storage (default the config's file name)."
     ),
+    first_worker: int = typer.Option(
+        0,
+        "--first-worker",
+        help="Number of this tune's first worker (seeds its sampler): give each tune on one "
+        "study its own, e.g. hpcml launch slurm --tune-workers gives the array task id.",
+    ),
+    register: str | None = typer.Option(
+        None,
+        "--register",
+        help="Register the best trial's export as a new version of this model in the MLflow "
+        "registry (tracking.uri's store), linked to its training run.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON line."),
     report: bool = typer.Option(
         False, "--report", help="Write OUT/report/index.html: history, pruning, importances."
@@ -51,6 +63,12 @@ def tune(
     for name, value in (("--trials", trials), ("--workers", workers), ("--nproc", nproc)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} is {value}; give at least 1.")
+    if first_worker < 0:
+        raise ConfigError(f"--first-worker is {first_worker}; give 0 or more.")
+    if register is not None:
+        from hpcml.track.registry import check_name
+
+        check_name(register)  # before any trial
     try:
         from hpcml.tune import storage as storage_mod
         from hpcml.tune import study as st
@@ -78,8 +96,11 @@ def tune(
         nproc=nproc,
         timeout_s=prep.tune.timeout_s,
         known=storage_mod.known_trials(url, name),
+        first_worker=first_worker,
     )
     result = st.run_study(job, workers, verbose=not json_out, report=report)
+    if register is not None:
+        result["registered"] = register_best(result, register, prep.cfg.tracking.uri)
     if json_out:
         import json
         import sys
@@ -87,6 +108,21 @@ def tune(
         sys.stdout.write(json.dumps(result, default=str) + "\n")
         return
     show(result, prep.tune.metric)
+
+
+def register_best(result: dict[str, Any], name: str, uri: str | None) -> dict[str, Any] | None:
+    """The best trial's export as a new version of `name` (None when no trial completed)."""
+    from hpcml.track.registry import register_run
+
+    if result["best_run"] is None:
+        return None
+    info = register_run(
+        Path(result["best_run"]),
+        name,
+        tracking_uri=uri,
+        description=f"best trial ({result['best_trial']}) of study {result['study']}",
+    )
+    return {"name": name, "version": info["version"], "run_id": info["run_id"]}
 
 
 def show(result: dict[str, Any], metric: str) -> None:
@@ -108,4 +144,7 @@ def show(result: dict[str, Any], metric: str) -> None:
         t.add_row("infeasible", reason)
     if result.get("report"):
         t.add_row("report", result["report"])
+    if "registered" in result:
+        r = result["registered"]
+        t.add_row("registered", f"{r['name']} version {r['version']}" if r else "no complete trial")
     console.print(t)

@@ -60,6 +60,9 @@ class TuneJob:
     started: float = field(default_factory=time.time)
     known: int = 0
     """Trials the study held when this tune started (see make_sampler)."""
+    first_worker: int = 0
+    """The number of this tune's first worker (SLURM array tasks: the task id), which seeds
+    its sampler."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def make_pruner(tune: TuneConfig, cfg: RunConfig) -> optuna.pruners.BasePruner:
 def load_study(job: TuneJob, prep: Prepared, worker: int = 0) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # hpcml prints its own lines
     storage = open_storage(job.storage)
-    sampler = make_sampler(prep.tune, prep.dists, worker, job.known)
+    sampler = make_sampler(prep.tune, prep.dists, job.first_worker + worker, job.known)
     pruner = make_pruner(prep.tune, prep.cfg)
     try:  # load first: the journal's create_study appends to the file even for a known name
         study = optuna.load_study(
@@ -381,7 +384,12 @@ def run_study(job: TuneJob, workers: int, verbose: bool, report: bool = False) -
     with `report`, write OUT/report/index.html)."""
     prep = prepare(job.config, job.overrides)
     if prep.tracked:  # the parent first, so that every worker finds it in the study
-        tracking.open_parent(prep.cfg, load_study(job, prep), job.storage)
+        lock = StudyLock(job.out)  # tunes started together (a SLURM array) make one parent
+        lock.acquire()
+        try:
+            tracking.open_parent(prep.cfg, load_study(job, prep), job.storage)
+        finally:
+            lock.release()
     run_workers(job, workers, verbose)
     study = load_study(job, prep)
     result = summary(study, job.storage)
