@@ -1,4 +1,4 @@
-"""The parent of one trial's run: `python .../guard.py COMMAND...` (run as a script, so it
+"""The parent of one trial's run: `python -I .../guard.py COMMAND...` (run as a script, so it
 imports only the standard library and starts in milliseconds).
 
 Why a trial's run is not the tuner's own child: the tuner ties its runs to itself with Linux's

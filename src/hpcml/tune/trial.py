@@ -126,7 +126,8 @@ def run(
     curve: list[tuple[int, float]] = []
     with open(run_dir / LOG_FILE, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, guard.__file__, *command],  # dies with the tuner (its docstring)
+            # -I: the guard imports only the standard library, not modules beside its file.
+            [sys.executable, "-I", guard.__file__, *command],  # dies with the tuner (its doc)
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # the terminal's Ctrl-C is the tuner's to pass on
         )  # fmt: skip
