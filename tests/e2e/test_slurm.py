@@ -250,9 +250,7 @@ def test_the_scheduler_sees_the_cores_memory_gpus_and_requeue_the_script_asks_fo
         slurm.run("scancel", gpu["job_id"], cpu["job_id"], check=False)
 
 
-def test_a_gpu_job_runs_where_the_node_has_no_numactl(
-    slurm: SlurmCluster, tmp_path: Path
-) -> None:
+def test_a_gpu_job_runs_where_the_node_has_no_numactl(slurm: SlurmCluster, tmp_path: Path) -> None:
     # A GPU job's default --numa-binding needs numactl on the node; torchrun fails without it
     # (the script used to pass it unconditionally and had never run). The script asks the node.
     if shutil.which("numactl") is not None:
@@ -352,3 +350,29 @@ def test_a_failed_node_is_excluded_when_the_job_is_requeued(
     finally:
         slurm.run("scancel", job_id, check=False)
         slurm.run("scontrol", "update", f"NodeName={slurm.node}", "State=RESUME", check=False)
+
+
+def test_tune_workers_as_a_job_array_share_one_study(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """`hpcml launch slurm --tune-workers 2`: a job array of two `hpcml tune` workers (one core
+    each, so both run at once on the 2-core node) on the journal file in the study folder;
+    together they run exactly the study's 2 trials, and each worker ends with the whole
+    study's summary."""
+    from tests.integration.test_tune import load, tune_config
+
+    config = tune_config(tmp_path / "tune.yaml", {"pruner": "none", "trials": 2}, max_steps=10)
+    out = tmp_path / "study"
+    job_id = launch(
+        slurm, config, out, "--nodes", "1", "--time", "00:10:00", "--cpus-per-task", "1",
+        "--mem", "300M", "--tune-workers", "2",
+    )["job_id"]  # fmt: skip
+    for task in (0, 1):
+        state = finished(slurm, f"{job_id}_{task}", timeout=300)
+        assert state["JobState"] == "COMPLETED", (state, slurm.logs())
+    for task in (0, 1):  # each array task's own log ends with its tune's --json line
+        log = (out / f"slurm-{job_id}_{task}.out").read_text()
+        result = json.loads(log.strip().splitlines()[-1])
+        assert result["trials"] == {"complete": 2, "pruned": 0, "failed": 0, "infeasible": 0}
+        assert result["storage"] == f"journal:{out.resolve() / 'study.journal'}"
+    trials = load(out).get_trials()
+    assert len(trials) == 2  # the two workers never overshot the budget
+    assert all(Path(t.user_attrs["run_dir"]).parent == out / "trials" for t in trials)

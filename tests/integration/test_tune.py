@@ -1,5 +1,5 @@
-"""`hpcml tune` end to end: real `hpcml train` trials in subprocesses sharing one SQLite
-study, pruned from their evaluations, continued by a rerun, surviving kill -9 of the tuner,
+"""`hpcml tune` end to end: real `hpcml train` trials in subprocesses sharing one study (the
+default journal file), pruned from their evaluations, continued by a rerun, surviving kill -9 of the tuner,
 planner-infeasible trials never started, and bad input refused with the study unchanged.
 
 The trials train a 16-unit MLP on synthetic data (no scikit-learn import per trial) for at
@@ -18,6 +18,7 @@ from typing import Any
 import optuna
 import pytest
 import yaml
+from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 from tests.conftest import ROOT, hpcml_env
 from tests.integration.mlflow_util import fresh_store
@@ -69,8 +70,12 @@ def run_tune(config: Path, out: Path, *args: str) -> dict[str, Any]:
     return json.loads(lines[0])
 
 
+def journal(out: Path) -> JournalStorage:
+    return JournalStorage(JournalFileBackend(str(out / "study.journal")))
+
+
 def load(out: Path, name: str = "tune") -> optuna.Study:
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}")
+    return optuna.load_study(study_name=name, storage=journal(out))
 
 
 def steps_run(run_dir: Path) -> int:
@@ -227,7 +232,7 @@ def test_planner_infeasible_trials_are_recorded_and_never_started(tmp_path: Path
         assert t.state == TrialState.PRUNED and t.constraints["memory"] > 0
 
 
-def test_mlflow_holds_a_parent_run_and_a_child_run_per_trial_with_its_state(
+def test_mlflow_holds_a_parent_run_and_a_child_run_per_trial_and_registers_the_best(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ):
     from mlflow import MlflowClient
@@ -239,11 +244,20 @@ def test_mlflow_holds_a_parent_run_and_a_child_run_per_trial_with_its_state(
     tune = {"pruner": "asha", "trials": 2, "seed": 28}
     config = tune_config(tmp_path / "tune.yaml", tune, tracking, max_steps=300)
     out = tmp_path / "study"
-    result = run_tune(config, out)
+    result = run_tune(config, out, "--register", "tune-best")
     assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
     study = load(out)
 
     client = MlflowClient(uri)
+    # --register: the best trial's export is version 1 of the model, linked to that trial's
+    # own training run (the child below), from its run folder.
+    best_run = Path(study.best_trial.user_attrs["run_dir"])
+    version = client.get_model_version("tune-best", "1")
+    assert result["registered"] == {"name": "tune-best", "version": 1, "run_id": version.run_id}
+    assert client.get_run(version.run_id).data.tags["hpcml.run_dir"] == str(best_run.resolve())
+    assert client.get_run(version.run_id).data.tags["hpcml.tune.trial"] == str(
+        study.best_trial.number
+    )
     experiment = client.get_experiment_by_name("tune-test")
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.data.tags.get("hpcml.tune.study") == "tune"]
@@ -273,11 +287,9 @@ def _cli(*args: str) -> Any:
 
 
 def _existing_study(out: Path) -> bytes:
-    """A study.db holding one finished trial, made with Optuna itself (no training)."""
+    """A study.journal holding one finished trial, made with Optuna itself (no training)."""
     out.mkdir(parents=True)
-    study = optuna.create_study(
-        study_name="tune", storage=f"sqlite:///{out / 'study.db'}", direction="minimize"
-    )
+    study = optuna.create_study(study_name="tune", storage=journal(out), direction="minimize")
     study.add_trial(
         optuna.create_trial(
             value=1.0,
@@ -285,7 +297,7 @@ def _existing_study(out: Path) -> bytes:
             distributions={"optim.lr": optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)},
         )
     )
-    return (out / "study.db").read_bytes()
+    return (out / "study.journal").read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -297,6 +309,7 @@ def _existing_study(out: Path) -> bytes:
         ({"device": "tpu-v9"}, [], "tune.device 'tpu-v9'"),
         ({}, ["--workers", "0"], "--workers is 0"),
         ({}, ["--storage", "sqlite:////nonexistent-dir/x/study.db"], "cannot be opened"),
+        ({}, ["--storage", "journal:/nonexistent-dir/x/study.journal"], "does not exist"),
         ({"direction": "maximize"}, [], "set to minimize"),
     ],
 )
@@ -311,7 +324,7 @@ def test_bad_input_exits_2_in_one_sentence_and_leaves_the_study_unchanged(
     lines = res.output.strip().splitlines()
     assert len(lines) <= 2 and lines[0].startswith("error: ") and "Traceback" not in res.output
     assert words in " ".join(lines), res.output
-    assert (out / "study.db").read_bytes() == before
+    assert (out / "study.journal").read_bytes() == before
     assert not (out / "trials").exists()
 
 
@@ -338,3 +351,26 @@ def test_without_a_tune_section_exits_2(tmp_path: Path):
     assert res.exit_code == 2 and "has no tune section" in res.output
     assert not (tmp_path / "study").exists()
 
+
+def test_trials_on_two_processes_each_are_ddp_runs_and_a_pruned_one_stops_on_both_ranks(
+    tmp_path: Path,
+):
+    # One worker, seed 28, --nproc 2: trial 0 (lr 0.0154) completes; trial 1 (lr 0.0048) has
+    # the higher val_loss at ASHA's first rung (step 5, as on one process) and is pruned: the
+    # tuner's SIGINT goes to `hpcml train --nproc 2`, which passes it to torchrun's workers,
+    # and both ranks stop at the same step boundary.
+    tune = {"pruner": "asha", "trials": 2, "seed": 28}
+    config = tune_config(tmp_path / "tune.yaml", tune, max_steps=150)
+    out = tmp_path / "study"
+    result = run_tune(config, out, "--nproc", "2")
+    assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
+    for t in load(out).get_trials():
+        run = Path(t.user_attrs["run_dir"])
+        summary = json.loads((run / "summary.json").read_text())
+        assert sorted(p.name for p in (run / "pids").iterdir()) == ["rank-0.pid", "rank-1.pid"]
+        if t.state == TrialState.COMPLETE:
+            assert summary["status"] == "finished" and summary["world_size"] == 2
+            assert steps_run(run) == 150
+        else:
+            assert t.state == TrialState.PRUNED and summary["status"] == "interrupted"
+            assert steps_run(run) < 150

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tests.conftest import run_hpcml
+from tests.conftest import ROOT, run_hpcml
 
 from hpcml.errors import LaunchError
 from hpcml.launch.slurm import SlurmJob, render_sbatch
@@ -64,3 +64,41 @@ def test_the_cli_refuses_a_job_name_with_a_line_break(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().startswith("error: --job-name") and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "job.sbatch").exists()
+
+
+def test_the_tune_array_script_runs_one_numbered_tune_worker_per_task(tmp_path: Path) -> None:
+    """`--tune-workers 4`: a job array of 4 tasks, each `hpcml tune` on the study folder with
+    its trials on `--nproc-per-node` processes, numbered by the array task id (each sampler
+    gets its own seed); no training job's requeue or warning signal."""
+    from hpcml.launch.slurm import render_tune_sbatch
+
+    job = SlurmJob(**BASE, run_dir=tmp_path / "study", nproc_per_node=2, cpus_per_task=4)  # type: ignore[arg-type]
+    lines = render_tune_sbatch(job, 4, []).splitlines()
+    directives = [ln for ln in lines if ln.startswith("#SBATCH ")]
+    assert "#SBATCH --array=0-3" in directives
+    assert f"#SBATCH --output={(tmp_path / 'study').resolve()}/slurm-%A_%a.out" in directives
+    assert not [d for d in directives if d.startswith(("#SBATCH --signal", "#SBATCH --requeue"))]
+    (command,) = [ln for ln in lines if ln.startswith("exec ")]
+    study = str((tmp_path / "study").resolve())
+    assert (
+        f" -m hpcml tune {Path('c.yaml').resolve()} --out {study} --workers 1 --nproc 2 " in command
+    )
+    assert command.endswith(' --first-worker "$SLURM_ARRAY_TASK_ID" --json')
+
+
+def test_the_cli_refuses_tune_workers_on_several_nodes(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from hpcml.cli.app import app
+
+    res = CliRunner().invoke(app, [
+        "launch", "slurm", str(ROOT / "examples" / "tune_digits.yaml"), "--run-dir",
+        str(tmp_path / "study"), "--nodes", "2", "--time", "01:00:00", "--cpus-per-task", "2",
+        "--mem", "1G", "--tune-workers", "2",
+    ])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert (
+        res.output.startswith("error: --nodes 2 with --tune-workers")
+        and "Traceback" not in res.output
+    )
+    assert not (tmp_path / "study").exists()

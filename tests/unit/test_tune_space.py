@@ -247,3 +247,49 @@ def test_a_retried_trial_counts_once_and_the_budget_stops_new_trials() -> None:
     late = _job(5, timeout_s=1.0, started=time.time() - 10.0)
     assert next_action(study, late, study.sampler) == "done"
     assert next_action(study, _job(5, timeout_s=3600.0), study.sampler) == "run"
+
+
+def test_a_journal_trial_whose_heartbeat_stopped_is_failed_and_queued_again(tmp_path: Path) -> None:
+    """The journal storage has no heartbeat of Optuna's: a trial run on another host whose
+    `heartbeat` attribute is older than GRACE_S is failed and queued again; one that beat
+    recently, or whose worker lives on this host, is left running."""
+    import os
+    import time
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from hpcml.tune import storage as st
+    from hpcml.tune.trial import worker_identity
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    url = st.default_storage(tmp_path)
+    study = optuna.create_study(study_name="s", storage=st.open_storage(url))
+    elsewhere = {"host": os.uname().nodename + "-other", "pid": 1, "started": "0"}
+    now = time.time()
+    beats = {"stale": now - st.GRACE_S - 5, "fresh": now - 5, "here": now - st.GRACE_S - 5}
+    for name, beat in beats.items():
+        t = study.ask({"optim.lr": FloatDistribution(1e-4, 1e-1, log=True)})
+        t.set_user_attr("name", name)
+        t.set_user_attr("worker", worker_identity() if name == "here" else elsewhere)
+        t.set_user_attr("heartbeat", beat)
+    # Another process opens the same file, as a worker on another node would.
+    other = optuna.load_study(study_name="s", storage=st.open_storage(url))
+    st.fail_dead_trials(other)
+    trials = optuna.load_study(study_name="s", storage=st.open_storage(url)).get_trials()
+    state = {t.user_attrs["name"]: t.state for t in trials[:3]}
+    assert state == {"stale": TrialState.FAIL, "fresh": TrialState.RUNNING,
+                     "here": TrialState.RUNNING}  # fmt: skip
+    assert len(trials) == 4 and trials[3].state == TrialState.WAITING  # the stale one's retry
+    assert trials[3].params == trials[0].params
+
+
+def test_storage_urls_open_the_storage_they_name(tmp_path: Path) -> None:
+    from optuna.storages.journal import JournalStorage
+
+    from hpcml.tune import storage as st
+
+    assert st.default_storage(tmp_path) == f"journal:{tmp_path.resolve()}/study.journal"
+    assert isinstance(st.open_storage(st.default_storage(tmp_path)), JournalStorage)
+    with pytest.raises(ConfigError, match="is a folder"):
+        st.open_storage(f"journal:{tmp_path}")

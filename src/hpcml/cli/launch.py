@@ -26,6 +26,47 @@ def parse_duration_s(text: str, option: str) -> float:
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
+def _check_tune(config: Path, overrides: list[str], workers: int, nodes: int) -> None:
+    """The config's tune section and space, checked before anything is queued."""
+    from hpcml.errors import LaunchError
+
+    if workers < 0:
+        raise LaunchError(f"--tune-workers {workers} cannot be negative.")
+    if nodes != 1:
+        raise LaunchError(
+            f"--nodes {nodes} with --tune-workers: each tune worker runs on one node (its "
+            "trials on --nproc-per-node processes); give --nodes 1 and more --tune-workers."
+        )
+    try:
+        from hpcml.tune.study import prepare
+    except ImportError:
+        raise LaunchError(
+            "--tune-workers needs Optuna, which is not installed; pip install 'hpcml[tune]'."
+        ) from None
+    prepare(config, tuple(overrides))
+
+
+def _tune_result(job: Any, path: Path, workers: int, job_id: str | None, json_out: bool) -> None:
+    from hpcml.cli.common import console, print_json
+
+    result = {
+        "script": str(path),
+        "study_dir": str(job.run_dir.resolve()),
+        "log": str(job.run_dir.resolve() / "slurm-%A_%a.out"),
+        "tune_workers": workers,
+        "nproc": job.workers_per_node,
+        "time": job.time,
+        "job_id": job_id,
+    }
+    if json_out:
+        print_json(result)
+        return
+    for key, value in result.items():
+        console.print(f"{key}: {value}")
+    if job_id is None:
+        console.print(f"submit with: sbatch {path}")
+
+
 def _fmt_s(s: float | None) -> str:
     if s is None:
         return "-"
@@ -102,9 +143,17 @@ def slurm(
         None, "--script", help="Where to write the sbatch script (default RUN_DIR/job.sbatch)."
     ),
     submit: bool = typer.Option(False, "--submit", help="Submit it with sbatch."),
+    tune_workers: int = typer.Option(
+        0,
+        "--tune-workers",
+        help="Instead of one training run: a job array of N `hpcml tune` workers on the study "
+        "in RUN_DIR (the config's tune section), each on one node, its trials on "
+        "--nproc-per-node processes.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Write an sbatch script for `hpcml train` under torchrun (preemption-safe) and submit it."""
+    """Write an sbatch script for `hpcml train` under torchrun (preemption-safe), or for tune
+    workers (`--tune-workers`), and submit it."""
     from hpcml.cli.common import console, print_json
     from hpcml.config import load_config
     from hpcml.launch.slurm import SlurmJob, node_shape, write_script
@@ -114,8 +163,11 @@ def slurm(
 
     cfg = load_config(config, overrides or [])  # bad configs fail here, not in the queue
     get_spec(cfg.model.name)
+    if tune_workers:
+        _check_tune(config, overrides or [], tune_workers, nodes)
+        run_dir = run_dir or Path("runs") / f"tune-{config.stem}"
     chosen = run_dir or rundir.default_run_dir(config)
-    interval = _checkpoint_interval(cfg, chosen, mtbf, checkpoint_s)
+    interval = None if tune_workers else _checkpoint_interval(cfg, chosen, mtbf, checkpoint_s)
     if interval is not None:
         overrides = [
             *(overrides or []),
@@ -144,6 +196,12 @@ def slurm(
     )
     if cpus_per_task is None or not (mem or mem_per_gpu):
         job.fill_from(node_shape(partition, gpus_per_node))
+    if tune_workers:
+        from hpcml.launch.slurm import render_tune_sbatch
+
+        path = write_script(job, script, render_tune_sbatch(job, tune_workers, []))
+        _tune_result(job, path, tune_workers, sbatch_submit(path) if submit else None, json_out)
+        return
     path = write_script(job, script)
     job_id = sbatch_submit(path) if submit else None
     result: dict[str, Any] = {

@@ -28,17 +28,30 @@ def tune(
     out: Path | None = typer.Option(
         None,
         "--out",
-        help="Study folder: trials/ (one run folder each) and study.db (default "
+        help="Study folder: trials/ (one run folder each) and study.journal (default "
         "runs/tune-<config>); the same folder continues the study.",
     ),
     storage: str | None = typer.Option(
         None,
         "--storage",
-        help="Optuna RDB storage URL, e.g. sqlite:///study.db or postgresql://host/db "
-        "(default sqlite:///OUT/study.db).",
+        help="Study storage: journal:PATH (Optuna's journal file, safe on NFS) or an Optuna "
+        "RDB URL, e.g. sqlite:///study.db or postgresql+psycopg://host/db "
+        "(default journal:OUT/study.journal).",
     ),
     study: str | None = typer.Option(
         None, "--study", help="Study name in the storage (default the config's file name)."
+    ),
+    first_worker: int = typer.Option(
+        0,
+        "--first-worker",
+        help="Number of this tune's first worker (seeds its sampler): give each tune on one "
+        "study its own, e.g. hpcml launch slurm --tune-workers gives the array task id.",
+    ),
+    register: str | None = typer.Option(
+        None,
+        "--register",
+        help="Register the best trial's export as a new version of this model in the MLflow "
+        "registry (tracking.uri's store), linked to its training run.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON line."),
     report: bool = typer.Option(
@@ -50,7 +63,14 @@ def tune(
     for name, value in (("--trials", trials), ("--workers", workers), ("--nproc", nproc)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} is {value}; give at least 1.")
+    if first_worker < 0:
+        raise ConfigError(f"--first-worker is {first_worker}; give 0 or more.")
+    if register is not None:
+        from hpcml.track.registry import check_name
+
+        check_name(register)  # before any trial
     try:
+        from hpcml.tune import storage as storage_mod
         from hpcml.tune import study as st
     except ImportError:
         raise ConfigError(
@@ -64,7 +84,7 @@ def tune(
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"--out {folder} is a file, not a folder; choose another path.")
     folder.mkdir(parents=True, exist_ok=True)
-    url = storage or st.default_storage(folder)
+    url = storage or storage_mod.default_storage(folder)
     name = study or config.stem
     job = st.TuneJob(
         config=config,
@@ -75,9 +95,12 @@ def tune(
         trials=trials or prep.tune.trials,
         nproc=nproc,
         timeout_s=prep.tune.timeout_s,
-        known=st.known_trials(url, name),
+        known=storage_mod.known_trials(url, name),
+        first_worker=first_worker,
     )
     result = st.run_study(job, workers, verbose=not json_out, report=report)
+    if register is not None:
+        result["registered"] = register_best(result, register, prep.cfg.tracking.uri)
     if json_out:
         import json
         import sys
@@ -85,6 +108,21 @@ def tune(
         sys.stdout.write(json.dumps(result, default=str) + "\n")
         return
     show(result, prep.tune.metric)
+
+
+def register_best(result: dict[str, Any], name: str, uri: str | None) -> dict[str, Any] | None:
+    """The best trial's export as a new version of `name` (None when no trial completed)."""
+    from hpcml.track.registry import register_run
+
+    if result["best_run"] is None:
+        return None
+    info = register_run(
+        Path(result["best_run"]),
+        name,
+        tracking_uri=uri,
+        description=f"best trial ({result['best_trial']}) of study {result['study']}",
+    )
+    return {"name": name, "version": info["version"], "run_id": info["run_id"]}
 
 
 def show(result: dict[str, Any], metric: str) -> None:
@@ -106,4 +144,7 @@ def show(result: dict[str, Any], metric: str) -> None:
         t.add_row("infeasible", reason)
     if result.get("report"):
         t.add_row("report", result["report"])
+    if "registered" in result:
+        r = result["registered"]
+        t.add_row("registered", f"{r['name']} version {r['version']}" if r else "no complete trial")
     console.print(t)

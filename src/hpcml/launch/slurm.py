@@ -409,11 +409,48 @@ def render_sbatch(job: SlurmJob) -> str:
     return "\n".join(lines)
 
 
-def write_script(job: SlurmJob, path: Path | None = None) -> Path:
+def render_tune_sbatch(job: SlurmJob, workers: int, tune_args: list[str]) -> str:
+    """A job array of `workers` tasks, each one `hpcml tune` worker on one node (its trials on
+    `workers_per_node` processes) on the study in `job.run_dir`: they share its storage (the
+    journal file there, on a shared filesystem, or `--storage` in `tune_args`) like the
+    workers of one `hpcml tune --workers W`, and the array task id numbers each worker so that
+    their samplers differ. A task that ends early (scancel, a failed node) leaves its trial
+    running in the study; the next worker fails it and queues it again."""
+    q = shlex.quote
+    run_dir = job.run_dir.resolve()
+    skip = ("--signal=", "--requeue", "--open-mode=", "--output=")
+    directives = [d for d in _directives(job) if not d.startswith(skip)]
+    directives += [f"--array=0-{workers - 1}", f"--output={run_dir / 'slurm-%A_%a.out'}"]
+    tune = " ".join(
+        q(a)
+        for a in [
+            "-m", "hpcml", "tune", str(job.config.resolve()), *job.overrides,
+            "--out", str(run_dir), "--workers", "1", "--nproc", str(job.workers_per_node),
+            *tune_args,
+        ]
+    )  # fmt: skip
+    threads = max(1, (job.cpus_per_task or 1) // job.workers_per_node)
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            f"# Written by `hpcml launch slurm --tune-workers {workers}` (hpcml {__version__}): "
+            f"{workers} tune workers",
+            "# (a job array) on one study. Submit with: sbatch <this file>",
+            *(f"#SBATCH {d}" for d in directives),
+            "",
+            "set -uo pipefail",
+            f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}",
+            f'exec {q(job.python)} {tune} --first-worker "$SLURM_ARRAY_TASK_ID" --json',
+            "",
+        ]
+    )
+
+
+def write_script(job: SlurmJob, path: Path | None = None, text: str | None = None) -> Path:
     target = path or job.run_dir / "job.sbatch"
     target.parent.mkdir(parents=True, exist_ok=True)
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    target.write_text(render_sbatch(job))
+    target.write_text(render_sbatch(job) if text is None else text)
     target.chmod(0o755)
     return target
 

@@ -1,5 +1,6 @@
-"""A study over `hpcml train` runs: Optuna's study, sampler, pruner and RDB storage (SQLite in
-`--out` by default), shared by every worker, on this machine or elsewhere.
+"""A study over `hpcml train` runs: Optuna's study, sampler, pruner and storage (a journal file
+in `--out` by default; hpcml.tune.storage), shared by every worker, on this machine or
+elsewhere.
 
 Each worker loops: under a lock on `OUT/.tune.lock` it counts the study's trials and, while
 fewer than `--trials` are done or running, starts one (`study.optimize` with one trial, so
@@ -7,16 +8,13 @@ Optuna's heartbeat and stale-trial handling run as usual). A trial is a real `hp
 `OUT/trials/trial-NNNN` (hpcml.tune.trial); one the planner predicts will not fit
 `tune.device` is recorded infeasible (pruned, with Optuna's constraint > 0) and never started.
 
-A worker that dies (kill -9, a crash) leaves its trial RUNNING: the next worker on the host
-sees the worker's process gone and fails the trial at once; on another host Optuna's
-heartbeat does it after `GRACE_S`. Either way the trial is queued again with the same
-parameters (Optuna's RetryHeartbeatStaleTrialCallback) and only its retry counts. Running the
-same command again continues the study up to `--trials`; no finished trial runs again.
+A worker that dies (kill -9, a crash) leaves its trial RUNNING, failed and queued again by the
+next worker (hpcml.tune.storage.fail_dead_trials). Running the same command again continues
+the study up to `--trials`; no finished trial runs again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import multiprocessing
@@ -30,21 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, load_yaml
 from hpcml.errors import ConfigError, HpcmlError, WorkFailed
-from hpcml.tune import feasible, space, tracking
+from hpcml.tune import feasible, guard, space, tracking
 from hpcml.tune import trial as trial_run
 from hpcml.tune.report import counts, summary, write_report
+from hpcml.tune.storage import HEARTBEAT_S, MAX_RETRY, fail_dead_trials, heartbeat, open_storage
 
-HEARTBEAT_S = 10
-"""Optuna's heartbeat of a running trial (one small write to the storage)."""
-GRACE_S = 60
-"""A trial whose heartbeat is this old is failed and retried (workers on other hosts)."""
-MAX_RETRY = 2
-"""A trial killed this many times is not queued again."""
 WAIT_S = 0.5
 """A worker with nothing to start (the others' trials fill the budget) looks again this often."""
 LOCK_FILE = ".tune.lock"
@@ -67,6 +60,9 @@ class TuneJob:
     started: float = field(default_factory=time.time)
     known: int = 0
     """Trials the study held when this tune started (see make_sampler)."""
+    first_worker: int = 0
+    """The number of this tune's first worker (SLURM array tasks: the task id), which seeds
+    its sampler."""
 
 
 @dataclass(frozen=True)
@@ -100,28 +96,6 @@ def prepare(config: Path, overrides: tuple[str, ...]) -> Prepared:
         space.grid(dists)
     feasible.check_device(cfg.tune)
     return Prepared(cfg, cfg.tune, base, dists)
-
-
-def default_storage(out: Path) -> str:
-    return f"sqlite:///{(out / 'study.db').resolve()}"
-
-
-def open_storage(url: str) -> RDBStorage:
-    # SQLite serialises writers: wait for the lock rather than fail a busy worker's write.
-    engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {}
-    try:
-        return RDBStorage(
-            url,
-            engine_kwargs=engine,
-            heartbeat_interval=HEARTBEAT_S,
-            grace_period=GRACE_S,
-            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(MAX_RETRY),
-        )
-    except Exception as exc:  # SQLAlchemy's errors for a URL or server that cannot be used
-        raise ConfigError(
-            f"study storage {url} cannot be opened ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200]}); check the --storage URL and that it is reachable."
-        ) from None
 
 
 def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: int = 0) -> Any:
@@ -163,14 +137,17 @@ def make_pruner(tune: TuneConfig, cfg: RunConfig) -> optuna.pruners.BasePruner:
 def load_study(job: TuneJob, prep: Prepared, worker: int = 0) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # hpcml prints its own lines
     storage = open_storage(job.storage)
-    study = optuna.create_study(
-        storage=storage,
-        study_name=job.study,
-        direction=prep.tune.direction,
-        sampler=make_sampler(prep.tune, prep.dists, worker, job.known),
-        pruner=make_pruner(prep.tune, prep.cfg),
-        load_if_exists=True,
-    )
+    sampler = make_sampler(prep.tune, prep.dists, job.first_worker + worker, job.known)
+    pruner = make_pruner(prep.tune, prep.cfg)
+    try:  # load first: the journal's create_study appends to the file even for a known name
+        study = optuna.load_study(
+            study_name=job.study, storage=storage, sampler=sampler, pruner=pruner
+        )
+    except KeyError:
+        study = optuna.create_study(
+            storage=storage, study_name=job.study, direction=prep.tune.direction,
+            sampler=sampler, pruner=pruner, load_if_exists=True,
+        )  # fmt: skip
     if study.direction.name.lower() != prep.tune.direction:
         raise ConfigError(
             f"study '{job.study}' in {job.storage} is set to {study.direction.name.lower()}, "
@@ -199,25 +176,8 @@ class StudyLock:
             self._f = None
 
 
-def fail_dead_trials(study: optuna.Study) -> None:
-    """Fail (and queue again) RUNNING trials whose worker on this host is gone."""
-    retry = RetryHeartbeatStaleTrialCallback(MAX_RETRY)
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if trial_run.worker_alive(t.user_attrs.get("worker", {})) is False:
-            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
-                if study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
-                    retry(study, study._storage.get_trial(t._trial_id))
-                    if "run_dir" in t.user_attrs:
-                        trial_run.write_trial_file(
-                            Path(t.user_attrs["run_dir"]),
-                            {"trial": t.number, "params": t.params, "status": "failed",
-                             "error": "its tune worker died; the trial was queued again"},
-                        )  # fmt: skip
-
-
 def next_action(study: optuna.Study, job: TuneJob, sampler: Any) -> str:
     """'run' a trial, 'wait' for the others' running trials, or 'done'."""
-    optuna.storages.fail_stale_trials(study)
     fail_dead_trials(study)
     n = counts(study.get_trials(deepcopy=False))
     done = n["complete"] + n["pruned"] + n["failed"] + n["infeasible"]
@@ -300,7 +260,10 @@ def objective_body(
 
     info = {"study": job.study, "storage": job.storage, "trial": t.number, "params": params}
     try:
-        outcome = trial_run.run(command, run_dir, prep.tune.metric, report)
+        outcome = trial_run.run(
+            command, run_dir, prep.tune.metric, report,
+            heartbeat(t, t.study._storage), HEARTBEAT_S,
+        )  # fmt: skip
     except BaseException:
         trial_run.write_trial_file(run_dir, {**info, "status": "failed", "error": "stopped"})
         raise
@@ -367,7 +330,7 @@ def _error_file(job: TuneJob, worker: int) -> Path:
 def _child(job: TuneJob, worker: int, verbose: bool) -> None:
     """A worker process: dies with the tuner (kill -9 of the tuner leaves nothing running).
     Its error's sentence goes to the tuner, which prints it once."""
-    trial_run.die_with_parent(signal.SIGKILL)
+    guard.die_with_parent(signal.SIGKILL)
     try:
         work(job, worker, say_stderr if verbose else lambda _line: None)
     except HpcmlError as exc:
@@ -421,7 +384,12 @@ def run_study(job: TuneJob, workers: int, verbose: bool, report: bool = False) -
     with `report`, write OUT/report/index.html)."""
     prep = prepare(job.config, job.overrides)
     if prep.tracked:  # the parent first, so that every worker finds it in the study
-        tracking.open_parent(prep.cfg, load_study(job, prep), job.storage)
+        lock = StudyLock(job.out)  # tunes started together (a SLURM array) make one parent
+        lock.acquire()
+        try:
+            tracking.open_parent(prep.cfg, load_study(job, prep), job.storage)
+        finally:
+            lock.release()
     run_workers(job, workers, verbose)
     study = load_study(job, prep)
     result = summary(study, job.storage)
@@ -430,12 +398,3 @@ def run_study(job: TuneJob, workers: int, verbose: bool, report: bool = False) -
     if prep.tracked:
         tracking.close_parent(prep.cfg, study, result)
     return result
-
-
-def known_trials(storage: str, name: str) -> int:
-    """How many trials study `name` holds (0 when it does not exist yet)."""
-    try:
-        study = optuna.load_study(study_name=name, storage=open_storage(storage))
-    except KeyError:
-        return 0
-    return len(study.get_trials(deepcopy=False))

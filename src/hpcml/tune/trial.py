@@ -4,13 +4,12 @@ The tuner reads the run's `run.jsonl` as the run appends to it: each evaluation 
 reported to the study (Optuna's intermediate values), and when the pruner says stop, the run
 gets SIGINT, which `hpcml train` acts on at the next step boundary (on every rank with
 `--nproc`), writing no checkpoint; the folder's `trial.json` then says `pruned`. The process
-is tied to the tuner (Linux's parent-death signal): a tuner killed with kill -9 leaves no
-training behind.
+is tied to the tuner through a one-thread parent (hpcml.tune.guard, Linux's parent-death
+signal): a tuner killed with kill -9 leaves no training behind, and the run gets one SIGINT.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ from typing import Any
 
 from hpcml.errors import ConfigError
 from hpcml.records import RUN_LOG, SUMMARY
+from hpcml.tune import guard
 
 TRIAL_FILE = "trial.json"
 """What the tuner says of the run in its folder: study, trial number, parameters, status."""
@@ -33,15 +33,6 @@ POLL_S = 0.05
 """How often the tuner reads new records (a read of a few appended lines)."""
 STOP_WAIT_S = 120.0
 """A pruned run that has not stopped at a step boundary this long after SIGINT is killed."""
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGINT) -> None:
-    """Ask Linux to send `sig` to this process when its parent dies (no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 @dataclass
@@ -135,9 +126,10 @@ def run(
     curve: list[tuple[int, float]] = []
     with open(run_dir / LOG_FILE, "wb") as log:
         proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # -I: the guard imports only the standard library, not modules beside its file.
+            [sys.executable, "-I", guard.__file__, *command],  # dies with the tuner (its doc)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # the terminal's Ctrl-C is the tuner's to pass on
-            preexec_fn=die_with_parent,
         )  # fmt: skip
         beat = time.monotonic()
         try:
