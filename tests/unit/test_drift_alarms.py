@@ -14,7 +14,7 @@ import pytest
 from hpcml.data.drift import REFERENCE_SAMPLES, Profile, build_profile, profile_dataset
 from hpcml.data.drift_compare import compare
 from hpcml.serve.config import DriftConfig
-from hpcml.serve.drift import DriftMonitor, Watched
+from hpcml.serve.traffic.drift import DriftMonitor, Watched
 from hpcml.serve.metrics import ServeMetrics
 
 TRIALS = 200

@@ -11,7 +11,7 @@ most `drift.max_values_per_check` values per feature (an image row gives a share
 pixels), which bounds its cost. The live profile is the last `drift.window_rows` rows
 (`hpcml.data.drift_window`), so it forgets.
 
-When a version first has a drifted feature (`hpcml.data.drift.compare`: PSI over
+When a version first has a drifted feature (`hpcml.data.drift_compare.compare`: PSI over
 `drift.psi_threshold` and a Bonferroni-corrected chi-square p-value under `drift.alpha`, with at
 least `drift.min_samples` rows in the window), the crossing counter goes up and the operator's
 `drift.command` (an argv list from the serve config, never from a model file) runs without a
