@@ -28,7 +28,15 @@ import torch
 
 from hpcml.models.gpt import GPT
 from hpcml.serve.generate.kv_cache import PagedKVCache, StepAttention, StepItem
-from hpcml.serve.generate.sampling import ByteTokenizer, SamplingParams, Tokenizer, sample
+from hpcml.serve.generate.sampling import (
+    ByteTokenizer,
+    Logprob,
+    SamplingParams,
+    Tokenizer,
+    prompt_logprobs,
+    sample,
+    token_logprob,
+)
 
 
 class RequestRefused(ValueError):
@@ -62,6 +70,8 @@ class Sequence:
     finish_reason: str | None = None
     stopped_by: bytes | None = None
     preemptions: int = 0
+    prompt_lps: list[Logprob] = field(default_factory=list)
+    """Logprobs of prompt tokens 1.. (when its params ask for them)."""
 
     @property
     def output(self) -> list[int]:
@@ -77,6 +87,10 @@ class TokenEvent:
     finish_reason: str | None = None
     """None while it goes on; "stop", "length" or "abort" on its last event."""
     stopped_by: bytes | None = None
+    logprob: Logprob | None = None
+    """The token's logprob (when the request's params ask for it)."""
+    prompt_logprobs: list[Logprob] | None = None
+    """On a sequence's first token, its prompt's logprobs (when its params ask for them)."""
 
 
 def check_request(
@@ -205,7 +219,7 @@ class Engine:
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self.sharing and not seq.table:
+            if self.sharing and not seq.table and seq.params.prompt_logprobs is None:
                 seq.computed = self.cache.share_prefix(seq.table, seq.tokens)
                 self.prefix_tokens_shared += seq.computed
             n = min(len(seq.tokens) - seq.computed, budget)
@@ -250,13 +264,30 @@ class Engine:
             end += n
             if self.sharing:
                 self.cache.register(seq.table, seq.tokens, seq.computed, seq.computed + n)
+            p, rows = seq.params, logits[end - n : end, : self.vocab_limit]
+            if p.prompt_logprobs is not None:
+                k = p.prompt_logprobs
+                seq.prompt_lps += prompt_logprobs(
+                    rows, seq.tokens, seq.computed, seq.prompt_len, len(seq.prompt_lps), k
+                )
             seq.computed += n
             if seq.computed < len(seq.tokens):
                 continue  # prefill (or recompute) not done yet
-            token = sample(logits[end - 1, : self.vocab_limit], seq.params, seq.generator)
+            token = sample(rows[-1], p, seq.generator, seq.output)
             seq.tokens.append(token)
             self._check_finished(seq)
-            events.append(TokenEvent(seq.id, token, seq.finish_reason, seq.stopped_by))
+            lp = token_logprob(rows[-1], token, p.logprobs) if p.logprobs is not None else None
+            first = p.prompt_logprobs is not None and len(seq.output) == 1
+            events.append(
+                TokenEvent(
+                    seq.id,
+                    token,
+                    seq.finish_reason,
+                    seq.stopped_by,
+                    lp,
+                    seq.prompt_lps if first else None,
+                )
+            )
             if seq.finish_reason is not None:
                 self._retire(seq)
         self._end_static_batch()

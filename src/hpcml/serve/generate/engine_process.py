@@ -8,7 +8,8 @@ Both directions carry length-prefixed pickles (`backends.write_frame`) between t
 the process it spawned itself, never anything a user sent as a file. The server sends
 `("submit", seq_id, prompt, params)`, `("abort", seq_id)` and `("stop",)`; the process answers
 `("ready", None)` or `("error", message)` once, then after every step
-`("events", [(seq_id, token, finish_reason, stopped_by), ...], stats)`. Between steps it reads
+`("events", [(seq_id, token, finish_reason, stopped_by, logprob, prompt_logprobs), ...],
+stats)`. Between steps it reads
 every command that has arrived; with no work it sleeps on its command pipe.
 """
 
@@ -126,4 +127,4 @@ def _step(engine: Engine, name: str) -> list[TokenEvent]:
 
 
 def _flat(ev: TokenEvent) -> tuple[Any, ...]:
-    return ev.seq_id, ev.token, ev.finish_reason, ev.stopped_by
+    return ev.seq_id, ev.token, ev.finish_reason, ev.stopped_by, ev.logprob, ev.prompt_logprobs
