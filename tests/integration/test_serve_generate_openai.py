@@ -9,7 +9,6 @@ from operator import itemgetter
 from typing import Any
 
 import httpx
-
 import openai
 import pytest
 import torch

@@ -129,8 +129,11 @@ class GenerationConfig(_Section):
     """Most new tokens in one step: long prompts are prefilled in chunks of at most this."""
     prefix_sharing: bool = True
     """Sequences whose prompts start with the same full KV blocks share them."""
-    quantize: Literal["none", "int8"] = "none"
-    """int8: weight-only int8 Linear layers (torchao) for the generation engine."""
+    quantize: Literal["none", "int8", "bf16"] = "none"
+    """int8: weight-only int8 Linear layers (torchao) for the generation engine; bf16: weights,
+    activations and KV cache in bfloat16 (fast on CPUs with AMX, and on GPUs)."""
+    static_batching: bool = False
+    """The baseline of the LLM benchmark: a batch starts only when the previous has ended."""
     step_timeout_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
     """An engine process that has requests but reports no step for this long is taken as hung:
     it is killed and replaced, and its requests fail with the retry sentence."""

@@ -9,7 +9,7 @@ written as `\\xNN` escapes (a byte-level BPE token may hold half a character).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -83,7 +83,9 @@ async def run_choice(service: GenerationService, c: Choice) -> AsyncGenerator[Pi
                 piece = Piece(c.index)
 
 
-async def merged(service: GenerationService, choices: list[Choice]) -> AsyncIterator[Piece]:
+async def merged(
+    service: GenerationService, choices: list[Choice]
+) -> AsyncGenerator[Piece, None]:
     """The pieces of every choice as they come. Leaving early (a client gone) or one choice's
     Aborted cancels them all, which aborts their sequences in the engine."""
     if len(choices) == 1:

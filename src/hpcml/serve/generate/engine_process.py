@@ -65,6 +65,8 @@ def build_engine(spec: EngineSpec) -> Engine:
         from hpcml.serve.generate.quantize import quantize_int8
 
         quantize_int8(model)
+    elif spec.quantize == "bf16":
+        model.to(torch.bfloat16)
     return Engine(model, spec.config, spec.tokenizer)
 
 

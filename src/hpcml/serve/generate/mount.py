@@ -42,6 +42,7 @@ def text_services(
         max_num_seqs=g.max_num_seqs,
         max_batched_tokens=g.max_batched_tokens,
         prefix_sharing=g.prefix_sharing,
+        static_batching=g.static_batching,
     )
     services: dict[str, GenerationService] = {}
     metrics: GenerationMetrics | None = None
