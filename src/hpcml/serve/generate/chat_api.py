@@ -352,7 +352,7 @@ async def _chat_sse(
             async for p in pieces:
                 tokens += p.tokens
                 lps = chat_logprobs(service.tokenizer, p.logprobs) if req.logprobs else None
-                if p.text or lps:
+                if p.text or (lps and lps["content"]):
                     yield chunk([choice(p.index, {"content": p.text}, None, lps)])
                 if p.finish is not None:
                     yield chunk([choice(p.index, {}, p.finish)])
