@@ -85,9 +85,12 @@ def test_chat_without_max_tokens_runs_to_the_context_and_reports_logprobs_n_and_
 ) -> None:
     url, model = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    room = 128 - len(RENDERED.encode())  # the model's context less the rendered prompt
-    done = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0)  # type: ignore[arg-type]
-    assert done.usage is not None and done.usage.completion_tokens == room
+    # A 119-byte rendered prompt leaves 9 tokens of the 128-token context (fewer than the 16 a
+    # default would give, so a default of 16 is refused instead).
+    long = [{"role": "user", "content": "x" * 95}]
+    done = client.chat.completions.create(model="tiny", messages=long, temperature=0)  # type: ignore[arg-type]
+    assert done.usage is not None and done.usage.prompt_tokens == 119
+    assert done.usage.completion_tokens == 128 - 119
     assert done.choices[0].finish_reason == "length"
     two = client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=20, temperature=0, n=2,  # type: ignore[arg-type]
