@@ -252,8 +252,19 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     a = ap.parse_args()
     if a.dtype == "auto":
-        a.dtype = "bf16" if "AMX" in torch.backends.cpu.get_cpu_capability() else "float32"
+        a.dtype = "bf16" if has_amx() else "float32"
     return a
+
+
+def has_amx() -> bool:
+    """torch's CPU capability says AMX on builds that dispatch to it; on others (this torch
+    reports "AVX512" on an AMX Xeon) the kernel's CPU flags tell (oneDNN uses AMX for bf16)."""
+    if "AMX" in torch.backends.cpu.get_cpu_capability():
+        return True
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def main() -> None:
