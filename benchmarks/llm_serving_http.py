@@ -19,8 +19,9 @@ streamed `usage`. Workloads (token lengths):
   long-tailed  prompts lognormal(median 32, sigma 0.8, max 512), outputs lognormal(median
                48, sigma 1.0, max 384): heavy right tails like ShareGPT's conversations
 
-Modes: the same server settings but `generation.static_batching` (a batch starts only when the
-previous has ended; finished sequences pad it until its longest ends). At equal p99 inter-token
+Modes: two servers, up at once, with the same settings but `generation.static_batching` (a batch starts only when the
+previous has ended; finished sequences pad it until its longest ends); each rate runs on one
+then the other, back to back (a shared machine's load drifts less between them). At equal p99 inter-token
 latency (each objective of `--itl-objectives`): each mode's best throughput among the rates
 whose p99 ITL meets it, and their ratio. The positions bound: where a step costs in proportion
 to the token positions it computes (a CPU), continuous/static throughput cannot exceed static's
@@ -54,6 +55,7 @@ from hpcml.models.tokenizer import _byte_level_alphabet
 from hpcml.serve.llm_loadtest import Lengths, llm_loadtest
 
 ROOT = Path(__file__).resolve().parents[1]
+MODES = ("continuous", "static")
 RESULTS = ROOT / "benchmarks" / "results"
 WORKLOADS = {
     "uniform": (Lengths("uniform", 16, 128), Lengths("uniform", 8, 128)),
@@ -159,24 +161,23 @@ def positions_bound(prompt: Lengths, output: Lengths, batch: int, seed: int) -> 
     return static / continuous
 
 
-def sweep(url: str, a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
+def point(url: str, a: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
     prompt, output = WORKLOADS[name]
-    points = []
-    for rate in a.rates:
-        r = llm_loadtest(
-            base_url=url, model="gpt2", rate=rate, duration_s=a.duration, prompt_len=prompt,
-            output_len=output, timeout_s=a.timeout, seed=a.seed,
-            ttft_slo_ms=1e9, itl_slo_ms=1e9,
-        ).to_json()
-        point = {k: r[k] for k in ("rate", "sent", "ok", "errors", "output_tokens",
-                                   "output_tokens_per_s", "ttft_ms", "itl_ms", "latency_ms")}
-        points.append(point)
-        print(f"{name:12s} rate {rate:6.2f}/s  {r['output_tokens_per_s']:8.1f} tok/s  "
-              f"ITL p99 {r['itl_ms'].get('p99', float('nan')):8.1f} ms  ok {r['ok']}/{r['sent']}",
-              flush=True)
-        if r["errors"] or r["itl_ms"].get("p99", 0) > 4 * max(a.itl_objectives):
-            break  # past saturation: the queue only grows
-    return points
+    r = llm_loadtest(
+        base_url=url, model="gpt2", rate=rate, duration_s=a.duration, prompt_len=prompt,
+        output_len=output, timeout_s=a.timeout, seed=a.seed, ttft_slo_ms=1e9, itl_slo_ms=1e9,
+    ).to_json()
+    keys = ("rate", "sent", "ok", "errors", "output_tokens", "output_tokens_per_s", "ttft_ms",
+            "itl_ms", "latency_ms")
+    print(f"{name:12s} {url[-5:]} rate {rate:6.2f}/s  {r['output_tokens_per_s']:8.1f} tok/s  "
+          f"ITL p99 {r['itl_ms'].get('p99', float('nan')):8.1f} ms  ok {r['ok']}/{r['sent']}",
+          flush=True)
+    return {k: r[k] for k in keys}
+
+
+def saturated(p: dict[str, Any], a: argparse.Namespace) -> bool:
+    """Past saturation (errors, or p99 ITL 4x the largest objective): the queue only grows."""
+    return bool(p["errors"]) or p["itl_ms"].get("p99", 0) > 4 * max(a.itl_objectives)
 
 
 def equal_itl(curves: dict[str, list[dict[str, Any]]], objective: float) -> dict[str, Any]:
@@ -275,12 +276,20 @@ def main() -> None:
         work = Path(tmp)
         export, params = make_export(work, a)
         curves: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in a.workloads}
-        for mode in ("continuous", "static"):
-            server, url = serve(export, work, a, static=mode == "static")
-            try:
-                for name in a.workloads:
-                    curves[name][mode] = sweep(url, a, name)
-            finally:
+        # Both servers up at once (an idle one sleeps), each rate run on one then the other
+        # back to back: a shared machine's load changes between them less than between sweeps.
+        servers = {mode: serve(export, work, a, static=mode == "static") for mode in MODES}
+        try:
+            for name in a.workloads:
+                for mode in MODES:
+                    curves[name][mode] = []
+                for rate in a.rates:
+                    for mode, (_, url) in servers.items():
+                        curves[name][mode].append(point(url, a, name, rate))
+                if all(saturated(curves[name][m][-1], a) for m in MODES):
+                    break
+        finally:
+            for server, _ in servers.values():
                 server.terminate()
                 server.wait(60)
     for name in a.workloads:
