@@ -144,3 +144,23 @@ def test_models_stream_usage_n_and_max_tokens_null(client: tuple[openai.OpenAI, 
     done = c.completions.create(model="tiny", prompt="x" * 120, max_tokens=None, temperature=0)  # type: ignore[arg-type]
     assert done.usage is not None and done.usage.completion_tokens == 128 - 120
     assert done.choices[0].finish_reason == "length"
+
+
+def test_penalties_reach_the_engine(client: tuple[openai.OpenAI, GPT]) -> None:
+    """Greedy with a presence penalty equals a full-recompute loop that subtracts it from the
+    logits of the bytes already generated (and differs from plain greedy)."""
+    c, model = client
+    prompt, out = list(b"def main():"), []
+    with torch.inference_mode():
+        for _ in range(25):
+            logits = model(torch.tensor([prompt + out]))[0, -1].clone()
+            logits[sorted(set(out))] -= 2.0
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) > 1e-3, "near-tie in the reference"
+            out.append(int(torch.argmax(logits)))
+    want = bytes(out).decode("utf-8", errors="replace")
+    assert want != served_reference(model, "def main():", 25)
+    done = c.completions.create(
+        model="tiny", prompt="def main():", max_tokens=25, temperature=0, presence_penalty=2.0
+    )
+    assert done.choices[0].text == want
