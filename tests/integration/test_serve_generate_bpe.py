@@ -37,6 +37,12 @@ from hpcml.serve.testing import running_server
 PROMPTS = ["naïve café", "日本語 🙂 the", "hello wörld"]
 MAX_TOKENS = 20
 SRC = Path(__file__).resolve().parents[2] / "src"
+# A Hugging Face chat template using bos_token and add_generation_prompt (short: the model's
+# context is 64 tokens).
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+)
 
 
 def _greedy(model: transformers.GPT2LMHeadModel, ids: list[int], n: int) -> list[int]:
@@ -71,6 +77,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         wte = model.transformer.wte.weight
         wte[[end, out[k]]] = wte[[out[k], end]]
     folder = save_hf(model, hf_tok, tmp / "hf")
+    config = {"chat_template": TEMPLATE, "eos_token": END, "bos_token": END}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     res = CliRunner().invoke(app, ["model", "import-hf", str(folder), "--out", str(tmp / "ex")])
     assert res.exit_code == 0, res.output
     want = {}
@@ -82,7 +90,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     cfg = ServeConfig.model_validate({"defaults": {"isolation": "thread"}})
     with running_server(build_app(tmp / "ex", cfg, name="tiny")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        yield {"client": client, "url": url, "want": want, "export": tmp / "ex", "tmp": tmp}
+        yield {"client": client, "url": url, "want": want, "export": tmp / "ex", "tmp": tmp,
+               "model": model, "folder": folder}
 
 
 def test_greedy_completions_equal_transformers_generate(served: dict[str, Any]) -> None:
@@ -104,6 +113,22 @@ def test_greedy_completions_equal_transformers_generate(served: dict[str, Any]) 
     r = httpx.post(f"{served['url']}/v2/models/tiny/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["text_output"] == text and r.json()["details"]["finish_reason"] == finish
+
+
+def test_chat_uses_the_tokenizer_config_chat_template(served: dict[str, Any]) -> None:
+    """The prompt is what transformers' own apply_chat_template renders from the same
+    tokenizer_config.json, so the greedy reply equals transformers' generate on it."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the"}]
+    hf = transformers.AutoTokenizer.from_pretrained(served["folder"])
+    ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ids == END + "s: Be brief.\nu: the\na:"  # bos_token and the template were used
+    prompt = hf(ids, add_special_tokens=False)["input_ids"]
+    out = _greedy(served["model"], prompt, MAX_TOKENS)
+    done = served["client"].chat.completions.create(
+        model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0  # type: ignore[arg-type]
+    )
+    assert done.usage is not None and done.usage.prompt_tokens == len(prompt)
+    assert done.choices[0].message.content == hf.decode(out, skip_special_tokens=True)
 
 
 def _stop_inside_tokens(text: str, ids: list[int], export: Path) -> tuple[str, str]:

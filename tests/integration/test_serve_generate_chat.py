@@ -71,13 +71,50 @@ def test_chat_refuses_what_it_does_not_do(served: tuple[str, GPT]) -> None:
     for kwargs, words in (
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
         ({"messages": []}, "messages"),
-        ({"messages": MESSAGES, "n": 2}, "'n' = 2 is not supported"),
+        ({"messages": MESSAGES, "logit_bias": {"1": 1.0}}, "'logit_bias' = .* is not supported"),
         ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "'tools'"),
     ):
         with pytest.raises(openai.BadRequestError, match=words):
             client.chat.completions.create(model="tiny", **kwargs)  # type: ignore[call-overload]
     with pytest.raises(openai.NotFoundError, match="does not generate text"):
         client.chat.completions.create(model="gpt-4", messages=MESSAGES)  # type: ignore[arg-type]
+
+
+def test_chat_without_max_tokens_runs_to_the_context_and_reports_logprobs_n_and_usage(
+    served: tuple[str, GPT],
+) -> None:
+    url, model = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    # A 119-byte rendered prompt leaves 9 tokens of the 128-token context (fewer than the 16 a
+    # default would give, so a default of 16 is refused instead).
+    long = [{"role": "user", "content": "x" * 95}]
+    done = client.chat.completions.create(model="tiny", messages=long, temperature=0)  # type: ignore[arg-type]
+    assert done.usage is not None and done.usage.prompt_tokens == 119
+    assert done.usage.completion_tokens == 128 - 119
+    assert done.choices[0].finish_reason == "length"
+    two = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=20, temperature=0, n=2,  # type: ignore[arg-type]
+        logprobs=True, top_logprobs=2,
+    )
+    expected = served_reference(model, RENDERED, 20)
+    assert [c.message.content for c in two.choices] == [expected, expected]
+    lps = two.choices[1].logprobs
+    assert lps is not None and lps.content is not None and len(lps.content) == 20
+    ids = [(item.bytes or [-1])[0] for item in lps.content]  # byte tokens: one byte each
+    assert bytes(ids).decode("utf-8", errors="replace") == expected
+    tokens = list(RENDERED.encode()) + ids
+    with torch.inference_mode():
+        full = torch.log_softmax(model(torch.tensor([tokens]))[0], dim=-1)
+    for i, item in enumerate(lps.content):
+        row = full[len(RENDERED.encode()) - 1 + i]
+        # Float32 model served batched and paged: ~1e-6 from one full pass.
+        assert abs(item.logprob - float(row.max())) < 1e-4 and ids[i] == int(row.argmax())
+        assert item.top_logprobs[0].logprob == item.logprob and len(item.top_logprobs) == 2
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=5, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    ))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
 
 
 def test_oip_generate_and_generate_stream(served: tuple[str, GPT]) -> None:

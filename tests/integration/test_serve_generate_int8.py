@@ -67,3 +67,21 @@ def test_serve_with_int8_generation(tmp_path_factory: pytest.TempPathFactory) ->
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
+
+
+def test_bf16_generation_engine_runs_in_bfloat16(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`generation.quantize: bf16` (the LLM benchmark's setting on CPUs with AMX): weights and
+    KV cache in bfloat16, and greedy tokens equal a one-request loop over the same bf16 model
+    (checked only where every step's top-2 logit gap exceeds bf16's rounding)."""
+    from hpcml.models.tokenizer import ByteTokenizer
+    from hpcml.serve.generate.engine_process import EngineSpec, build_engine
+
+    m = model()
+    export = save_gpt_export(tmp_path_factory.mktemp("bf16") / "export", m, ARGS)
+    config = EngineConfig(kv_cache_blocks=32, block_size=4)
+    engine = build_engine(EngineSpec("tiny", str(export), config, ByteTokenizer(), quantize="bf16"))
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    assert engine.cache.k.dtype == torch.bfloat16
+    prompt = [5, 9, 200, 17]
+    got = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert got == reference(engine.model, prompt, 6)

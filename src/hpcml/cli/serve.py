@@ -265,8 +265,14 @@ def loadtest(
     llm: bool = typer.Option(
         False, "--llm", help="Streaming /v1/completions: TTFT, inter-token latency, tokens/s."
     ),
-    prompt_len: str = typer.Option("16:64", "--prompt-len", help="--llm: prompt length LO:HI."),
+    chat: bool = typer.Option(False, "--chat", help="--llm: send /v1/chat/completions."),
+    prompt_len: str = typer.Option(
+        "16:64", "--prompt-len", help="--llm: prompt lengths: N, LO:HI, lognormal:MEDIAN:SIGMA:MAX."
+    ),
     max_tokens: int = typer.Option(32, "--max-tokens", help="--llm: tokens per request."),
+    output_len: str | None = typer.Option(
+        None, "--output-len", help="--llm: max_tokens drawn as --prompt-len is (not --max-tokens)."
+    ),
     ttft_slo_ms: float = typer.Option(1000.0, "--ttft-slo-ms", help="--llm: goodput's TTFT."),
     itl_slo_ms: float = typer.Option(100.0, "--itl-slo-ms", help="--llm: goodput's mean ITL."),
     seed: int = typer.Option(
@@ -286,8 +292,9 @@ def loadtest(
     if llm:
         from hpcml.cli.loadtest_llm import run_llm_mode
 
-        run_llm_mode(url, model, rate, duration, timeout, prompt_len, max_tokens, ttft_slo_ms,
-                     itl_slo_ms, seed, json_out)
+        lengths = (prompt_len, output_len or str(max_tokens))
+        run_llm_mode(url, model, rate, duration, timeout, lengths, chat, ttft_slo_ms, itl_slo_ms,
+                     seed, json_out)
         return
     with Progress(
         TextColumn("[bold]loadtest"),

@@ -187,4 +187,40 @@ def import_tokenizer(folder: str | Path, model_vocab: int) -> tuple[bytes, dict[
             f"{path} has {tok.vocab_size} tokens, more than the model's vocab_size of "
             f"{model_vocab} in {CONFIG}; give the tokenizer the model was trained with."
         )
-    return data, tokenizer_record(tok, data)
+    return data, {**tokenizer_record(tok, data), **chat_config(root)}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token of tokenizer_config.json: a string, or an AddedToken's dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def chat_config(root: Path) -> dict[str, str]:
+    """The chat template (and the bos/eos texts it may use) of `root`'s tokenizer_config.json
+    (or chat_template.jinja, where newer transformers save it); {} when there is none. A list of
+    named templates gives its "default" one."""
+    config_path = root / "tokenizer_config.json"
+    config: Any = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(
+                f"{config_path} cannot be read as JSON ({exc}); fix or remove it."
+            ) from None
+    config = config if isinstance(config, dict) else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    jinja = root / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    out = {
+        "chat_template": template if isinstance(template, str) else None,
+        "bos_text": _token_text(config.get("bos_token")),
+        "eos_text": _token_text(config.get("eos_token")),
+    }
+    return {k: v for k, v in out.items() if v is not None}

@@ -117,6 +117,10 @@ class ByteLevelBPE:
                 f"{self.vocab_size}; fix eos_token_id."
             )
         self.end_token = end_token
+        self.chat_template: str | None = None
+        """The Jinja chat template of the tokenizer's config, when it has one."""
+        self.bos_text: str | None = None
+        self.eos_text: str | None = None
 
     def _bytes_table(self, where: Path) -> list[bytes]:
         alphabet = _byte_level_alphabet()
@@ -189,4 +193,9 @@ def export_tokenizer(export_dir: Path, meta: dict[str, Any]) -> ByteLevelBPE | N
             f"{path} is not the file {where} records (sha256 differs); re-import the model "
             "rather than replacing its tokenizer."
         )
+    for key in ("chat_template", "bos_text", "eos_text"):
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ModelError(f"{where}: tokenizer {key} {value!r} is not text; re-import.")
+        setattr(tok, key, value)
     return tok

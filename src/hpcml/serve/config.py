@@ -145,8 +145,11 @@ class GenerationConfig(_Section):
     request_timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     """A request not finished this long after it arrived is dropped from the engine (504, or
     an error event when streamed); null: no deadline."""
-    quantize: Literal["none", "int8"] = "none"
-    """int8: weight-only int8 Linear layers (torchao) for the generation engine."""
+    quantize: Literal["none", "int8", "bf16"] = "none"
+    """int8: weight-only int8 Linear layers (torchao) for the generation engine; bf16: weights,
+    activations and KV cache in bfloat16 (fast on CPUs with AMX, and on GPUs)."""
+    static_batching: bool = False
+    """The baseline of the LLM benchmark: a batch starts only when the previous has ended."""
     step_timeout_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
     """An engine process that has requests but reports no step for this long is taken as hung:
     it is killed and replaced, and its requests fail with the retry sentence."""

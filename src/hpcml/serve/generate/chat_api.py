@@ -2,13 +2,20 @@
 generate extension (`POST /v2/models/{name}/generate` and `/generate_stream`), over the same
 generation services and engine as `/v1/completions`.
 
-Chat messages become one prompt through one documented template (the zoo's byte-level models
-have no chat template of their own)::
+Chat messages become one prompt through the model's own chat template when its tokenizer has
+one (`chat_template` of the `tokenizer_config.json` that `hpcml model import-hf` read, a Jinja
+template rendered in a sandbox with `add_generation_prompt`, as Hugging Face's
+`apply_chat_template` does), else through one documented template (the zoo's byte-level models
+have none of their own)::
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}\\n ... <|assistant|>\\n
 
 each message as a role tag line and its content, then the assistant tag the reply continues.
-`<|` starts no sequence the models give a meaning to: it is plain bytes to them.
+`<|` starts no sequence the models give a meaning to: it is plain bytes to them. Without
+`max_tokens` (or `max_completion_tokens`) the reply may run until the model's context is full,
+as OpenAI's does. `n`, `logprobs`/`top_logprobs`, penalties and `stream_options.include_usage`
+work as for completions; `logit_bias`, `tools` and a `response_format` other than text are
+refused in one sentence.
 
 The generate extension follows Triton's and KServe's documents: the request is a JSON object
 with `text_input` and optional `parameters` (`max_tokens`, `temperature`, `top_p`, `top_k`,
@@ -25,22 +32,34 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from hpcml.serve.generate.choices import (
+    Aborted,
+    Choice,
+    chat_logprobs,
+    collect,
+    expand,
+    merged,
+    usage,
+)
 from hpcml.serve.generate.disconnect import Disconnected, unless_disconnected
 from hpcml.serve.generate.engine import RequestRefused
 from hpcml.serve.generate.openai_api import (
-    Aborted,
+    MAX_CHOICES,
     BadRequest,
     M,
     Stop,
+    StreamOptions,
     complete,
     error,
     load_body,
+    room,
     text_deltas,
     validate,
 )
@@ -75,30 +94,24 @@ class ChatRequest(BaseModel):
     stop: Stop | list[Stop] | None = None
     stream: bool = False
     user: str | None = None
-    # Accepted only at their neutral values.
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    stream_options: StreamOptions | None = None
+    # Accepted only at their neutral values.
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    stream_options: dict[str, Any] | None = None
 
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "frequency_penalty": (0.0,),
-    "presence_penalty": (0.0,),
     "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "stream_options": (None, {}),
 }
 
 
@@ -120,14 +133,46 @@ class GenerateRequest(BaseModel):
     id: str | None = None
 
 
-def render_chat(messages: list[Message]) -> str:
-    """The template of the module docstring."""
+def _text(m: Message) -> str:
+    return m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+
+
+def render_chat(messages: list[Message], tokenizer: Any = None) -> str:
+    """The prompt of a conversation: the tokenizer's own chat template when it has one, else
+    the template of the module docstring."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        return render_template(template, messages, tokenizer)
     out = []
     for m in messages:
-        text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
         role = "system" if m.role == "developer" else m.role
-        out.append(f"<|{role}|>\n{text}\n")
+        out.append(f"<|{role}|>\n{_text(m)}\n")
     return "".join(out) + "<|assistant|>\n"
+
+
+def render_template(template: str, messages: list[Message], tokenizer: Any) -> str:
+    """A Hugging Face chat template rendered in Jinja's immutable sandbox (no attribute of a
+    Python object it was not given, no mutation), as `apply_chat_template` does."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise BadRequest(f"the model's chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=[{"role": m.role, "content": _text(m)} for m in messages],
+            add_generation_prompt=True,
+            bos_token=getattr(tokenizer, "bos_text", None) or "",
+            eos_token=getattr(tokenizer, "eos_text", None) or "",
+        )
+    except TemplateError as exc:
+        raise BadRequest(
+            f"the model's chat template (its tokenizer_config.json) cannot be rendered: {exc}; "
+            "fix the template and import the model again."
+        ) from None
 
 
 def _validated(model: type[M], body: bytes) -> M:
@@ -150,7 +195,7 @@ def _sampling(
     )
 
 
-def parse_chat(body: bytes) -> tuple[ChatRequest, str, SamplingParams]:
+def parse_chat(body: bytes) -> ChatRequest:
     req: ChatRequest = _validated(ChatRequest, body)
     for name, allowed in NEUTRAL.items():
         if getattr(req, name) not in allowed:
@@ -161,9 +206,23 @@ def parse_chat(body: bytes) -> tuple[ChatRequest, str, SamplingParams]:
             )
     if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
         raise BadRequest("give max_tokens or max_completion_tokens, not two different values.")
-    limit = req.max_completion_tokens or req.max_tokens or 16
-    params = _sampling(limit, req.temperature, req.top_p, req.top_k, req.seed, req.stop)
-    return req, render_chat(req.messages), params
+    if req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true.", "top_logprobs")
+    return req
+
+
+def chat_choices(service: GenerationService, req: ChatRequest) -> list[Choice]:
+    """The request's n choices, checked against the engine (RequestRefused, BadRequest)."""
+    prompt = service.tokenizer.encode(render_chat(req.messages, service.tokenizer))
+    limit = req.max_completion_tokens or req.max_tokens or room(service, prompt)
+    params = replace(
+        _sampling(limit, req.temperature, req.top_p, req.top_k, req.seed, req.stop),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    )
+    service.check(prompt, params)
+    return expand([prompt], params, req.n, echo=False, keep=True)
 
 
 def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]) -> None:
@@ -178,10 +237,9 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
 
     async def chat(request: Request) -> Response:
         try:
-            req, text, params = parse_chat(await request.body())
+            req = parse_chat(await request.body())
             service = service_of(req.model)
-            prompt = service.tokenizer.encode(text)
-            service.check(prompt, params)
+            choices = chat_choices(service, req)
         except BadRequest as exc:
             return error(exc.status, exc.message, exc.param)
         except RequestRefused as exc:
@@ -191,34 +249,33 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return StreamingResponse(
-                _chat_sse(service, prompt, params, cid, created, req.model),
+                _chat_sse(service, choices, req, cid, created),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            out, n, finish = await unless_disconnected(request, complete(service, prompt, params))
+            pieces = await unless_disconnected(request, collect(service, choices))
         except Aborted as exc:
             return error(503, str(exc))
         except Disconnected:
             return Response(status_code=499)  # nobody reads it
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": n,
-            "total_tokens": len(prompt) + n,
-        }
         body = {
             "id": cid,
             "object": "chat.completion",
             "created": created,
             "model": req.model,
-            "choices": [choice],
-            "usage": usage,
+            "choices": [
+                {
+                    "index": p.index,
+                    "message": {"role": "assistant", "content": p.text},
+                    "logprobs": chat_logprobs(service.tokenizer, p.logprobs)
+                    if req.logprobs
+                    else None,
+                    "finish_reason": p.finish,
+                }
+                for p in pieces
+            ],
+            "usage": usage([choices[0].prompt], sum(p.tokens for p in pieces)),
         }
         return JSONResponse(body)
 
@@ -285,35 +342,35 @@ def _event(body: dict[str, Any]) -> bytes:
 
 
 async def _chat_sse(
-    service: GenerationService,
-    prompt: list[int],
-    params: SamplingParams,
-    cid: str,
-    created: int,
-    model: str,
+    service: GenerationService, choices: list[Choice], req: ChatRequest, cid: str, created: int
 ) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return _event(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-        )
+    with_usage = req.stream_options is not None and req.stream_options.include_usage
+    extra: dict[str, Any] = {"usage": None} if with_usage else {}
 
-    yield chunk({"role": "assistant", "content": ""}, None)
+    def chunk(choices: list[dict[str, Any]], **more: Any) -> bytes:
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created}
+        return _event({**head, "model": req.model, "choices": choices, **extra, **more})
+
+    def choice(index: int, delta: dict[str, Any], finish: str | None, lps: Any = None) -> Any:
+        return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+
+    for c in choices:
+        yield chunk([choice(c.index, {"role": "assistant", "content": ""}, None)])
+    tokens = 0
     try:
-        async with aclosing(text_deltas(service, prompt, params)) as deltas:
-            async for text, finish in deltas:
-                if text:
-                    yield chunk({"content": text}, None)
-                if finish is not None:
-                    yield chunk({}, finish)
+        async with aclosing(merged(service, choices)) as pieces:
+            async for p in pieces:
+                tokens += p.tokens
+                lps = chat_logprobs(service.tokenizer, p.logprobs) if req.logprobs else None
+                if p.text or (lps and lps["content"]):
+                    yield chunk([choice(p.index, {"content": p.text}, None, lps)])
+                if p.finish is not None:
+                    yield chunk([choice(p.index, {}, p.finish)])
     except Aborted as exc:
         yield _event({"error": {"message": str(exc), "type": "server_error", "param": None}})
+    else:
+        if with_usage:
+            yield chunk([], usage=usage([choices[0].prompt], tokens))
     yield b"data: [DONE]\n\n"
 
 

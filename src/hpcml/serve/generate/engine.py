@@ -33,7 +33,15 @@ import torch
 
 from hpcml.models.gpt import GPT
 from hpcml.serve.generate.kv_cache import PagedKVCache, StepAttention, StepItem
-from hpcml.serve.generate.sampling import ByteTokenizer, SamplingParams, Tokenizer, sample
+from hpcml.serve.generate.sampling import (
+    ByteTokenizer,
+    Logprob,
+    SamplingParams,
+    Tokenizer,
+    prompt_logprobs,
+    sample,
+    token_logprob,
+)
 
 
 class RequestRefused(ValueError):
@@ -79,6 +87,8 @@ class Sequence:
     preemptions: int = 0
     reserved: bool = False
     """Holds blocks for its longest possible length: it never grows, so is never preempted."""
+    prompt_lps: list[Logprob] = field(default_factory=list)
+    """Logprobs of prompt tokens 1.. (when its params ask for them)."""
 
     @property
     def output(self) -> list[int]:
@@ -96,6 +106,10 @@ class TokenEvent:
     stopped_by: bytes | None = None
     reason: str | None = None
     """Why an "abort" happened, one sentence for the client (None: not aborted here)."""
+    logprob: Logprob | None = None
+    """The token's logprob (when the request's params ask for it)."""
+    prompt_logprobs: list[Logprob] | None = None
+    """On a sequence's first token, its prompt's logprobs (when its params ask for them)."""
 
 
 def check_request(
@@ -242,7 +256,7 @@ class Engine:
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self.sharing and not seq.table:
+            if self.sharing and not seq.table and seq.params.prompt_logprobs is None:
                 seq.computed = self.cache.share_prefix(seq.table, seq.tokens)
             full = seq.prompt_len + seq.params.max_tokens if seq.reserved else len(seq.tokens)
             need = self.cache.blocks_for(full) - len(seq.table)
@@ -304,13 +318,34 @@ class Engine:
             end += n
             if self.sharing:
                 self.cache.register(seq.table, seq.tokens, seq.computed, seq.computed + n)
+            p, rows = seq.params, logits[end - n : end, : self.vocab_limit]
+            if p.prompt_logprobs is not None:
+                seq.prompt_lps += prompt_logprobs(
+                    rows,
+                    seq.tokens,
+                    seq.computed,
+                    seq.prompt_len,
+                    len(seq.prompt_lps),
+                    p.prompt_logprobs,
+                )
             seq.computed += n
             if seq.computed < len(seq.tokens):
                 continue  # prefill (or recompute) not done yet
-            token = sample(logits[end - 1, : self.vocab_limit], seq.params, seq.generator)
+            token = sample(rows[-1], p, seq.generator, seq.output)
             seq.tokens.append(token)
             self._check_finished(seq)
-            events.append(TokenEvent(seq.id, token, seq.finish_reason, seq.stopped_by))
+            lp = token_logprob(rows[-1], token, p.logprobs) if p.logprobs is not None else None
+            first = p.prompt_logprobs is not None and len(seq.output) == 1
+            events.append(
+                TokenEvent(
+                    seq_id=seq.id,
+                    token=token,
+                    finish_reason=seq.finish_reason,
+                    stopped_by=seq.stopped_by,
+                    logprob=lp,
+                    prompt_logprobs=seq.prompt_lps if first else None,
+                )
+            )
             if seq.finish_reason is not None:
                 self._retire(seq)
         self._end_static_batch()

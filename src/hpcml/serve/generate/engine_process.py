@@ -8,7 +8,8 @@ Both directions carry length-prefixed pickles (`backends.write_frame`) between t
 the process it spawned itself, never anything a user sent as a file. The server sends
 `("submit", seq_id, prompt, params)`, `("abort", seq_id)` and `("stop",)`; the process answers
 `("ready", None)` or `("error", message)` once, then after every step
-`("events", [(seq_id, token, finish_reason, stopped_by, reason), ...], StepStats)`. Between steps it reads
+`("events", [(seq_id, token, finish_reason, stopped_by, reason, logprob, prompt_logprobs),
+...], StepStats)`. Between steps it reads
 every command that has arrived; with no work it sleeps on its command pipe.
 """
 
@@ -93,6 +94,8 @@ def build_engine(spec: EngineSpec) -> Engine:
         from hpcml.serve.generate.quantize import quantize_int8
 
         quantize_int8(model)
+    elif spec.quantize == "bf16":
+        model.to(torch.bfloat16)
     return Engine(model, spec.config, spec.tokenizer)
 
 
@@ -149,11 +152,22 @@ def _step(engine: Engine, name: str) -> list[TokenEvent]:
     except Exception:  # a bug of ours: fail the running requests, keep serving
         log.exception("generation step of model %r failed", name)
         why = "a generation step failed on the server (its log has the error); retry."
-        events = [TokenEvent(s.id, None, "abort", None, why) for s in engine.running]
+        events = [
+            TokenEvent(seq_id=s.id, token=None, finish_reason="abort", reason=why)
+            for s in engine.running
+        ]
         for ev in events:
             engine.abort(ev.seq_id)
         return events
 
 
 def _flat(ev: TokenEvent) -> tuple[Any, ...]:
-    return ev.seq_id, ev.token, ev.finish_reason, ev.stopped_by, ev.reason
+    return (
+        ev.seq_id,
+        ev.token,
+        ev.finish_reason,
+        ev.stopped_by,
+        ev.reason,
+        ev.logprob,
+        ev.prompt_logprobs,
+    )

@@ -46,6 +46,7 @@ def text_services(
         watermark_blocks=g.watermark_blocks,
         max_preemptions=g.max_preemptions,
         kv_overcommit=g.kv_overcommit,
+        static_batching=g.static_batching,
     )
     services: dict[str, GenerationService] = {}
     metrics: GenerationMetrics | None = None

@@ -17,7 +17,19 @@ import torch
 
 from hpcml.models.tokenizer import ByteTokenizer, Tokenizer
 
-__all__ = ["ByteTokenizer", "SamplingParams", "TextStream", "Tokenizer", "sample"]
+__all__ = [
+    "ByteTokenizer",
+    "Logprob",
+    "SamplingParams",
+    "TextStream",
+    "Tokenizer",
+    "prompt_logprobs",
+    "sample",
+    "token_logprob",
+]
+
+Logprob = tuple[int, float, list[tuple[int, float]]]
+"""(token, its log-probability, [(token, log-probability) of the k most likely, best first])."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,14 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[bytes, ...] = field(default_factory=tuple)
     """Generation ends when the output ends with one of these; it is not part of the text."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output already holds it."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability and the `logprobs` most likely ones."""
+    prompt_logprobs: int | None = None
+    """Report the same for every prompt token after the first (prefix sharing is off then)."""
 
     def generator(self) -> torch.Generator | None:
         if self.temperature == 0:
@@ -44,8 +64,24 @@ class SamplingParams:
         return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The next token id from one position's logits (vocab,)."""
+def penalize(logits: torch.Tensor, params: SamplingParams, output: list[int]) -> torch.Tensor:
+    """`logits` less the presence and frequency penalties of the tokens in `output`."""
+    if not output or (params.presence_penalty == 0 and params.frequency_penalty == 0):
+        return logits
+    counts = torch.bincount(torch.tensor(output), minlength=logits.numel())[: logits.numel()]
+    counts = counts.to(logits.dtype)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    output: list[int] | None = None,
+) -> int:
+    """The next token id from one position's logits (vocab,), after the penalties for the
+    tokens generated so far (`output`)."""
+    logits = penalize(logits, params, output or [])
     if params.temperature == 0:
         return int(torch.argmax(logits))
     # float64: the vocabulary is small, and float32 rounding would move probabilities by more
@@ -63,6 +99,43 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Over the last dimension, in float32 at least (a bf16 model's logits are widened)."""
+    wide = logits.float() if logits.dtype.itemsize < 4 else logits
+    return torch.log_softmax(wide, dim=-1)
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    if k <= 0:
+        return []
+    values, ids = torch.topk(logprobs, min(k, logprobs.numel()))
+    return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> Logprob:
+    """`token`'s log-probability under the model's distribution at one position (its raw
+    logits: before temperature, top-k/top-p and penalties, as vLLM reports them) and the k most
+    likely tokens there."""
+    logprobs = _log_softmax(logits)
+    return token, float(logprobs[token]), _top(logprobs, k)
+
+
+def prompt_logprobs(
+    chunk: torch.Tensor, tokens: list[int], first: int, prompt_len: int, have: int, k: int
+) -> list[Logprob]:
+    """Logprobs of the prompt tokens a chunk of logits predicts that are not reported yet:
+    `chunk` holds the logits at positions first, first + 1, ... (the one at position p predicts
+    token p + 1); tokens 1..`have` are reported already (a recompute after preemption repeats
+    positions)."""
+    start, stop = max(first, have), min(first + len(chunk), prompt_len - 1)
+    if stop <= start:
+        return []
+    logprobs = _log_softmax(chunk[start - first : stop - first])
+    targets = tokens[start + 1 : stop + 1]
+    chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets)].tolist()
+    return [(t, lp, _top(row, k)) for t, lp, row in zip(targets, chosen, logprobs, strict=True)]
 
 
 class TextStream:

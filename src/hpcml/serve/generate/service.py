@@ -284,7 +284,9 @@ class GenerationService:
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)
             if not up:
-                yield TokenEvent(seq_id, None, "abort", None, self._why_not_ready())
+                yield TokenEvent(
+                    seq_id=seq_id, token=None, finish_reason="abort", reason=self._why_not_ready()
+                )
                 return
         stream = _Stream(asyncio.Queue(), arrived)
         if not self._streams:  # an idle engine reports nothing; its clock starts now
@@ -307,7 +309,7 @@ class GenerationService:
                         f"the request did not finish within the server's request_timeout_s of "
                         f"{limit:g} s; ask for fewer tokens or retry later."
                     )
-                    yield TokenEvent(seq_id, None, "abort", None, why)
+                    yield TokenEvent(seq_id=seq_id, token=None, finish_reason="abort", reason=why)
                     return
                 yield ev
                 if ev.finish_reason is not None:
@@ -330,7 +332,9 @@ class GenerationService:
         for seq_id in list(self._streams):
             stream = self._streams.pop(seq_id)
             stream.done = True
-            stream.events.put_nowait(TokenEvent(seq_id, None, "abort", None, reason))
+            stream.events.put_nowait(
+                TokenEvent(seq_id=seq_id, token=None, finish_reason="abort", reason=reason)
+            )
 
     def _on_lost(self) -> None:
         """The engine process died: fail its requests now and start another."""
