@@ -158,13 +158,14 @@ def test_stop_sequence_seed_and_sampling_over_http(served: tuple[GPT, str, Any])
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
-        ({"prompt": "x", "n": 2}, 400, "'n' = 2 is not supported"),
+        ({"prompt": "x", "suffix": "y"}, 400, "'suffix' = 'y' is not supported"),
         ({"prompt": "x", "temperature": -1}, 400, "'temperature'"),
         ({"prompt": "x", "best_of": 3}, 400, "'best_of'"),
         ({"prompt": "x", "frobnicate": 1}, 400, "'frobnicate' is not known"),
         ({"prompt": "x" * 1000, "max_tokens": 30}, 400, "context of 1024"),
         ({"prompt": "", "max_tokens": 1}, 400, "prompt is empty"),
-        ({"prompt": ["a", "b"]}, 400, "one string"),
+        ({"prompt": [[7, 300]]}, 400, "token id 300 in 'prompt' is outside"),
+        ({"prompt": ["a", "b"], "n": 65}, 400, "more than 128"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ({"prompt": "x", "model": "cifar"}, 404, "does not generate text"),
         ({"max_tokens": 3}, 400, "'prompt'"),
