@@ -63,6 +63,8 @@ def run(config: EngineConfig, requests: list[tuple[list[int], int]]) -> tuple[in
             seqs.append(engine.waiting[-1])
         while engine.has_work:
             engine.step()
+            # A step that plans nothing changes nothing: the engine would spin forever.
+            assert engine.batch_size, "the engine has work but planned none (stuck)"
     finally:
         hook.remove()
     for seq, (prompt, max_tokens) in zip(seqs, requests, strict=True):
@@ -90,3 +92,23 @@ def test_an_overcommitted_cache_still_bounds_each_sequences_preemptions(seed: in
     _, seqs = run(config, requests)
     assert sum(s.preemptions for s in seqs) > len(seqs) // 4  # preemption did happen
     assert max(s.preemptions for s in seqs) == 1
+
+
+@pytest.mark.parametrize("overcommit", [1.0, 1.25])
+@pytest.mark.parametrize("blocks", [8, 25], ids=["cache-under-context", "cache-2.5-contexts"])
+def test_max_tokens_null_requests_submitted_together_all_finish(
+    blocks: int, overcommit: float
+) -> None:
+    """`max_tokens: null` asks for the rest of the context or of the cache (what the OpenAI
+    endpoints' `room` gives), so each such sequence at its longest needs up to the whole cache.
+    Admission must neither refuse them nor wait forever for an overcommit budget they can never
+    fit in together: the first runs alone, the others as their longest lengths allow; all end
+    by length with the full-recompute outputs, and the cache is empty at the end."""
+    config = EngineConfig(kv_cache_blocks=blocks, block_size=4, kv_overcommit=overcommit)
+    room = min(CONTEXT, blocks * 4)
+    rng = random.Random(blocks)
+    prompts = [[rng.randrange(64) for _ in range(n)] for n in (3, 5, 8, 2)]
+    requests = [(p, room - len(p)) for p in prompts]
+    _, seqs = run(config, requests)
+    assert [s.finish_reason for s in seqs] == ["length"] * 4
+    assert [len(s.output) for s in seqs] == [m for _, m in requests]
