@@ -210,16 +210,18 @@ def test_a_client_that_goes_away_frees_its_sequence(served: tuple[GPT, str, Any]
     assert scrape(url)[TOKENS] - before < 1000
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(
-    served: tuple[GPT, str, Any], path: str
+    served: tuple[GPT, str, Any], path: str, n: int
 ) -> None:
-    """A raw HTTP/1.1 client sends a non-streamed request for 990 tokens and closes its
-    socket once the engine runs it. The server must drop the sequence (main went on generating
-    all 990 tokens for nobody: the running gauge stayed 1 and KV blocks grew)."""
+    """A raw HTTP/1.1 client sends a non-streamed request for 990 tokens (n = 3: three
+    sequences of 990, which the cache runs one at a time) and closes its socket once the engine
+    runs it. The server must drop every sequence of the request, running or waiting (main went
+    on generating all 990 tokens for nobody: the running gauge stayed 1 and KV blocks grew)."""
     _, url, _ = served
     before = scrape(url).get(TOKENS, 0)
-    body = {"model": NAME, "max_tokens": 990, "temperature": 0}
+    body = {"model": NAME, "max_tokens": 990, "temperature": 0, "n": n}
     if path == "/v1/completions":
         body["prompt"] = "a"
     else:
@@ -234,11 +236,12 @@ def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(
         while scrape(url).get(TOKENS, 0) == before:  # generating, for nobody soon
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.01)
-    held = [running, f'hpcml_llm_kv_cache_blocks_used{{model="{NAME}"}}']
+    held = [running, f'hpcml_llm_sequences{{model="{NAME}",state="waiting"}}']
+    held.append(f'hpcml_llm_kv_cache_blocks_used{{model="{NAME}"}}')
     while any(scrape(url)[k] for k in held) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [scrape(url)[k] for k in held] == [0, 0]
-    assert scrape(url)[TOKENS] - before < 990
+    assert [scrape(url)[k] for k in held] == [0, 0, 0]
+    assert scrape(url)[TOKENS] - before < 990  # not one of its sequences ran to its end
 
 
 TOKENS = f'hpcml_llm_output_tokens_total{{model="{NAME}"}}'
