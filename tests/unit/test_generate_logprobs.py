@@ -87,3 +87,27 @@ def test_penalties_lower_the_logits_of_tokens_already_generated() -> None:
     penalized = SamplingParams(max_tokens=20, temperature=0, presence_penalty=2.0)
     out = engine.generate([[5, 6, 7]], penalized)[0]
     assert len(set(out)) == len(out)
+
+
+def test_a_step_mixing_prompt_logprobs_and_plain_requests_reads_each_ones_logits() -> None:
+    """The model computes LM-head logits only for the rows read: a chunk's last row, or all of
+    a chunk's rows when its request asks for prompt logprobs. In one step with both kinds (and
+    chunked prefill, 4 tokens a step), each sequence must read its own rows: greedy outputs
+    equal a full pass, and the prompt logprobs equal a full pass's."""
+    engine = Engine(MODEL, EngineConfig(kv_cache_blocks=64, block_size=4, max_batched_tokens=9))
+    plain = SamplingParams(max_tokens=5, temperature=0)
+    scored = SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=0)
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8, 2, 8]]
+    ids = [engine.submit(p, s) for p, s in zip(prompts, (plain, scored, plain), strict=True)]
+    events: dict[int, list[TokenEvent]] = {i: [] for i in ids}
+    while engine.has_work:
+        for ev in engine.step():
+            events[ev.seq_id].append(ev)
+    for prompt, i in zip(prompts, ids, strict=True):
+        out = [ev.token for ev in events[i]]
+        full = full_logprobs(prompt + out)
+        assert out == [int(torch.argmax(full[len(prompt) - 1 + j])) for j in range(5)]
+    got = events[ids[1]][0].prompt_logprobs
+    full = full_logprobs(prompts[1])
+    assert got is not None and len(got) == len(prompts[1]) - 1
+    assert max(abs(lp - float(full[p, t])) for p, (t, lp, _) in enumerate(got)) < TOL

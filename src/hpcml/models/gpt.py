@@ -202,12 +202,17 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for `idx`; with `cache`, `positions` (same shape) place the tokens after the
-        ones already cached (see the module docstring)."""
+        ones already cached (see the module docstring). `rows` (indices along the sequence):
+        logits of those positions only, (batch, len(rows), vocab); the final norm and the LM
+        head, per position, then skip the others (a prefill needs only its last position's)."""
         x = self.emb(idx) if positions is None else self.emb(idx, positions)
         for i, block in enumerate(self.blocks):
             x = block(x) if cache is None else block(x, cache, i)
+        if rows is not None:
+            x = x[:, rows]
         logits: torch.Tensor = self.lm_head(self.norm(x))
         if self.cfg.padded_vocab != self.cfg.vocab_size:
             # Padding ids are never a target nor a prediction: drop their columns.

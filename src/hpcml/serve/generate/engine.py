@@ -303,22 +303,33 @@ class Engine:
         idx += [g.tokens[g.computed - 1] for g, _ in ghosts]
         pos = [p for it in items for p in range(it.start, it.start + it.n)]
         self.rows_computed += len(idx)
+        # Logits only where they are read: a chunk's last position (the next token), or all
+        # of its positions when its request asks for prompt logprobs; ghosts need none.
+        rows: list[int] = []
+        end = 0
+        for s, n in plan:
+            end += n
+            rows += range(end - n, end) if s.params.prompt_logprobs is not None else [end - 1]
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor([idx], device=self.device),
                 torch.tensor([pos], device=self.device),
                 StepAttention(self.cache, items),
+                rows=torch.tensor(rows, device=self.device),
             )[0]
         return self._advance(plan, logits)
 
     def _advance(self, plan: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[TokenEvent]:
+        """`logits`: the rows `step` asked for, a chunk's all (prompt logprobs) or its last."""
         events = []
         end = 0
         for seq, n in plan:
-            end += n
+            p = seq.params
+            k = n if p.prompt_logprobs is not None else 1
+            end += k
             if self.sharing:
                 self.cache.register(seq.table, seq.tokens, seq.computed, seq.computed + n)
-            p, rows = seq.params, logits[end - n : end, : self.vocab_limit]
+            rows = logits[end - k : end, : self.vocab_limit]
             if p.prompt_logprobs is not None:
                 seq.prompt_lps += prompt_logprobs(
                     rows,
