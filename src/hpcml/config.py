@@ -304,9 +304,14 @@ class FaultConfig(_Section):
     0 turns it off."""
     preempt_check_every: int | None = Field(None, gt=0)
     """Steps between the ranks' agreement on a preemption signal (and, with several processes,
-    on Ctrl-C); null means at each log flush (train.log_every), inside its one collective.
-    Keep K steps well under the scheduler's warning time (SLURM --signal lead) so the save
-    still fits."""
+    on Ctrl-C), one collective each; null means by `stop_check_s`. Keep K steps well under the
+    scheduler's warning time (SLURM --signal lead) so the save still fits."""
+    stop_check_s: float | None = Field(5.0, gt=0, le=SECONDS_MAX)
+    """With several processes, a preemption or Ctrl-C is agreed within about this many seconds,
+    whatever train.log_every is: the log flush (its one collective carries the stop flags) also
+    runs after this many seconds' worth of steps, counted from the step time measured at the
+    previous flush. null: only at the log_every flushes. `launch slurm` refuses a --signal-lead
+    shorter than this plus the measured save time."""
     checkpoint_timeout_s: float = Field(1800.0, ge=0, le=SECONDS_MAX)  # [fault] issue 11
     """A checkpoint phase (write, fsync, manifest, rename; read, at a resume or rollback) that
     runs this long ends the job naming the rank and the phase (a hung filesystem); 0 turns it

@@ -405,7 +405,8 @@ class Trainer:
             return
         done = step >= t.max_steps
         evaluating = bool(t.eval_every and step % t.eval_every == 0) or done
-        if step % t.log_every == 0 or evaluating:
+        stop_check = self.fault_hook is not None and self.fault_hook.stop_check_due(step)
+        if step % t.log_every == 0 or evaluating or stop_check:  # fault.stop_check_s
             decision = decision.merge(self.flush())
         if evaluating:
             self.evaluate()
