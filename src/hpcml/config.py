@@ -270,6 +270,13 @@ class ParallelConfig(_Section):
     processes. ddp and zero1 with several data-parallel processes only."""
     timeout_s: float = Field(600.0, gt=0, le=SECONDS_MAX)
     """Collective timeout; a rank that stops answering fails the job after this long."""
+    accum_reduce: Literal["step", "micro_batch"] = "step"
+    """With train.grad_accum > 1 under zero2/zero3/fsdp: `step` keeps each rank's unsharded
+    gradients through the accumulation and reduce-scatters once per step (the least traffic);
+    `micro_batch` reduce-scatters after every micro-batch and accumulates sharded gradients
+    (1/dp of the gradient memory, grad_accum times the reduce-scatter traffic; what torchtitan
+    does), for models whose full gradients do not fit beside the rest. ddp and zero1 reduce
+    once per step either way."""
 
 
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
@@ -312,10 +319,11 @@ class FaultConfig(_Section):
     runs after this many seconds' worth of steps, counted from the step time measured at the
     previous flush. null: only at the log_every flushes. `launch slurm` refuses a --signal-lead
     shorter than this plus the measured save time."""
-    checkpoint_timeout_s: float = Field(1800.0, ge=0, le=SECONDS_MAX)  # [fault] issue 11
+    checkpoint_timeout_s: float | None = Field(None, ge=0, le=SECONDS_MAX)  # [fault] issue 11
     """A checkpoint phase (write, fsync, manifest, rename; read, at a resume or rollback) that
     runs this long ends the job naming the rank and the phase (a hung filesystem); 0 turns it
-    off."""
+    off. null: from the bytes this rank writes or reads, 120 s plus 20 times their time at the
+    write bandwidth the previous save measured (100 MB/s before one has)."""
     checkpoint_verify: Literal["full", "size", "none"] = "full"  # [fault] issue 11
     """How a resume checks the checkpoint it loads, each file once on one rank: full (sha256,
     hashed by the writing ranks at save), size (sizes only) or none (the manifest only)."""

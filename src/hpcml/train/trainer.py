@@ -23,6 +23,7 @@ from hpcml.distributed.parallel import (
     clip_grad_norm,
     grad_norm,
     grad_scaler,
+    local_checkpoint_bytes,
     local_value,
     loss_context,
     no_sync,
@@ -45,6 +46,7 @@ from hpcml.train import checkpoint as ckpt
 from hpcml.train import finetune, memprobe, mfu, resume_changes, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
+from hpcml.train.ckpt_manifest import folder_bytes
 from hpcml.train.evaluation import evaluate_model
 from hpcml.train.fault import FaultGuard
 from hpcml.train.fault_hook import FaultHook
@@ -214,7 +216,7 @@ class Trainer:
         changed hyperparameters are applied or refused (`hpcml.train.resume_changes`)."""
         fresh = resume_changes.hyperparameters(self.optimizer)
         t0 = time.perf_counter()
-        with self.guard.checkpointing():
+        with self.guard.checkpointing(folder_bytes(path), saving=False):
             loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
         self.guard.load_s = time.perf_counter() - t0
         finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
@@ -362,7 +364,7 @@ class Trainer:
                 x = x.contiguous(memory_format=torch.channels_last)
             with loss_context(self.model):  # loss-parallel TP: loss and backward inside
                 with (
-                    no_sync(self.model, skip=micro < accum - 1),
+                    no_sync(self.model, micro < accum - 1, self.cfg.parallel.accum_reduce),
                     self.precision.autocast(),
                     self.hooks.forward(self),
                     self.probe.sample(micro == 0),  # one sampled forward per run
@@ -465,7 +467,8 @@ class Trainer:
             "config": cfg.model_dump(mode="json"),
             **finetune.checkpoint_fields(cfg, self.resolved),  # the base's sha256
         }
-        with self.guard.checkpointing(), self.phase("hpcml.checkpoint", step=self.step):
+        nbytes = local_checkpoint_bytes(self.model, self.optimizer)
+        with self.guard.checkpointing(nbytes), self.phase("hpcml.checkpoint", step=self.step):
             path = ckpt.save(
                 self.out_dir / "checkpoints",
                 self.step,
