@@ -20,7 +20,6 @@ from hpcml.data.device_augment import device_augment
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
 from hpcml.data.versions import first_read, versions_after_resume
 from hpcml.distributed.parallel import (
-    clip_grad_norm,
     grad_norm,
     grad_scaler,
     local_checkpoint_bytes,
@@ -55,6 +54,7 @@ from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
 from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon, param_groups
 from hpcml.train.summary import build_summary, failure_kind, failure_summary, seed_everything
+from hpcml.train.update import optimizer_step
 from hpcml.train.validate import resolve
 
 
@@ -270,22 +270,10 @@ class Trainer:
         obs.gpu_preflight(cfg, rt)
         self.exporter = obs.start_exporter(cfg, rt, self.out_dir)
         self.spec = get_spec(cfg.model.name)
-        from hpcml.distributed.runtime import device_info
-
-        self.meter.workload = mfu.workload(
-            self.spec.train_flops_per_token_fn(res.model_args)
-            if self.spec.train_flops_per_token_fn
-            else None,
-            self.flops_per_sample,
-            res.splits.input_shape,
-            res.splits.input_dtype,
-            device_info(rt),
-            cfg.precision,
-            cfg.train.peak_flops,
-            rt.world_size,
-        )
+        self.meter.workload = mfu.run_workload(cfg, res, rt, self.spec, self.flops_per_sample)
         self.provenance: dict[str, Any] = {}
         if rt.is_main:
+            from hpcml.distributed.runtime import device_info
             from hpcml.track.provenance import collect
 
             self.provenance = collect(
@@ -320,7 +308,7 @@ class Trainer:
         t0 = time.perf_counter()
         loss_sum, data_wait = self.forward_backward()
         # The global gradient norm, on the device: every rank decides alike whether this step's
-        # gradients are finite (under fp16 loss scaling the scaler decides; see optimizer_step).
+        # gradients are finite (under fp16 loss scaling the scaler decides; see update.py).
         self.grad_norm = None if self.scaler.is_enabled() else grad_norm(self.model)
         decision = self.hooks.after_backward(self, loss_sum, data_wait)
         if decision.rollback_to is not None:
@@ -329,7 +317,10 @@ class Trainer:
         if decision.skip:
             return decision
         with self.phase("hpcml.optimizer"):
-            lr, skipped = self.optimizer_step(self.grad_norm)
+            clip, norm = self.cfg.optim.grad_clip, self.grad_norm  # non-finite: dropped
+            lr, skipped = optimizer_step(
+                self.model, self.optimizer, self.scheduler, self.scaler, clip, norm
+            )
         self.step += 1
         self.meter.record(
             self.step,
@@ -375,30 +366,6 @@ class Trainer:
                     self.scaler.scale(loss).backward()
             loss_sum += local_value(loss.detach())
         return loss_sum, data_wait
-
-    def optimizer_step(self, norm: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
-        """Clip, step, schedule. `norm` is the global gradient norm (`grad_norm`); when it is not
-        finite the update is dropped on every rank: inside the fused optimizer (`found_inf`, as
-        GradScaler sets it: no host sync), else by one host sync. Returns the lr and, with
-        `norm`, whether the update was dropped (a device tensor, 1.0 if so)."""
-        if self.cfg.optim.grad_clip is not None:
-            if norm is None:  # fp16: unscale first, the scaler skips non-finite steps itself
-                self.scaler.unscale_(self.optimizer)
-            clip_grad_norm(self.model, self.cfg.optim.grad_clip, norm)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        inner: Any = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1 wraps one
-        found_inf = None
-        if norm is not None:
-            found_inf = (~torch.isfinite(norm)).float()
-            if inner.defaults.get("fused"):
-                inner.found_inf = found_inf  # read by the fused kernel, as GradScaler sets it
-            elif found_inf.item():  # an optimizer without a fused kernel: one sync per step
-                self.scheduler.step()
-                return lr, found_inf
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        return lr, found_inf
 
     def after_step(self, decision: StepDecision) -> None:
         """Log flush, evaluation, checkpoint, and the stop all ranks agreed on (preemption, Ctrl-C)."""
