@@ -52,6 +52,17 @@ WORKER_ERRORS_ENV = "HPCML_WORKER_ERRORS"
 rank-R.json there (its sentence and exit code) for the parent to report."""
 
 
+AGENT_ENV = "HPCML_AGENT"
+"""Set by hpcml's torchrun agent (`hpcml.launch.agent`) for its workers."""
+
+STOCK_TORCHRUN_NOTE = (
+    "(torchrun's own report of the failed worker follows: `python -m hpcml.launch.agent` takes "
+    "the same arguments and ends with the line above alone, exit code {code})"
+)
+"""Said under torchrun's own agent, which cannot be told to end with a worker's sentence: it
+raises ChildFailedError (a traceback, exit 1) for any worker that exits non-zero."""
+
+
 def report_worker_error(message: str, exit_code: int) -> bool:
     """In a torchrun worker that stops on a user error: leave the sentence for our launcher and
     print it on rank 0 now, while set-up's signal handlers still hold off torchrun's SIGTERM
@@ -69,7 +80,19 @@ def report_worker_error(message: str, exit_code: int) -> bool:
     if rank != 0:
         return False
     print(f"error: {message}", file=sys.stderr, flush=True)
+    note = stock_torchrun_note(exit_code)
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     return True
+
+
+def stock_torchrun_note(exit_code: int) -> str | None:
+    """What rank 0 adds to its error under torchrun's own agent (`STOCK_TORCHRUN_NOTE`)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or AGENT_ENV in os.environ:
+        return None
+    if os.environ.get(WORKER_ERRORS_ENV):  # hpcml train --nproc: its agent and parent report
+        return None
+    return STOCK_TORCHRUN_NOTE.format(code=exit_code)
 
 
 def peer_failed_first() -> bool:
