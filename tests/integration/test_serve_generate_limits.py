@@ -22,8 +22,8 @@ import pytest
 from gpt_export import save_gpt_export
 from test_serve_generate import ARGS, NAME, make_model, scrape
 
-from hpcml.serve.protocol.app import build_app
 from hpcml.serve.config import ServeConfig
+from hpcml.serve.protocol.app import build_app
 from hpcml.serve.testing import running_server
 
 pytestmark = pytest.mark.timeout(300)

@@ -14,8 +14,8 @@ import pytest
 from hpcml.data.drift import REFERENCE_SAMPLES, Profile, build_profile, profile_dataset
 from hpcml.data.drift_compare import compare
 from hpcml.serve.config import DriftConfig
-from hpcml.serve.traffic.drift import DriftMonitor, Watched
 from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.traffic.drift import DriftMonitor, Watched
 
 TRIALS = 200
 
