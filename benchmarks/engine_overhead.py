@@ -6,8 +6,13 @@ Same model, data, batch, optimizer, schedule and precision; runs alternate in on
 machine noise and drift hit all alike. Throughput is measured the
 same way for both: wall-clock between the end of warm-up step W and the end of step N,
 everything in between included (logging, flushes), divided into (N - W) x batch samples.
+The whole-process wall time of each run (set-up, data, the loop, hpcml's end-of-run evaluation
+and summary) is compared the same way, as its inverse (runs per second).
 
-    python benchmarks/engine_overhead.py [--model simple_cnn] [--steps 60] [--pairs 3]
+Rounds go on until the 95% bootstrap interval of each median pair ratio is within +-1%
+(`--resolve 0.01`), after `--pairs` rounds at least and `--max-pairs` at most.
+
+    python benchmarks/engine_overhead.py [--model simple_cnn] [--steps 60] [--pairs 5]
 
 Writes benchmarks/results/engine_overhead_<device>.json and prints a table. Goal: ratio >= 0.99.
 """
@@ -19,6 +24,7 @@ import contextlib
 import importlib.util
 import json
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -96,6 +102,25 @@ def plain_throughput(overrides: list[str], warmup: int, fabric: bool = False) ->
     return (step - warmup) * cfg.data.batch_size / (times[step] - times[warmup])
 
 
+def median_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Bootstrap interval of the median (seeded: the same numbers give the same interval)."""
+    rng = random.Random(0)
+    meds = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000)
+    )
+    lo = meds[int((1 - level) / 2 * len(meds))]
+    hi = meds[int((1 + level) / 2 * len(meds)) - 1]
+    return lo, hi
+
+
+def timed(fn: Any, into: list[float]) -> Any:
+    """Run `fn`, appending its whole wall time to `into`; returns its result."""
+    t0 = time.perf_counter()
+    out = fn()
+    into.append(time.perf_counter() - t0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="simple_cnn")
@@ -103,7 +128,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=5, help="rounds at least")
+    ap.add_argument("--max-pairs", type=int, default=30, help="rounds at most")
+    ap.add_argument("--resolve", type=float, default=0.01,
+                    help="stop once every median ratio's 95%% interval is within +- this")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -116,21 +144,47 @@ def main() -> None:
     hp: list[float] = []
     pl: list[float] = []
     fb: list[float] = []
+    wall: dict[str, list[float]] = {"hpcml": [], "plain": [], "fabric": []}
     runners = [
-        lambda: hp.append(hpcml_throughput(overrides, a.warmup)),
-        lambda: pl.append(plain_throughput(overrides, a.warmup)),
+        lambda: hp.append(timed(lambda: hpcml_throughput(overrides, a.warmup), wall["hpcml"])),
+        lambda: pl.append(timed(lambda: plain_throughput(overrides, a.warmup), wall["plain"])),
     ]
     if with_fabric:
-        runners.append(lambda: fb.append(plain_throughput(overrides, a.warmup, fabric=True)))
-    for i in range(a.pairs):
+        runners.append(lambda: fb.append(timed(
+            lambda: plain_throughput(overrides, a.warmup, fabric=True), wall["fabric"])))
+
+    def all_ratios() -> dict[str, list[float]]:
+        out = {
+            "hpcml_over_plain": [h / p for h, p in zip(hp, pl, strict=True)],
+            "wall_hpcml_over_plain": [
+                p / h for h, p in zip(wall["hpcml"], wall["plain"], strict=True)
+            ],
+        }
+        if fb:
+            out["hpcml_over_fabric"] = [h / f for h, f in zip(hp, fb, strict=True)]
+            out["wall_hpcml_over_fabric"] = [
+                f / h for h, f in zip(wall["hpcml"], wall["fabric"], strict=True)
+            ]
+        return out
+
+    i = 0
+    while i < a.max_pairs:
         # The order rotates every round: a drift of the machine's speed favours no one.
         for k in range(len(runners)):
             runners[(i + k) % len(runners)]()
+        i += 1
         fabric_note = f"  fabric {fb[-1]:,.1f}" if fb else ""
-        print(f"round {i + 1}/{a.pairs}: hpcml {hp[-1]:,.1f}  plain {pl[-1]:,.1f}{fabric_note} "
-              "samples/s", file=sys.stderr)
-    ratios = [h / p for h, p in zip(hp, pl, strict=True)]
-    fabric_ratios = [h / f for h, f in zip(hp, fb, strict=True)]
+        print(f"round {i}: hpcml {hp[-1]:,.1f}  plain {pl[-1]:,.1f}{fabric_note} samples/s",
+              file=sys.stderr)
+        if i >= a.pairs:
+            widths = [hi - lo for lo, hi in map(median_interval, all_ratios().values())]
+            if max(widths) / 2 <= a.resolve:
+                break
+    ratios_by = all_ratios()
+    intervals = {k: median_interval(v) for k, v in ratios_by.items()}
+    resolved = all((hi - lo) / 2 <= a.resolve for lo, hi in intervals.values())
+    ratios = ratios_by["hpcml_over_plain"]
+    fabric_ratios = ratios_by.get("hpcml_over_fabric", [])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {
         "benchmark": "engine_overhead",
@@ -150,6 +204,11 @@ def main() -> None:
         "fabric_samples_per_s": fb,
         "hpcml_over_fabric_ratios": fabric_ratios,
         "median_hpcml_over_fabric": statistics.median(fabric_ratios) if fb else None,
+        "wall_s": wall,
+        "median_ratios": {k: statistics.median(v) for k, v in ratios_by.items()},
+        "median_ratio_intervals_95": intervals,
+        "rounds": i,
+        "resolved_to": a.resolve if resolved else None,
         "date": time.strftime("%Y-%m-%d"),
     }
     tag = "cpu" if device == "cpu" else device.replace(" ", "_")
@@ -163,6 +222,11 @@ def main() -> None:
            if fb else "- | -")
     print(f"| {device} | {a.model} | {a.batch} | {result['median_hpcml']:,.1f} | "
           f"{result['median_plain']:,.1f} | {result['median_pair_ratio']:.3f} | {fab} |")
+    for name, (lo, hi) in intervals.items():
+        print(f"{name}: median {result['median_ratios'][name]:.3f}, 95% interval "
+              f"[{lo:.3f}, {hi:.3f}]")
+    print(f"{i} rounds; " + (f"resolved to +-{a.resolve:.0%}" if resolved else
+                             f"NOT resolved to +-{a.resolve:.0%} within --max-pairs"))
     print(f"wrote {out}")
 
 

@@ -96,3 +96,66 @@ def tiny_args() -> list[str]:
         "train.log_every=2",
         "train.deterministic=true",
     ]
+
+
+# --- CPU seconds per test (HPCML_TEST_CPU=FILE): what each test costs a 2-core machine ---------
+# Wall time on a shared machine says how busy the machine was; CPU time (this process and every
+# child it waited for, user + system) says what the test itself costs, contended or not. One
+# JSON line per test: {"nodeid", "cpu_s", "wall_s"}. `python tests/cpu_report.py FILE` sums them
+# per file. Off unless the variable is set.
+_CPU_REPORT = os.environ.get("HPCML_TEST_CPU")
+
+
+def _cpu_now() -> float:
+    import resource
+
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+if _CPU_REPORT:
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+        import time
+
+        cpu0, wall0 = _cpu_now(), time.monotonic()
+        yield
+        rec = {"nodeid": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 3),
+               "wall_s": round(time.monotonic() - wall0, 3)}
+        with open(_CPU_REPORT, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+
+# --- Scheduling over xdist workers (`--dist loadgroup --no-loadscope-reorder`, what `make test`
+# passes) --------------------------------------------------------------------------------------
+# Each test file is one unit of work (one worker runs all of it, so its module fixtures are built
+# once), except where a test names its own `xdist_group` (the docs pages: one unit each). Units
+# start costliest first, by the CPU seconds in tests/cost.json (`tests/cpu_report.py --write`),
+# so the two workers end together instead of one running a long file alone at the end; a unit
+# the file does not know starts after the known ones, in collection order.
+_COST_FILE = ROOT / "tests" / "cost.json"
+
+
+def _group_of(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return item.nodeid.split("::")[0]
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("dist", default="no") != "loadgroup":
+        return
+    cost: dict[str, float] = json.loads(_COST_FILE.read_text()) if _COST_FILE.exists() else {}
+    first: dict[str, int] = {}
+    groups: dict[int, str] = {}
+    for i, item in enumerate(items):
+        group = _group_of(item)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        first.setdefault(group, i)
+        groups[id(item)] = group
+    items.sort(key=lambda it: (-cost.get(groups[id(it)], 0.0), first[groups[id(it)]]))

@@ -10,21 +10,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from hpcml.config_sections import (  # re-exported: every section from hpcml.config
+    SECONDS_MAX,
+    FaultConfig,
+    ObserveConfig,
+    TrackingConfig,
+    _Section,
+)
 from hpcml.errors import ConfigError
-
-SECONDS_MAX = 10**9
-"""Upper bound of every duration in seconds (about 31 years): below `threading.TIMEOUT_MAX` and
-`datetime.timedelta`'s range, which the watchdog, signal waits and process-group timeouts use."""
 
 Positive = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0, lt=1)]
-
-
-class _Section(BaseModel):
-    # NaN and infinity are refused everywhere: no setting means anything with them.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -282,110 +280,13 @@ class ParallelConfig(_Section):
     processes. ddp and zero1 with several data-parallel processes only."""
     timeout_s: float = Field(600.0, gt=0, le=SECONDS_MAX)
     """Collective timeout; a rank that stops answering fails the job after this long."""
-
-
-PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
-
-
-class FaultConfig(_Section):
-    """Guards of the training loop (hpcml.train.fault): bad steps, stragglers, hangs, preemption."""
-
-    nan_policy: Literal["skip", "rollback", "stop"] = "skip"
-    """A step whose loss is NaN or Inf: drop its update, reload the last checkpoint and skip
-    the batch, or stop the run."""
-    spike_policy: Literal["skip", "rollback", "stop"] = "skip"
-    """The same choice for a loss spike (see spike_zscore)."""
-    spike_zscore: float | None = Field(None, gt=0)
-    """A loss this many standard deviations above the mean of the last spike_window good steps
-    is a spike (no step is checked before that many are seen); null turns spike detection off
-    (6 is a cautious value)."""
-    spike_window: int = Field(50, ge=5)
-    """Recent good steps (finite, not spikes) whose loss mean and standard deviation a loss is
-    scored against; detection starts once this many are seen. Used only with `spike_zscore`."""
-    max_bad_steps: int = Field(20, gt=0)
-    """Stop after this many bad (NaN/Inf/spike) steps in a row: the model will not recover."""
-    max_rollbacks: int = Field(5, ge=0)
-    """Stop after this many rollbacks in one run."""
-    straggler_every: int = Field(50, ge=0)
-    """Every N steps the ranks compare their local step times; 0 turns it off."""
-    straggler_factor: float = Field(1.5, gt=1)
-    """A rank slower than this many times the (lower) median of all ranks is a straggler."""
-    watchdog_s: float | None = Field(None, ge=0, le=SECONDS_MAX)
-    """A rank without progress for this long ends the job naming the stuck rank and step;
-    null means 0.9 x parallel.timeout_s (so it speaks before the collective times out),
-    0 turns it off."""
-    preempt_check_every: int | None = Field(None, gt=0)
-    """Steps between the ranks' agreement on a preemption signal (and, with several processes,
-    on Ctrl-C); null means at each log flush (train.log_every), inside its one collective.
-    Keep K steps well under the scheduler's warning time (SLURM --signal lead) so the save
-    still fits."""
-    checkpoint_timeout_s: float = Field(1800.0, ge=0, le=SECONDS_MAX)  # [fault] issue 11
-    """A checkpoint phase (write, fsync, manifest, rename; read, at a resume or rollback) that
-    runs this long ends the job naming the rank and the phase (a hung filesystem); 0 turns it
-    off."""
-    checkpoint_verify: Literal["full", "size", "none"] = "full"  # [fault] issue 11
-    """How a resume checks the checkpoint it loads, each file once on one rank: full (sha256,
-    hashed by the writing ranks at save), size (sizes only) or none (the manifest only)."""
-    preempt_grace_s: float = Field(20.0, ge=0, le=SECONDS_MAX)  # [fault] issue 11
-    """After a preemption signal, a checkpoint still being written this long ends the process
-    (exit 1, the newest complete checkpoint kept) before the scheduler's SIGKILL (SLURM's
-    KillWait and Kubernetes' grace period default to 30 s); 0 waits for the save."""
-    preempt_notice: Literal["none", "aws", "gcp", "azure"] = "none"  # [fault] issue 11
-    """Also poll this cloud's instance-metadata endpoint for a spot/preemption notice and treat
-    one like a preemption signal (hpcml.train.preempt_notice)."""
-    preempt_notice_url: str | None = None  # [fault] issue 11
-    """Base URL of the metadata endpoint; null means the provider's (169.254.169.254 or
-    metadata.google.internal)."""
-    preempt_notice_every_s: float = Field(5.0, gt=0, le=SECONDS_MAX)  # [fault] issue 11
-    """How often to ask (AWS recommends every 5 s; it warns 2 minutes ahead, GCP about 30 s)."""
-    preempt_signals: list[PreemptSignal] = Field(
-        default_factory=lambda: list[PreemptSignal](["SIGTERM", "SIGUSR1"])
-    )
-    """Signals that ask for checkpoint-and-exit (exit code 75) at the next step boundary."""
-
-
-class TrackingConfig(_Section):
-    backend: Literal["none", "mlflow"] = "none"
-    """`mlflow` logs params, metrics and artifacts of the run to MLflow, from rank 0 only
-    (pip install 'hpcml[track]'); `none` turns tracking off."""
-    uri: str | None = None
-    """MLflow tracking URI; null means $MLFLOW_TRACKING_URI, else a SQLite store `mlruns.db` in
-    the working folder."""
-    experiment: str = "hpcml"
-    """MLflow experiment the run is logged under; created when missing (a deleted one of that
-    name is restored)."""
-    run_name: str | None = None
-    """MLflow name of a new run; null uses the run folder's name. A resumed run reopens its
-    MLflow run and keeps its name."""
-    tags: dict[str, str] = Field(default_factory=dict)
-    """Free tags such as team, project, cost_center."""
-    log_every: int = Field(10, gt=0)
-    """One point per metric every N steps (the mean over those steps; lr its last value)."""
-    flush_every_s: float = Field(5.0, ge=0, le=SECONDS_MAX)
-    """Send queued points to the store at most this often, in one asynchronous batch (each
-    store write costs ~10 ms of a background thread); the MLflow UI lags by up to this much."""
-
-
-class ObserveConfig(_Section):
-    metrics_port: int | None = Field(None, ge=0, le=65535)
-    """Serve Prometheus `/metrics` from every rank on this port + the local rank (0: any free
-    port); each rank writes its target to RUN_DIR/prometheus/rank-N.json (file_sd). null: off."""
-    targets_dir: str | None = None
-    """Folder for the ranks' file_sd target files, shared by runs (one Prometheus glob
-    `DIR/*.json` finds them all: file_sd globs only the last path element); null:
-    RUN_DIR/prometheus."""
-    metrics_address: str = "0.0.0.0"
-    """Address the `/metrics` endpoints bind to (127.0.0.1 keeps them on this machine)."""
-    tracing: bool = False
-    """OpenTelemetry spans for every step and its phases, evaluation and checkpoints, exported
-    by OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (pip install opentelemetry-exporter-otlp-proto-http)."""
-    job: str | None = None
-    """The `job` label of the series; null: $SLURM_JOB_ID, else $HPCML_JOB, else the run
-    folder's name."""
-    strict_health: bool = False
-    """Refuse to train on a GPU whose NVML pre-flight finds a problem (uncorrected ECC errors,
-    pending memory repairs, slowdown at rest, a narrowed PCIe link, other processes on it);
-    without it the problems are printed and the run goes on. No effect on CPU runs."""
+    accum_reduce: Literal["step", "micro_batch"] = "step"
+    """With train.grad_accum > 1 under zero2/zero3/fsdp: `step` keeps each rank's unsharded
+    gradients through the accumulation and reduce-scatters once per step (the least traffic);
+    `micro_batch` reduce-scatters after every micro-batch and accumulates sharded gradients
+    (1/dp of the gradient memory, grad_accum times the reduce-scatter traffic; what torchtitan
+    does), for models whose full gradients do not fit beside the rest. ddp and zero1 reduce
+    once per step either way."""
 
 
 class FinetuneConfig(_Section):

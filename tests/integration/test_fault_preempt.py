@@ -243,6 +243,28 @@ def test_a_second_ctrl_c_stops_one_process_at_once(tmp_path: Path) -> None:
     assert summary(run)["status"] == "interrupted"
 
 
+def test_a_stop_is_agreed_within_stop_check_s_whatever_log_every_is(tmp_path: Path) -> None:
+    # log_every 1000 > max_steps: before fault.stop_check_s the ranks agreed on a stop only at
+    # a log flush, here never, and the run trained on to its end (exit 0) after SIGUSR1.
+    # Every forward sleeps 0.1 s, so a step takes at least that and stop_check_s 0.5 puts the
+    # agreement at most 5 steps apart: flushes (step records) appear while it trains.
+    config = write_config(
+        tmp_path / "c.yaml",
+        train={"max_steps": 200, "log_every": 1000, "checkpoint_every": 0},
+        fault={"stop_check_s": 0.5},
+    )
+    run = tmp_path / "run"
+    slow = json.dumps({"slow": {"seconds": 0.1}})
+    proc = start_train(config, run, "--nproc", "2", HPCML_FAULT_INJECT=slow)
+    wait_for("2 flushes", lambda: pid_of(run, 1) and len(records(run)) >= 2, proc=proc)
+    os.kill(pid_of(run, 1) or 0, signal.SIGUSR1)
+    out, _ = finish(proc, 120)
+    assert proc.returncode == REQUEUE_EXIT_CODE, out
+    event = [r for r in records(run, "fault") if r["event"] == "preempted"]
+    assert len(event) == 1 and event[0]["step"] < 200, event
+    assert max(step_losses(run)) == event[0]["step"]
+
+
 def start_interruptible(config: Path, run: Path, **env_extra: str) -> subprocess.Popen[str]:
     """One process started with SIGINT's default disposition: a parent started in the
     background of a shell without job control passes SIGINT on ignored; with Python's own

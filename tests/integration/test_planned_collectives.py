@@ -12,7 +12,8 @@ the gloo calls of one real step as hpcml builds it (`parallelize`, `shard_optimi
   per tensor (36 for gpt-tiny without `parameters_as_bucket_view`);
 - zero2 / zero3 (FSDP2): one all-gather per unit and micro-batch in forward, zero3 again in
   backward for all but the last unit, one gradient reduction per unit per step (an all-reduce
-  on gloo, which has no reduce-scatter).
+  on gloo, which has no reduce-scatter), or per micro-batch with parallel.accum_reduce
+  `micro_batch`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SEQ = 32
 MODELS = ("mlp", "simple_cnn", "gpt-tiny", "resnet18")
 STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-CASES = [(m, s, 1) for m in MODELS for s in STRATEGIES] + [("simple_cnn", s, 2) for s in STRATEGIES]
+CASES = (
+    [(m, s, 1, "step") for m in MODELS for s in STRATEGIES]
+    + [("simple_cnn", s, 2, "step") for s in STRATEGIES]
+    # parallel.accum_reduce: micro_batch reduces FSDP2's gradients after every micro-batch.
+    + [("simple_cnn", s, 2, "micro_batch") for s in ("zero2", "zero3")]
+)
 OPS = {
     "gloo:all_reduce": "allreduce",
     "gloo:all_gather": "allgather",
@@ -72,7 +78,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     rt = init_runtime("cpu", "gloo", 120.0)
     g = torch.Generator().manual_seed(rank)
     counts = []
-    for name, strategy, accum in CASES:
+    for name, strategy, accum, reduce in CASES:
         torch.manual_seed(0)
         cfg = ParallelConfig(strategy=strategy)
         model = parallelize(build_model(name, _args(name)), rt, cfg, TrainConfig(), "fp32")
@@ -81,7 +87,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             torch.optim.AdamW(param_groups(model, optim), lr=1e-3), model, rt, cfg
         )
 
-        def step(model=model, opt=opt, name=name, accum=accum) -> None:
+        def step(model=model, opt=opt, name=name, accum=accum, reduce=reduce) -> None:
             for micro in range(accum):
                 if name.startswith("gpt"):
                     x = torch.randint(0, 256, (2, SEQ), generator=g)
@@ -89,7 +95,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 else:
                     x = torch.randn(2, 3, 32, 32, generator=g)
                     y = torch.randint(0, 10, (2,), generator=g)
-                with no_sync(model, skip=micro < accum - 1):
+                with no_sync(model, micro < accum - 1, reduce):
                     cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -119,17 +125,20 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, int]]:
     return list(json.loads(out.read_text()))
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{m}-{s}-m{a}" for m, s, a in CASES])
+@pytest.mark.parametrize(
+    "case", range(len(CASES)), ids=[f"{m}-{s}-m{a}-{r}" for m, s, a, r in CASES]
+)
 def test_a_step_issues_the_collectives_the_planner_counts(
     measured: list[dict[str, int]], case: int
 ) -> None:
-    name, strategy, accum = CASES[case]
+    name, strategy, accum, reduce = CASES[case]
     cluster = resolve_cluster(load_catalog(), 2, accelerator="cpu")
     layout = Layout(
         zero=STRATEGIES[strategy],
         zero1_whole_tensors=strategy == "zero1",
         micro_batch=2,
         grad_accum=accum,
+        accum_reduce=reduce,
     )
     planned: dict[str, float] = {}
     for item in step_communication(

@@ -143,19 +143,28 @@ def test_at_most_one_sync_and_one_collective_per_log_flush(tmp_path: Path) -> No
 def test_fsdp_accumulation_reduce_scatters_once_per_step(tmp_path: Path) -> None:
     """zero3 with 2 micro-batches of 8 reduce-scatters as often as with one batch of 16 (the
     first micro-batch keeps its gradients unsharded: set_requires_gradient_sync(False)) and
-    takes the same steps (fp32; 1e-5 relative: the same sums in another grouping)."""
+    takes the same steps (fp32; 1e-5 relative: the same sums in another grouping); with
+    parallel.accum_reduce=micro_batch it reduce-scatters twice as often, the same steps."""
     from tests.conftest import step_losses
 
     common = ["parallel.strategy=zero3", "train.deterministic=true"]
-    acc = _run(tmp_path / "acc", [*common, "data.batch_size=8", "train.grad_accum=2"])
+    acc_args = [*common, "data.batch_size=8", "train.grad_accum=2"]
+    acc = _run(tmp_path / "acc", acc_args)
     big = _run(tmp_path / "big", [*common, "data.batch_size=16"])
     for rank in (0, 1):
         assert big[rank]["reduce_scatter"] > 0
         assert acc[rank]["reduce_scatter"] == big[rank]["reduce_scatter"], (acc, big)
+    # parallel.accum_reduce=micro_batch: a reduce-scatter per micro-batch (sharded gradients
+    # accumulate), the same steps.
+    each = _run(tmp_path / "each", [*acc_args, "parallel.accum_reduce=micro_batch"])
+    for rank in (0, 1):
+        assert each[rank]["reduce_scatter"] == 2 * big[rank]["reduce_scatter"], (each, big)
     a, b = step_losses(tmp_path / "acc"), step_losses(tmp_path / "big")
-    assert sorted(a) == sorted(b) == list(range(1, 14))
+    e = step_losses(tmp_path / "each")
+    assert sorted(a) == sorted(b) == sorted(e) == list(range(1, 14))
     for s in a:
         assert a[s] == pytest.approx(b[s], rel=1e-5), (s, a[s], b[s])
+        assert e[s] == pytest.approx(b[s], rel=1e-5), (s, e[s], b[s])
 
 
 def test_ddp_accumulation_all_reduces_once_per_step(tmp_path: Path) -> None:

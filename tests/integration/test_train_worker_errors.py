@@ -136,6 +136,9 @@ def test_external_torchrun_workers_say_one_sentence_and_exit_2(
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and all(w in errors[0] for w in words), proc.stderr[-3000:]
     assert "/hpcml/" not in proc.stderr.split("error:")[0]  # no frame of hpcml's code
+    # torchrun's agent ends with its own report whatever the workers do: rank 0 names the
+    # launcher that ends with the sentence alone (issue 29).
+    assert "`python -m hpcml.launch.agent` takes the same arguments" in proc.stderr
     # torchrun SIGTERMs the other worker once the first exits; the first one exited 2.
     assert "exitcode  : 2" in proc.stderr.split("Root Cause")[1], proc.stderr[-3000:]
     assert not run.exists()

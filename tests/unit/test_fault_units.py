@@ -473,3 +473,40 @@ def test_restarts_without_checkpoints_are_refused_and_mtbf_gives_a_daly_interval
     assert 3150 < every_s < math.sqrt(2 * 60 * 86_400)
     script = (tmp_path / "s" / "job.sbatch").read_text()
     assert f"train.checkpoint_every_s={every_s:.0f}" in script
+
+
+def test_checkpoint_timeout_follows_the_bytes_and_the_measured_write_bandwidth() -> None:
+    # Issue 29: the timeout of a checkpoint phase was a constant 1800 s whatever the size: a
+    # hung write of a few MB waited half an hour, a slow write of a large shard was killed.
+    from hpcml.train import checkpoint as ckpt
+    from hpcml.train.fault import FaultGuard
+
+    spec = {"model": {"name": "mlp"}, "data": {"source": "digits"}}
+    guard = FaultGuard(RunConfig.model_validate(spec), runtime())
+    before = len(ckpt.timings)
+    try:
+        guard.watch_checkpoints()
+        dog = guard.watchdog
+        assert dog is not None
+        with guard.checkpointing(500_000_000):  # no save measured yet: 100 MB/s assumed
+            assert dog.checkpoint_timeout_s == pytest.approx(120 + 20 * 5.0)
+            assert "at 100 MB/s assumed" in dog.checkpoint_timeout_why
+        ckpt.timings.append(ckpt.SaveTiming(step=1, background=False, stall_s=1.0))
+        with guard.checkpointing(1_000_000_000):  # that save wrote 500 MB/s
+            assert dog.checkpoint_timeout_s == pytest.approx(120 + 20 * 2.0)
+            assert "at 500 MB/s measured" in dog.checkpoint_timeout_why
+        # A background save on rank 0 knows when it was durable: that time, not the stall.
+        ckpt.timings.append(ckpt.SaveTiming(step=2, background=True, stall_s=0.1, total_s=4.0))
+        with guard.checkpointing(3_000_000_000, saving=False):  # a read, at 250 MB/s
+            assert dog.checkpoint_timeout_s == pytest.approx(120 + 20 * 12.0)
+    finally:
+        del ckpt.timings[before:]
+        guard.close()
+    given = RunConfig.model_validate({**spec, "fault": {"checkpoint_timeout_s": 7}})
+    guard = FaultGuard(given, runtime())
+    try:
+        guard.watch_checkpoints()
+        with guard.checkpointing(10**12):
+            assert guard.watchdog is not None and guard.watchdog.checkpoint_timeout_s == 7
+    finally:
+        guard.close()

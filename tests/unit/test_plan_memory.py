@@ -222,3 +222,21 @@ def test_fits_uses_device_memory() -> None:
         model_shape("gpt2-small"), Layout(), Training(), 1, device_memory_bytes=80 * 2**30
     )
     assert small.fits()
+
+
+def test_fsdp_accumulation_holds_unsharded_gradients_unless_reduced_every_micro_batch() -> None:
+    # parallel.accum_reduce: FSDP2 without gradient sync keeps the unsharded gradients of the
+    # earlier micro-batches (Psi x grad bytes) beside the shard; reducing every micro-batch
+    # keeps the shard only, as without accumulation.
+    m = ModelShape("psi", 1_000_000_000, largest_layer_params=10_000_000)
+    held = per_device_bytes(m, Layout(zero=3, grad_accum=4), Training("bf16"), 8)
+    each = per_device_bytes(
+        m, Layout(zero=3, grad_accum=4, accum_reduce="micro_batch"), Training("bf16"), 8
+    )
+    single = per_device_bytes(m, Layout(zero=3, grad_accum=1), Training("bf16"), 8)
+    assert each.grads_bytes == single.grads_bytes == 2 * 1e9 / 8
+    assert held.grads_bytes == 2 * 1e9 / 8 + 2 * 1e9
+    # Offloading moves the shard to the host; the accumulation still happens on the device.
+    off_layout = Layout(zero=3, grad_accum=4, offload="optimizer")
+    off = per_device_bytes(m, off_layout, Training("bf16"), 8)
+    assert off.grads_bytes == 2 * 1e9

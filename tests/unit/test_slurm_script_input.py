@@ -102,3 +102,22 @@ def test_the_cli_refuses_tune_workers_on_several_nodes(tmp_path: Path) -> None:
         and "Traceback" not in res.output
     )
     assert not (tmp_path / "study").exists()
+def test_multi_node_gpu_jobs_ask_for_whole_nodes_and_gpu_near_cores(tmp_path: Path) -> None:
+    # Issue 29: another job on the same nodes shares their GPUs' links and the network the
+    # collectives use; and cores far from the GPUs slow every host-to-device copy.
+    gpu = {**BASE, "run_dir": tmp_path, "cpus_per_task": 32, "mem_per_gpu": "60G"}
+    wanted = ["#SBATCH --exclusive", "#SBATCH --gres-flags=enforce-binding"]
+
+    def lines(**kw: object) -> list[str]:
+        return render_sbatch(SlurmJob(**{**gpu, **kw})).splitlines()  # type: ignore[arg-type]
+
+    assert all(w in lines(nodes=2, gpus_per_node=4) for w in wanted)
+    one_node = lines(nodes=1, gpus_per_node=4)
+    assert not any(w in one_node for w in wanted)  # a single-node job may share its node
+    assert all(w in lines(nodes=1, gpus_per_node=4, exclusive=True) for w in wanted)
+    assert not any(w in lines(nodes=2, gpus_per_node=4, exclusive=False) for w in wanted)
+    cpu = lines(nodes=2, gpus_per_node=0, mem_per_gpu=None, mem="8G", exclusive=True)
+    assert "#SBATCH --exclusive" in cpu and "#SBATCH --gres-flags=enforce-binding" not in cpu
+    # Given already through --sbatch: written once.
+    twice = lines(nodes=2, gpus_per_node=4, sbatch_extra=["--exclusive"])
+    assert twice.count("#SBATCH --exclusive") == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -20,4 +21,10 @@ def print_json(obj: Any) -> None:
 def fail(message: str, exit_code: int = 2) -> None:
     """Print one sentence for the user and exit; never a traceback."""
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker: torch is loaded already
+        from hpcml.distributed.runtime import stock_torchrun_note
+
+        note = stock_torchrun_note(exit_code)  # under torchrun's own agent
+        if note is not None:
+            err_console.print(note, highlight=False, soft_wrap=True)
     raise SystemExit(exit_code)

@@ -142,6 +142,12 @@ def slurm(
     script: Path | None = typer.Option(
         None, "--script", help="Where to write the sbatch script (default RUN_DIR/job.sbatch)."
     ),
+    exclusive: bool | None = typer.Option(
+        None,
+        "--exclusive/--shared",
+        help="Whole nodes, and cores next to the GPUs (--gres-flags=enforce-binding); default: "
+        "--exclusive for multi-node GPU jobs.",
+    ),
     submit: bool = typer.Option(False, "--submit", help="Submit it with sbatch."),
     tune_workers: int = typer.Option(
         0,
@@ -168,6 +174,8 @@ def slurm(
         run_dir = run_dir or Path("runs") / f"tune-{config.stem}"
     chosen = run_dir or rundir.default_run_dir(config)
     interval = None if tune_workers else _checkpoint_interval(cfg, chosen, mtbf, checkpoint_s)
+    if not tune_workers:
+        _check_signal_lead(cfg, chosen, signal_lead_s, checkpoint_s)
     if interval is not None:
         overrides = [
             *(overrides or []),
@@ -193,6 +201,7 @@ def slurm(
         max_restarts=max_restarts,
         rdzv_port=port,
         sbatch_extra=list(sbatch_extra or []),
+        exclusive=exclusive,
     )
     if cpus_per_task is None or not (mem or mem_per_gpu):
         job.fill_from(node_shape(partition, gpus_per_node))
@@ -218,6 +227,8 @@ def slurm(
         "mem_per_gpu": job.mem_per_gpu,
         "max_requeues": max_requeues,
         "checkpoint_every_s": interval["daly_interval_s"] if interval else None,
+        "checkpoint_s": interval["checkpoint_s"] if interval else None,
+        "restart_s": interval["restart_s"] if interval else None,
         "resumes_existing_run": rundir.holds_run(chosen),
         "job_id": job_id,
     }
@@ -251,8 +262,9 @@ def slurm(
     if interval is not None:
         console.print(
             f"train.checkpoint_every was 0: checkpointing every {_fmt_s(interval['daly_interval_s'])}"
-            f" (Daly, checkpoint cost {_fmt_s(interval['checkpoint_s'])} "
-            f"{interval['checkpoint_s_source']}, MTBF {_fmt_s(interval['mtbf_s'])})."
+            f" (Daly, checkpoint cost until durable {_fmt_s(interval['checkpoint_s'])} "
+            f"{interval['checkpoint_s_source']}, restart {_fmt_s(interval['restart_s'])} "
+            f"{interval['restart_s_source']}, MTBF {_fmt_s(interval['mtbf_s'])})."
         )
     if job_id is None:
         console.print(f"submit with: sbatch {path}")
@@ -264,7 +276,6 @@ def _checkpoint_interval(
     """A requeued job resumes from its newest checkpoint: refuse a config that saves only at
     the end, or (with --mtbf) give it Daly's interval from the measured or given cost."""
     from hpcml.errors import ConfigError
-    from hpcml.records import read_summary
     from hpcml.train.fault import checkpoint_advice
 
     if cfg.train.checkpoint_every or cfg.train.checkpoint_every_s:
@@ -276,8 +287,8 @@ def _checkpoint_interval(
             "(e.g. --mtbf 24h) to checkpoint every Daly interval."
         )
     source = "given (--checkpoint-s)"
-    if checkpoint_s is None and (run_dir / "summary.json").exists():
-        measured = ((read_summary(run_dir).get("fault") or {}).get("checkpoints")) or {}
+    measured = _measured_checkpoints(run_dir)
+    if checkpoint_s is None and measured:
         checkpoint_s = durable_s(measured)
         source = f"measured in {run_dir}"
     if not checkpoint_s:
@@ -285,9 +296,45 @@ def _checkpoint_interval(
             "--mtbf needs the checkpoint cost: pass --checkpoint-s (seconds one checkpoint "
             "stalls training), or a --run-dir whose summary.json measured it."
         )
-    advice = checkpoint_advice(checkpoint_s, parse_duration_s(mtbf, "--mtbf"))
+    restart_s, restart_source = RESTART_S, "assumed (no resume measured a load)"
+    if measured.get("load_s") is not None:
+        restart_s, restart_source = float(measured["load_s"]), f"load measured in {run_dir}"
+    advice = checkpoint_advice(checkpoint_s, parse_duration_s(mtbf, "--mtbf"), restart_s)
     advice["checkpoint_s_source"] = source
+    advice["restart_s_source"] = restart_source
     return advice
+
+
+def _measured_checkpoints(run_dir: Path) -> dict[str, Any]:
+    """What a run in `run_dir` measured of its checkpoints (summary.json), or {}."""
+    from hpcml.records import read_summary
+
+    if not (run_dir / "summary.json").exists():
+        return {}
+    return ((read_summary(run_dir).get("fault") or {}).get("checkpoints")) or {}
+
+
+def _check_signal_lead(
+    cfg: Any, run_dir: Path, signal_lead_s: int, checkpoint_s: float | None
+) -> None:
+    """After SLURM's USR1 the ranks agree on the stop within fault.stop_check_s, then save: a
+    lead shorter than both together ends the job before its checkpoint is durable."""
+    from hpcml.errors import ConfigError
+
+    stop_s = cfg.fault.stop_check_s
+    if stop_s is None or cfg.fault.preempt_check_every is not None:
+        return  # a bound in steps, not seconds
+    source = "given (--checkpoint-s)"
+    if checkpoint_s is None:
+        checkpoint_s, source = durable_s(_measured_checkpoints(run_dir)), f"measured in {run_dir}"
+    need = stop_s + (checkpoint_s or 0.0)
+    if signal_lead_s < need:
+        save = f" + the save, {checkpoint_s:.0f} s {source}" if checkpoint_s else ""
+        raise ConfigError(
+            f"--signal-lead {signal_lead_s} s is shorter than the time a preempted run needs to "
+            f"stop and save ({need:.0f} s: fault.stop_check_s {stop_s:g} s{save}); pass a longer "
+            "--signal-lead or a smaller fault.stop_check_s."
+        )
 
 
 RESTART_S = 60.0

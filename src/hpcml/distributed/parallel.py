@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -201,15 +202,58 @@ def unwrap(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
-def no_sync(model: nn.Module, skip: bool) -> AbstractContextManager[None]:
+def no_sync(
+    model: nn.Module, skip: bool, accum_reduce: str = "step"
+) -> AbstractContextManager[None]:
     """Skip the gradient reduction on micro-batches that are not the last of an accumulation:
     DDP's all-reduce (no_sync) and FSDP2's reduce-scatter (set_requires_gradient_sync), whose
-    unsharded gradients then accumulate locally until the last micro-batch."""
+    unsharded gradients then accumulate locally until the last micro-batch. With
+    `accum_reduce="micro_batch"` FSDP2 reduce-scatters every micro-batch instead and
+    accumulates the sharded gradients (parallel.accum_reduce)."""
     if skip and isinstance(model, DDP):
         return model.no_sync()  # type: ignore[no-any-return]
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(not skip)
+        model.set_requires_gradient_sync(not skip or accum_reduce == "micro_batch")
     return nullcontext()
+
+
+FSDP_WAITS = ("unshard", "wait_for_unshard", "post_backward", "finalize_backward")
+"""FSDP2 parameter-group methods in which a rank waits for the others: the parameter
+all-gather (forward, and backward under zero3) and the gradient reduce-scatter."""
+
+
+def wrap_fsdp_waits(
+    model: nn.Module, around: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None] | None:
+    """Replace, on every FSDP2 unit of `model`, the methods that wait for other ranks
+    (`FSDP_WAITS`) with `around(method)`; returns the function that puts them back. Straggler
+    detection subtracts that time: a fast rank waiting in FSDP's collectives for a slow one
+    must not look slow itself. FSDP2 has no public hook there; the parameter groups are
+    reached through its state (torch 2.11-2.13: `_fsdp_param_groups`, or `_fsdp_param_group`).
+    None when `model` has no FSDP2 unit."""
+    undo: list[Callable[[], None]] = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        for group in groups:
+            for name in FSDP_WAITS:
+                if name in vars(group) or not hasattr(group, name):
+                    continue  # wrapped already, or not in this torch
+                setattr(group, name, around(getattr(group, name)))
+                undo.append(partial(delattr, group, name))
+    if not undo:
+        return None
+
+    def restore() -> None:
+        for u in undo:
+            u()
+
+    return restore
 
 
 def _grad_groups(model: nn.Module) -> list[list[torch.Tensor]]:
@@ -348,6 +392,16 @@ def reshard(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def local_checkpoint_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters and optimizer state held on this rank (what its checkpoint writes),
+    as they are now (no resharding)."""
+    tensors: list[torch.Tensor] = list(model.parameters())
+    for state in getattr(optimizer, "optim", optimizer).state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    local = [getattr(t, "_local_tensor", t) for t in tensors]
+    return sum(int(t.numel() * t.element_size()) for t in local)
 
 
 def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -52,6 +52,17 @@ WORKER_ERRORS_ENV = "HPCML_WORKER_ERRORS"
 rank-R.json there (its sentence and exit code) for the parent to report."""
 
 
+AGENT_ENV = "HPCML_AGENT"
+"""Set by hpcml's torchrun agent (`hpcml.launch.agent`) for its workers."""
+
+STOCK_TORCHRUN_NOTE = (
+    "(torchrun's own report of the failed worker follows: `python -m hpcml.launch.agent` takes "
+    "the same arguments and ends with the line above alone, exit code {code})"
+)
+"""Said under torchrun's own agent, which cannot be told to end with a worker's sentence: it
+raises ChildFailedError (a traceback, exit 1) for any worker that exits non-zero."""
+
+
 def report_worker_error(message: str, exit_code: int) -> bool:
     """In a torchrun worker that stops on a user error: leave the sentence for our launcher and
     print it on rank 0 now, while set-up's signal handlers still hold off torchrun's SIGTERM
@@ -69,7 +80,19 @@ def report_worker_error(message: str, exit_code: int) -> bool:
     if rank != 0:
         return False
     print(f"error: {message}", file=sys.stderr, flush=True)
+    note = stock_torchrun_note(exit_code)
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     return True
+
+
+def stock_torchrun_note(exit_code: int) -> str | None:
+    """What rank 0 adds to its error under torchrun's own agent (`STOCK_TORCHRUN_NOTE`)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or AGENT_ENV in os.environ:
+        return None
+    if os.environ.get(WORKER_ERRORS_ENV):  # hpcml train --nproc: its agent and parent report
+        return None
+    return STOCK_TORCHRUN_NOTE.format(code=exit_code)
 
 
 def peer_failed_first() -> bool:
@@ -128,9 +151,50 @@ def _elastic_attempt_store(rank: int, world: int, timeout_s: float) -> dict[str,
     }
 
 
+FLIGHT_RECORDER_ENTRIES = 2000
+"""Collectives NCCL's flight recorder keeps per rank (torch's default is 0: off)."""
+
+
+FLIGHT_RECORDER_ENV = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+"""What turns NCCL's flight recorder on: each rank keeps its last collectives and, on a
+collective timeout, writes them to `flight_recorder_file` (read them with `torchfrtrace`)."""
+
+
+def flight_recorder_file(rank: int) -> str:
+    """Where NCCL's flight recorder writes this rank's dump (torch's variable and default)."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get(
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_"
+    )
+    return f"{prefix}{rank}"
+
+
+def dump_flight_recorder(rt: Runtime) -> str | None:
+    """Write NCCL's flight recorder of this rank now (a hang our watchdog ends before NCCL's
+    own timeout would dump it); the file, or None where there is none (gloo, an older torch)."""
+    if rt.backend != "nccl" or "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        return None
+    try:
+        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace")  # noqa: B009 - private
+        trace = dump()  # bytes (pickle), torch >= 2.4
+        path = flight_recorder_file(rt.rank)
+        with open(path, "wb") as f:
+            f.write(trace)
+        return path
+    except Exception:  # noqa: BLE001 - a diagnosis aid, never a second failure
+        return None
+
+
 def init_runtime(
-    device: str = "auto", backend: str = "auto", timeout_s: float = 600.0, tp: int = 1
+    device: str = "auto",
+    backend: str = "auto",
+    timeout_s: float = 600.0,
+    tp: int = 1,
 ) -> Runtime:
+    """Devices and the process group. Under NCCL the flight recorder is on
+    (`FLIGHT_RECORDER_ENV`; values the user set win)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -148,6 +212,9 @@ def init_runtime(
         chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+        if chosen == "nccl":
+            for key, value in FLIGHT_RECORDER_ENV.items():
+                os.environ.setdefault(key, value)
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=chosen,

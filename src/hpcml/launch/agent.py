@@ -40,6 +40,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from hpcml.distributed.runtime import AGENT_ENV
 from hpcml.distributed.runtime import WORKER_ERRORS_ENV as ERRORS_ENV
 from hpcml.errors import REQUEUE_EXIT_CODE
 
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     launcher_api.LocalElasticAgent = PreemptionAwareAgent  # type: ignore[misc]
+    os.environ[AGENT_ENV] = "1"  # the workers know their errors end here as one line
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as exc:

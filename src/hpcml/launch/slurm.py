@@ -118,7 +118,11 @@ class SlurmJob:
     """Default: 20000 + job id mod 20000, so jobs sharing a first node do not collide."""
     python: str = field(default_factory=lambda: sys.executable)
     sbatch_extra: list[str] = field(default_factory=list)
-    """More `#SBATCH` lines, e.g. `--qos=high` or `--exclusive`."""
+    """More `#SBATCH` lines, e.g. `--qos=high`."""
+    exclusive: bool | None = None
+    """Whole nodes (`--exclusive`) and cores next to the GPUs (`--gres-flags=enforce-binding`);
+    None: on for multi-node GPU jobs, whose collectives another job's traffic on the same
+    GPUs or network links would slow down."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -241,6 +245,7 @@ def _directives(job: SlurmJob) -> list[str]:
         out.append(f"--partition={job.partition}")
     if job.account:
         out.append(f"--account={job.account}")
+    out += _exclusive_flags(job)
     return [
         *out,
         f"--signal=USR1@{job.signal_lead_s}",
@@ -249,6 +254,15 @@ def _directives(job: SlurmJob) -> list[str]:
         f"--output={job.run_dir.resolve() / 'slurm-%j.out'}",
         *job.sbatch_extra,
     ]
+
+
+def _exclusive_flags(job: SlurmJob) -> list[str]:
+    """`--exclusive`, and on GPU nodes `--gres-flags=enforce-binding` (see SlurmJob.exclusive)."""
+    wanted = job.exclusive if job.exclusive is not None else job.nodes > 1 and job.gpus_per_node
+    if not wanted:
+        return []
+    flags = ["--exclusive"] + ["--gres-flags=enforce-binding"] * bool(job.gpus_per_node)
+    return [f for f in flags if f not in job.sbatch_extra]
 
 
 def _numa(job: SlurmJob) -> bool:

@@ -293,6 +293,7 @@ def setup_from_summary(
         # hpcml's zero1 is torch's ZeroRedundancyOptimizer: whole tensors per rank. Measured on
         # mlp, the busiest rank held 1.84x the even split the planner used to predict.
         zero1_whole_tensors=strategy == "zero1",
+        accum_reduce=str(_get(config, "parallel", "accum_reduce", default="step")),
     )
 
     step = _get(summary, "throughput", "step_time_s")

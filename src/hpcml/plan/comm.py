@@ -277,11 +277,13 @@ def step_communication(
         # per unit (wrapped block), so a deep model pays the collectives' latency per unit.
         # zero3 gathers every unit in forward and all but the last again in backward (the
         # last is kept for the backward that starts with it); zero2 keeps what forward
-        # gathered. Gradients are reduced once per step (no sync on earlier micro-batches).
+        # gathered. Gradients are reduced once per step (no sync on earlier micro-batches),
+        # or once per micro-batch with accum_reduce "micro_batch".
         u = model.gather_units
         gathers = u if layout.zero == 2 else 2 * u - 1
         add("FSDP parameter all-gather", "allgather", param_size / u, m * gathers, dp_g, "compute")
-        add("FSDP gradient reduce-scatter", reduce_op, grad_size / u, u, dp_g, "compute")
+        rs_calls = u * (m if layout.accum_reduce == "micro_batch" else 1)
+        add("FSDP gradient reduce-scatter", reduce_op, grad_size / u, rs_calls, dp_g, "compute")
 
     if model.is_transformer:
         layers = math.ceil(model.layers / layout.pp)

@@ -151,6 +151,10 @@ class Layout:
     attention: str | None = None
     """eager, sdpa or flash; None takes the model's own (sdpa for the zoo's gpt, flash for
     other transformers)."""
+    accum_reduce: str = "step"
+    """ZeRO-2/3 (FSDP2) with grad_accum > 1: `step` keeps unsharded gradients through the
+    accumulation (reduced once per step); `micro_batch` reduce-scatters every micro-batch and
+    keeps only the shard (hpcml's parallel.accum_reduce)."""
     zero1_whole_tensors: bool = False
     """ZeRO-1 as torch's ZeroRedundancyOptimizer (hpcml's zero1) shards the optimizer state:
     whole parameter tensors per rank (hpcml.plan.zero1). False: by elements, 1/dp each
@@ -447,6 +451,15 @@ def per_device_bytes(
         # ZeRO-Infinity (Rajbhandari et al. 2021): sharded parameters wait on the host too.
         host += p_bytes
         p_bytes = 0.0
+
+    if layout.zero >= 2 and dp > 1 and layout.grad_accum > 1 and layout.accum_reduce == "step":
+        # FSDP2 without gradient sync on the earlier micro-batches (set_requires_gradient_sync)
+        # keeps each unit's unsharded gradient on the device until the last one reduce-scatters it.
+        g_bytes += n_params * training.grad_bytes
+        notes.append(
+            "gradients held unsharded through the accumulation (parallel.accum_reduce: step); "
+            "micro_batch keeps only the shard"
+        )
 
     if model.is_transformer:
         acts = transformer_activation_bytes(model, layout, training.activation_bytes)

@@ -319,3 +319,8 @@ def resume_target(
         if warn is not None:
             warn(f"{problem}{where}; {then}.")
     return chosen
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files of a checkpoint folder (what a resume reads at most)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -36,6 +36,7 @@ from hpcml.distributed.runtime import (
     all_reduce_max,
     all_reduce_sum,
     broadcast_object,
+    dump_flight_recorder,
 )
 from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.errors import REQUEUE_EXIT_CODE, Preempted, WorkFailed
@@ -44,7 +45,9 @@ from hpcml.train import checkpoint as ckpt
 from hpcml.train import ckpt_phase, straggler
 from hpcml.train.fault_inject import INJECT_ENV, FaultInjector
 from hpcml.train.fault_policy import (
+    CKPT_TIMEOUT_FLOOR_S,
     checkpoint_advice,
+    checkpoint_timeout,
     require_checkpoints_for_restarts,
     worker_outcome,
 )
@@ -144,6 +147,8 @@ class FaultGuard:
         self.timer = straggler.StepTimer(rt.device)
         self._handles: list[Any] = []
         self._timings_from = len(ckpt.timings)
+        self._save_bytes: list[int] = []
+        """Bytes of this rank's saves (checkpointing), in the order of ckpt.timings."""
         self.watchdog: Watchdog | None = None
         self.notices: NoticeWatcher | None = None
         self._last_save_t = time.monotonic()
@@ -197,6 +202,8 @@ class FaultGuard:
             return
         timeout = self.watchdog_timeout_s()
         ckpt_timeout, grace = self.fc.checkpoint_timeout_s, self.fc.preempt_grace_s
+        if ckpt_timeout is None:  # set for each save and load (checkpointing)
+            ckpt_timeout = CKPT_TIMEOUT_FLOOR_S
         if timeout > 0 or ckpt_timeout > 0 or grace > 0:
             self.watchdog = Watchdog(
                 timeout,
@@ -387,12 +394,30 @@ class FaultGuard:
     # -- checkpoints, preemption, hangs ----------------------------------------------------
 
     @contextlib.contextmanager
-    def checkpointing(self) -> Iterator[None]:
-        """Around a save or load: a long write is not a hang."""
+    def checkpointing(self, nbytes: int | None = None, saving: bool = True) -> Iterator[None]:
+        """Around a save or load of `nbytes` on this rank: a long write is not a hang, and each
+        checkpoint phase gets its timeout (`fault_policy.checkpoint_timeout`)."""
+        if self.watchdog is not None and nbytes is not None:
+            dog = self.watchdog
+            dog.checkpoint_timeout_s, dog.checkpoint_timeout_why = checkpoint_timeout(
+                self.fc.checkpoint_timeout_s, nbytes, self._write_bytes_per_s()
+            )
+        if saving and nbytes is not None:
+            self._save_bytes.append(nbytes)
         cm = self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
         with cm:
             yield
         self._last_save_t = time.monotonic()
+
+    def _write_bytes_per_s(self) -> float | None:
+        """The bandwidth of this run's newest save that has measured one (until durable; a
+        background save on ranks other than 0 does not know that)."""
+        saves = ckpt.timings[self._timings_from :]
+        for t, nbytes in reversed(list(zip(saves, self._save_bytes, strict=False))):
+            seconds = t.total_s if t.total_s is not None else (None if t.background else t.stall_s)
+            if seconds:
+                return nbytes / seconds
+        return None
 
     def checkpoint_due(self, step: int) -> bool:
         """train.checkpoint_every_s: whether that long has passed since the last save. Ranks
@@ -428,6 +453,9 @@ class FaultGuard:
         raise KeyboardInterrupt(f"SIGINT: every rank stopped after step {step}")
 
     def _hang(self, message: str) -> None:
+        dumped = dump_flight_recorder(self.rt)
+        if dumped is not None:
+            message += f" NCCL's flight recorder of this rank: {dumped} (read with torchfrtrace)."
         print(f"error: {message}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if self.rt.is_main and self.run_dir is not None:

@@ -77,3 +77,31 @@ def checkpoint_advice(
     if step_time_s:
         out["checkpoint_every_steps"] = max(1, round(interval / step_time_s))
     return out
+
+
+# --- checkpoint timeout ----------------------------------------------------------------------
+
+CKPT_TIMEOUT_FLOOR_S = 120.0
+"""Any checkpoint phase may take this long (metadata round trips, a busy filesystem)."""
+CKPT_TIMEOUT_SLACK = 20.0
+"""A phase that runs this many times longer than its bytes take at the measured bandwidth is
+a hung filesystem, not a slow one."""
+CKPT_ASSUMED_BYTES_PER_S = 100e6
+"""The write bandwidth assumed before a save has measured one (a slow shared filesystem)."""
+
+
+def checkpoint_timeout(
+    configured_s: float | None, nbytes: int, bytes_per_s: float | None
+) -> tuple[float, str]:
+    """The checkpoint phases' timeout for `nbytes` this rank writes or reads, and how it was
+    chosen: `fault.checkpoint_timeout_s` where given, else the floor plus SLACK times the time
+    those bytes take at the bandwidth the last save measured (or the assumed one)."""
+    if configured_s is not None:
+        return configured_s, f"fault.checkpoint_timeout_s={configured_s:g}"
+    rate = bytes_per_s or CKPT_ASSUMED_BYTES_PER_S
+    timeout = CKPT_TIMEOUT_FLOOR_S + CKPT_TIMEOUT_SLACK * nbytes / rate
+    source = "measured" if bytes_per_s else "assumed"
+    return timeout, (
+        f"fault.checkpoint_timeout_s null: {timeout:.0f} s for {nbytes / 1e6:.1f} MB at "
+        f"{rate / 1e6:.0f} MB/s {source}"
+    )

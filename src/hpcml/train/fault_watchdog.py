@@ -50,6 +50,8 @@ class Watchdog:
     ) -> None:
         self.timeout_s = timeout_s
         self.checkpoint_timeout_s = checkpoint_timeout_s
+        self.checkpoint_timeout_why = f"fault.checkpoint_timeout_s={checkpoint_timeout_s:g}"
+        """How the timeout was chosen, for the message (see FaultGuard.checkpointing)."""
         self.preemption = preemption
         self.preempt_grace_s = preempt_grace_s
         self.rt = rt
@@ -157,7 +159,7 @@ class Watchdog:
             )
         return (
             f"{names} stalled in {what} for {ran_s:.0f} s "
-            f"(fault.checkpoint_timeout_s={self.checkpoint_timeout_s:g}); ending the job instead "
+            f"({self.checkpoint_timeout_why}); ending the job instead "
             "of hanging: check the run folder's filesystem, then resume with --resume auto."
         )
 

@@ -89,3 +89,22 @@ def workload(
         flops = 3.0 * forward_flops_per_sample
     peak = peak_override or peak_flops_per_s(str(device.get("name", "")), precision)
     return Workload(tokens, flops, peak, devices)
+
+
+def run_workload(
+    cfg: Any, resolved: Any, rt: Any, spec: Any, forward_flops_per_sample: int
+) -> Workload:
+    """`workload` for a run: its model's FLOPs formula, its data's input and its devices."""
+    from hpcml.distributed.runtime import device_info
+
+    per_token = spec.train_flops_per_token_fn
+    return workload(
+        per_token(resolved.model_args) if per_token else None,
+        forward_flops_per_sample,
+        resolved.splits.input_shape,
+        resolved.splits.input_dtype,
+        device_info(rt),
+        cfg.precision,
+        cfg.train.peak_flops,
+        rt.world_size,
+    )

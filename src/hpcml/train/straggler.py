@@ -9,6 +9,12 @@ the last gradient is ready (DDP's finalize), so a fast rank waiting for a slow o
 slow itself, as it would with whole-step times. A slow forward, a slow backward and a slow
 optimizer step all count.
 
+Under FSDP2 (zero2, zero3, fsdp) gradients reach the sharded parameters through FSDP's
+reduce-scatter, not autograd, so no such hook fires, and a fast rank waits for a slow one in
+FSDP's parameter all-gathers and gradient reduce-scatters inside forward and backward. There
+a micro-batch is timed from the first forward to the end of the last backward, and the time
+spent in FSDP's waiting methods (`hpcml.distributed.parallel.wrap_fsdp_waits`) is subtracted.
+
 On a GPU the marks are CUDA events recorded on the current stream (no host sync); they are read
 (`Event.elapsed_time`, which waits for them) only at the comparison step. On the CPU the ops are
 synchronous, so `time.perf_counter()` at the same marks is the compute time.
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcml.distributed.parallel import wrap_fsdp_waits
 from hpcml.distributed.runtime import Runtime, all_gather_object
 
 Mark = Any
@@ -53,6 +60,8 @@ class StepTimer:
         self._last_param: int | None = None
         self._pruned = False
         self._handles: list[Any] = []
+        self._waits: list[tuple[Mark, Mark]] = []
+        self._unwrap_fsdp: Callable[[], None] | None = None
 
     # -- marks -----------------------------------------------------------------------------
 
@@ -67,7 +76,10 @@ class StepTimer:
     def attach(self, model: nn.Module | None, optimizer: Any = None) -> None:
         """Hooks on every trainable parameter (pruned to the one whose gradient comes last
         after the first backward) and on the optimizer's step."""
-        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        if model is not None:
+            self._unwrap_fsdp = wrap_fsdp_waits(model, self._timed_wait)
+        fsdp = self._unwrap_fsdp is not None
+        params = [p for p in model.parameters() if p.requires_grad] if model and not fsdp else []
         for i, p in enumerate(params):
             self._grad_handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(i)))
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
@@ -80,6 +92,23 @@ class StepTimer:
         for h in self._grad_handles + self._handles:
             h.remove()
         self._grad_handles, self._handles = [], []
+        if self._unwrap_fsdp is not None:
+            self._unwrap_fsdp()
+            self._unwrap_fsdp = None
+
+    def _timed_wait(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """FSDP: `method` waits for other ranks; its time inside a timed step is not compute."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._fb_start is None:  # evaluation, or outside the training step
+                return method(*args, **kwargs)
+            start = self._mark()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._waits.append((start, self._mark()))
+
+        return timed
 
     def _grad_ready(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
@@ -92,6 +121,10 @@ class StepTimer:
         return hook
 
     def forward_started(self) -> None:
+        if self._unwrap_fsdp is not None:  # FSDP: one span from the first micro-batch on
+            if self._fb_start is None:
+                self._fb_start = self._mark()
+            return
         self._close_fb()
         self._fb_start = self._mark()
 
@@ -119,6 +152,10 @@ class StepTimer:
             self._opt_start = None
 
     def end_step(self, data_wait_s: float) -> None:
+        """After the last backward of a step, before the optimizer."""
+        if self._unwrap_fsdp is not None and self._fb_start is not None:
+            self._fb_end = self._mark()
+            self._close_fb()
         self._steps += 1
         self._extra_s += data_wait_s
 
@@ -129,15 +166,19 @@ class StepTimer:
         call; on a GPU this waits for the recorded events (the only sync)."""
         self._close_fb()
         spans, steps, extra = self._spans, max(self._steps, 1), self._extra_s
-        self._spans, self._steps, self._extra_s = [], 0, 0.0
-        if self.cuda:
-            total = 0.0
-            for start, end in spans:
-                end.synchronize()
-                total += start.elapsed_time(end) / 1000.0
-        else:
-            total = sum(end - start for start, end in spans)
-        return total / steps, extra / steps
+        waits = self._waits
+        self._spans, self._steps, self._extra_s, self._waits = [], 0, 0.0, []
+        total = self._seconds(spans) - self._seconds(waits)
+        return max(total, 0.0) / steps, extra / steps
+
+    def _seconds(self, spans: list[tuple[Mark, Mark]]) -> float:
+        if not self.cuda:
+            return float(sum(end - start for start, end in spans))
+        total = 0.0
+        for start, end in spans:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1000.0
+        return total
 
 
 def device_name(device: torch.device) -> str:

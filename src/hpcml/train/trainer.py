@@ -20,9 +20,9 @@ from hpcml.data.device_augment import device_augment
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
 from hpcml.data.shards.versions import first_read, versions_after_resume
 from hpcml.distributed.parallel import (
-    clip_grad_norm,
     grad_norm,
     grad_scaler,
+    local_checkpoint_bytes,
     local_value,
     loss_context,
     no_sync,
@@ -45,6 +45,7 @@ from hpcml.train import checkpoint as ckpt
 from hpcml.train import finetune, memprobe, mfu, resume_changes, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
+from hpcml.train.ckpt_manifest import folder_bytes
 from hpcml.train.eval_sets import EvalSets
 from hpcml.train.evaluation import evaluate_model
 from hpcml.train.fault import FaultGuard
@@ -54,6 +55,7 @@ from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
 from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon, param_groups
 from hpcml.train.summary import build_summary, failure_kind, failure_summary, seed_everything
+from hpcml.train.update import optimizer_step
 from hpcml.train.validate import resolve
 
 
@@ -219,7 +221,7 @@ class Trainer:
         changed hyperparameters are applied or refused (`hpcml.train.resume_changes`)."""
         fresh = resume_changes.hyperparameters(self.optimizer)
         t0 = time.perf_counter()
-        with self.guard.checkpointing():
+        with self.guard.checkpointing(folder_bytes(path), saving=False):
             loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
         self.guard.load_s = time.perf_counter() - t0
         finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
@@ -274,22 +276,10 @@ class Trainer:
         obs.gpu_preflight(cfg, rt)
         self.exporter = obs.start_exporter(cfg, rt, self.out_dir)
         self.spec = get_spec(cfg.model.name)
-        from hpcml.distributed.runtime import device_info
-
-        self.meter.workload = mfu.workload(
-            self.spec.train_flops_per_token_fn(res.model_args)
-            if self.spec.train_flops_per_token_fn
-            else None,
-            self.flops_per_sample,
-            res.splits.input_shape,
-            res.splits.input_dtype,
-            device_info(rt),
-            cfg.precision,
-            cfg.train.peak_flops,
-            rt.world_size,
-        )
+        self.meter.workload = mfu.run_workload(cfg, res, rt, self.spec, self.flops_per_sample)
         self.provenance: dict[str, Any] = {}
         if rt.is_main:
+            from hpcml.distributed.runtime import device_info
             from hpcml.track.provenance import collect
 
             self.provenance = collect(
@@ -324,7 +314,7 @@ class Trainer:
         t0 = time.perf_counter()
         loss_sum, data_wait = self.forward_backward()
         # The global gradient norm, on the device: every rank decides alike whether this step's
-        # gradients are finite (under fp16 loss scaling the scaler decides; see optimizer_step).
+        # gradients are finite (under fp16 loss scaling the scaler decides; see update.py).
         self.grad_norm = None if self.scaler.is_enabled() else grad_norm(self.model)
         decision = self.hooks.after_backward(self, loss_sum, data_wait)
         if decision.rollback_to is not None:
@@ -333,7 +323,10 @@ class Trainer:
         if decision.skip:
             return decision
         with self.phase("hpcml.optimizer"):
-            lr, skipped = self.optimizer_step(self.grad_norm)
+            clip, norm = self.cfg.optim.grad_clip, self.grad_norm  # non-finite: dropped
+            lr, skipped = optimizer_step(
+                self.model, self.optimizer, self.scheduler, self.scaler, clip, norm
+            )
         self.step += 1
         self.meter.record(
             self.step,
@@ -369,7 +362,7 @@ class Trainer:
                 x = x.contiguous(memory_format=torch.channels_last)
             with loss_context(self.model):  # loss-parallel TP: loss and backward inside
                 with (
-                    no_sync(self.model, skip=micro < accum - 1),
+                    no_sync(self.model, micro < accum - 1, self.cfg.parallel.accum_reduce),
                     self.precision.autocast(),
                     self.hooks.forward(self),
                     self.probe.sample(micro == 0),  # one sampled forward per run
@@ -381,30 +374,6 @@ class Trainer:
             loss_sum += local_value(loss.detach())
         return loss_sum, data_wait
 
-    def optimizer_step(self, norm: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
-        """Clip, step, schedule. `norm` is the global gradient norm (`grad_norm`); when it is not
-        finite the update is dropped on every rank: inside the fused optimizer (`found_inf`, as
-        GradScaler sets it: no host sync), else by one host sync. Returns the lr and, with
-        `norm`, whether the update was dropped (a device tensor, 1.0 if so)."""
-        if self.cfg.optim.grad_clip is not None:
-            if norm is None:  # fp16: unscale first, the scaler skips non-finite steps itself
-                self.scaler.unscale_(self.optimizer)
-            clip_grad_norm(self.model, self.cfg.optim.grad_clip, norm)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        inner: Any = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1 wraps one
-        found_inf = None
-        if norm is not None:
-            found_inf = (~torch.isfinite(norm)).float()
-            if inner.defaults.get("fused"):
-                inner.found_inf = found_inf  # read by the fused kernel, as GradScaler sets it
-            elif found_inf.item():  # an optimizer without a fused kernel: one sync per step
-                self.scheduler.step()
-                return lr, found_inf
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        return lr, found_inf
-
     def after_step(self, decision: StepDecision) -> None:
         """Log flush, evaluation, checkpoint, and the stop all ranks agreed on (preemption, Ctrl-C)."""
         t, step = self.cfg.train, self.step
@@ -412,7 +381,8 @@ class Trainer:
             return
         done = step >= t.max_steps
         evaluating = bool(t.eval_every and step % t.eval_every == 0) or done
-        if step % t.log_every == 0 or evaluating:
+        stop_check = self.fault_hook is not None and self.fault_hook.stop_check_due(step)
+        if step % t.log_every == 0 or evaluating or stop_check:  # fault.stop_check_s
             decision = decision.merge(self.flush())
         if evaluating:
             self.evaluate()
@@ -473,7 +443,8 @@ class Trainer:
             **finetune.checkpoint_fields(cfg, self.resolved),  # the base's sha256
             **self.eval_sets.checkpoint_fields(),  # the scores before training
         }
-        with self.guard.checkpointing(), self.phase("hpcml.checkpoint", step=self.step):
+        nbytes = local_checkpoint_bytes(self.model, self.optimizer)
+        with self.guard.checkpointing(nbytes), self.phase("hpcml.checkpoint", step=self.step):
             path = ckpt.save(
                 self.out_dir / "checkpoints",
                 self.step,
