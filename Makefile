@@ -35,7 +35,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 test: lint docs
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --no-loadscope-reorder --durations=25 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The inner loop while changing code: unit and fuzz tests only (CONTRIBUTING.md gives its time).
 .PHONY: test-fast

@@ -128,34 +128,42 @@ if _CPU_REPORT:
             fh.write(json.dumps(rec) + "\n")
 
 
-# --- Scheduling over xdist workers (`--dist loadgroup --no-loadscope-reorder`, what `make test`
-# passes) --------------------------------------------------------------------------------------
+# --- Scheduling over xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`, what
+# `make test` passes) -----------------------------------------------------------------------------
 # Each test file is one unit of work (one worker runs all of it, so its module fixtures are built
-# once), except where a test names its own `xdist_group` (the docs pages: one unit each). Units
-# start costliest first, by the CPU seconds in tests/cost.json (`tests/cpu_report.py --write`),
-# so the two workers end together instead of one running a long file alone at the end; a unit
-# the file does not know starts after the known ones, in collection order.
+# once), except the docs pages: each page is a unit of its own, since they are the suite's longest
+# tests and one unit would run them all on one worker, one after another. Units start costliest
+# first, by the CPU seconds in tests/cost.json (`tests/cpu_report.py --write`), so the workers end
+# together instead of one running a long file alone at the end; a unit the file does not know
+# starts after the known ones, in collection order. (xdist's own `loadgroup` would do the
+# grouping, but with pytest 9.2 its renamed node ids do not reach the scheduler.)
 _COST_FILE = ROOT / "tests" / "cost.json"
+_OWN_UNITS = ("tests/integration/test_docs_commands.py::test_the_page_commands_run_as_written[",)
 
 
-def _group_of(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    if mark is None:
-        return item.nodeid.split("::")[0]
-    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test: its file, or the test itself for the docs pages."""
+    return nodeid if nodeid.startswith(_OWN_UNITS) else nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class CostFirstFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return CostFirstFiles(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("dist", default="no") != "loadgroup":
-        return
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # only the order the workers report reaches the scheduler
     cost: dict[str, float] = json.loads(_COST_FILE.read_text()) if _COST_FILE.exists() else {}
     first: dict[str, int] = {}
-    groups: dict[int, str] = {}
     for i, item in enumerate(items):
-        group = _group_of(item)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        first.setdefault(group, i)
-        groups[id(item)] = group
-    items.sort(key=lambda it: (-cost.get(groups[id(it)], 0.0), first[groups[id(it)]]))
+        first.setdefault(unit_of(item.nodeid), i)
+    items.sort(key=lambda it: (-cost.get(unit_of(it.nodeid), 0.0), first[unit_of(it.nodeid)]))

@@ -269,13 +269,7 @@ def docs_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     "page",
-    # One xdist group per page (tests/conftest.py schedules by group): the pages are the
-    # suite's longest tests, and in one group they would all run on one worker, one by one.
-    [
-        pytest.param(p, marks=pytest.mark.xdist_group(f"docs-page:{_ids(p)}"))
-        for p in PAGES
-        if any(b.lang in RUN and not b.skip for b in blocks(p))
-    ],
+    [p for p in PAGES if any(b.lang in RUN and not b.skip for b in blocks(p))],
     ids=_ids,
 )
 def test_the_page_commands_run_as_written(page: Path, tmp_path: Path, docs_cache: Path) -> None:
