@@ -133,7 +133,7 @@ if _CPU_REPORT:
 # Each test file is one unit of work (one worker runs all of it, so its module fixtures are built
 # once), except the docs pages: each page is a unit of its own, since they are the suite's longest
 # tests and one unit would run them all on one worker, one after another. Units start costliest
-# first, by the CPU seconds in tests/cost.json (`tests/cpu_report.py --write`), so the workers end
+# first, by the wall seconds in tests/cost.json (`tests/cpu_report.py --write`), so the workers end
 # together instead of one running a long file alone at the end; a unit the file does not know
 # starts after the known ones, in collection order. (xdist's own `loadgroup` would do the
 # grouping, but with pytest 9.2 its renamed node ids do not reach the scheduler.)

@@ -3,9 +3,11 @@
     HPCML_TEST_CPU=/tmp/cpu.jsonl make test; python tests/cpu_report.py /tmp/cpu.jsonl [--write]
 
 The total CPU seconds divided by the cores is the least wall time the suite can take on them;
-the top files are where cutting pays. `--write` stores the CPU seconds of each unit of work (a
-test file, or one docs page) in tests/cost.json, which tests/conftest.py
-uses to start the costliest units first.
+the top files are where cutting pays. `--write` stores the wall seconds of each unit of work (a
+test file, or one docs page) in tests/cost.json, which tests/conftest.py uses to start the
+longest units first: how long a unit holds its worker is what balancing needs (a SLURM test
+waits on the scheduler with little CPU of its own), so write it from a `make test` run on an
+otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main(path: str, write: bool = False, top: int = 40) -> None:
         print(f"{rec['cpu_s']:8.1f} {rec['wall_s']:8.1f}  {rec['nodeid']}")
     if write:
         # Whole seconds: the order is what matters, and small changes should not churn the file.
-        cost = {name: round(cpu[name]) for name in sorted(cpu) if cpu[name] >= 1}
+        cost = {name: round(wall[name]) for name in sorted(wall) if wall[name] >= 1}
         COST_FILE.write_text(json.dumps(cost, indent=1, sort_keys=True) + "\n")
         print(f"wrote {COST_FILE} ({len(cost)} units)")
 

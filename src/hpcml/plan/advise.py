@@ -42,6 +42,8 @@ class Candidate:
         ]
         if lay.offload != "none":
             parts.append(f"offload={lay.offload}")
+        if lay.accum_reduce != "step":
+            parts.append(f"accum_reduce={lay.accum_reduce}")
         return " ".join(parts)
 
 
@@ -169,6 +171,11 @@ def advise(
                                     grad_accum=m,
                                     recompute=rc,
                                     offload=off,
+                                    # ZeRO-2/3 accumulating: reduce-scatter every micro-batch
+                                    # (FSDP2's own default, torchtitan's; hpcml's
+                                    # parallel.accum_reduce=micro_batch), or the unsharded
+                                    # gradients of `step` would be held through the accumulation.
+                                    accum_reduce="micro_batch" if zero >= 2 and m > 1 else "step",
                                 )
                                 considered += 1
                                 try:

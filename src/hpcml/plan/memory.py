@@ -184,6 +184,10 @@ class Layout:
             raise PlanError(
                 f"attention '{self.attention}' is not known; use {', '.join(ATTENTION)}."
             )
+        if self.accum_reduce not in ("step", "micro_batch"):
+            raise PlanError(
+                f"accum_reduce '{self.accum_reduce}' is not known; use step or micro_batch."
+            )
         if self.offload not in OFFLOAD:
             raise PlanError(f"offload '{self.offload}' is not known; use {', '.join(OFFLOAD)}.")
         if self.schedule not in SCHEDULES:

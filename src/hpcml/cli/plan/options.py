@@ -67,6 +67,13 @@ VIRTUAL_OPT = typer.Option(2, "--virtual-stages", help="Chunks per stage (interl
 MB_OPT = typer.Option(1, "--micro-batch", help="Samples per micro-batch per replica.")
 ACCUM_OPT = typer.Option(1, "--grad-accum", help="Micro-batches per step (pipeline's m).")
 RECOMPUTE_OPT = typer.Option("none", "--recompute", help="none, selective or full.")
+ACCUM_REDUCE_OPT = typer.Option(
+    "step",
+    "--accum-reduce",
+    help="ZeRO-2/3 with --grad-accum > 1: step (unsharded gradients held through the "
+    "accumulation, hpcml's default) or micro_batch (reduce-scatter every micro-batch); "
+    "hpcml's parallel.accum_reduce.",
+)
 OFFLOAD_OPT = typer.Option(
     "none",
     "--offload",

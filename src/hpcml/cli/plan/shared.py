@@ -60,6 +60,7 @@ class PlanOptions:
     virtual: int = 2
     mb: int = 1
     accum: int = 1
+    accum_reduce: str = "step"
     recompute: str = "none"
     offload: str = "none"
     attention: str | None = None
@@ -142,6 +143,7 @@ class PlanOptions:
             virtual_stages=self.virtual if self.schedule == "interleaved" else 1,
             micro_batch=self.mb,
             grad_accum=self.accum,
+            accum_reduce=self.accum_reduce,
             recompute=self.recompute,
             offload=self.offload,
             attention=self.attention,
@@ -197,6 +199,7 @@ OPTIONS: dict[str, Any] = {
     "virtual": o.VIRTUAL_OPT,
     "mb": o.MB_OPT,
     "accum": o.ACCUM_OPT,
+    "accum_reduce": o.ACCUM_REDUCE_OPT,
     "recompute": o.RECOMPUTE_OPT,
     "offload": o.OFFLOAD_OPT,
     "attention": o.ATTENTION_OPT,
@@ -236,6 +239,7 @@ LAYOUT: tuple[str, ...] = (
     "virtual",
     "mb",
     "accum",
+    "accum_reduce",
     "recompute",
     "offload",
     "attention",
