@@ -169,6 +169,22 @@ def test_advise_ranks_fitting_layouts() -> None:
     assert cands[0].layout.zero > 0 or cands[0].layout.tp > 1 or cands[0].layout.pp > 1
 
 
+def test_advise_plans_sharded_accumulation_reduced_every_micro_batch() -> None:
+    """ZeRO-2/3 layouts that accumulate are planned (and named) with accum_reduce=micro_batch:
+    planned with hpcml's default `step` they would hold the unsharded gradients through the
+    accumulation, and the winner for 7B on 64 GPUs would need 13 GB more than it says."""
+    from hpcml.plan.memory import per_device_bytes
+
+    m = model_shape("llama-7b")
+    cluster = resolve_cluster(CAT, 64, node="hgx-h100")
+    best = advise(m, Training(), cluster, global_batch=1024, top=3).candidates[0]
+    lay = best.layout
+    assert lay.zero >= 2 and lay.grad_accum > 1, best.label()
+    assert lay.accum_reduce == "micro_batch" and "accum_reduce=micro_batch" in best.label()
+    held = per_device_bytes(m, replace(lay, accum_reduce="step"), Training(), cluster.devices)
+    assert held.total_bytes > best.memory.total_bytes + 10e9
+
+
 def test_advise_says_when_nothing_fits() -> None:
     cluster = resolve_cluster(CAT, 2, accelerator="l4")
     with pytest.raises(PlanError, match="no layout of llama-70b fits") as exc:
