@@ -286,20 +286,14 @@ class ShardSet(Dataset[Any]):
     def _decode_image(self, data: memoryview, sid: int) -> np.ndarray:
         """(3, H, W) uint8 pixels of a stored image file, converted and resized as the manifest's
         `transform.read.decode` says (the same Pillow calls as resizing at write time)."""
-        import io
-
-        from PIL import Image, UnidentifiedImageError
-
         h, w = self.x_shape[1:]
         try:
-            with Image.open(io.BytesIO(data)) as im:
-                rgb = im.convert("RGB").resize((w, h), Image.Resampling.BILINEAR)
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+            return decode_rgb(data, h, w)
+        except ValueError as exc:
             raise DataError(
                 f"sample {sid} of shard set {self.root} is not a readable image "
-                f"({type(exc).__name__}); write the shard set again from good images."
+                f"({exc}); write the shard set again from good images."
             ) from None
-        return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
 
     def _decode(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layout == "tokens":  # one stored window of seq_len + 1 tokens
@@ -346,6 +340,23 @@ def _cell(arr: Any, j: int) -> memoryview:
 
 
 # Writing lives in its own module; its names stay reachable here, where callers found them.
+def decode_rgb(data: bytes | memoryview, height: int, width: int) -> np.ndarray:
+    """(3, height, width) uint8 pixels of image file bytes: Pillow's RGB conversion and a
+    bilinear resize, the calls convert.py resizes with at write time (shard reading and the
+    interop readers use it). Bytes that are not a readable image raise ValueError naming
+    Pillow's error class."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            rgb = im.convert("RGB").resize((width, height), Image.Resampling.BILINEAR)
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise ValueError(type(exc).__name__) from None
+    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
+
+
 from hpcml.data.shards.hash_cache import sha256_of as sha256_file  # noqa: E402, F401
 from hpcml.data.shards.write import ShardWriter as ShardWriter  # noqa: E402
 from hpcml.data.shards.write import parse_size as parse_size  # noqa: E402

@@ -57,16 +57,10 @@ def is_hf_dataset(p: Path) -> bool:
 
 
 def _pixels(data: bytes, image_size: int, where: str) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
-
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            rgb = im.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-        raise DataError(
-            f"{where} is not a readable image ({type(exc).__name__}); remove or replace it."
-        ) from None
-    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
+        return shards.decode_rgb(data, image_size, image_size)
+    except ValueError as exc:
+        raise DataError(f"{where} is not a readable image ({exc}); remove or replace it.") from None
 
 
 def _image_header(image_size: int, encoded: bool, num_classes: int, source: dict[str, Any],
