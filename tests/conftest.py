@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
@@ -47,15 +49,22 @@ def hpcml_env(**extra: str) -> dict[str, str]:
 
 
 def run_hpcml(*args: str, cwd: Path | None = None, timeout: float = 300, check: bool = True,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpcml", *args],
-        cwd=cwd or ROOT,
-        env=env or hpcml_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+              env: dict[str, str] | None = None, fresh: bool = False
+              ) -> subprocess.CompletedProcess[str]:
+    """`python -m hpcml ARGS` in a process of its own, run to its end. Forked from a server that
+    has imported torch and hpcml (tests/forked.py: the same command line, without paying the
+    imports per command) unless `fresh` or HPCML_TEST_FORK=0: then a new interpreter."""
+    if forked.ENABLED and not fresh:
+        proc = forked.run(list(args), cwd or ROOT, env or hpcml_env(), timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hpcml", *args],
+            cwd=cwd or ROOT,
+            env=env or hpcml_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"hpcml {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
@@ -111,7 +120,7 @@ def _cpu_now() -> float:
 
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + forked.forked_cpu_s
 
 
 if _CPU_REPORT:

@@ -1,0 +1,138 @@
+"""`hpcml` commands for the tests, each in a process of its own forked from a server that imported
+torch and hpcml once (multiprocessing's forkserver with preloaded modules), instead of a new
+interpreter that imports them again.
+
+Why: a `python -m hpcml train` spends 2-3 CPU seconds importing torch, torch.distributed and
+hpcml before its first line of work, and the suite runs a few hundred such commands on 2 cores
+(`tests/cpu_report.py` shows where the suite's CPU goes). multiprocessing's forkserver is the
+standard library's own way to start many processes from one that has imported a set of modules;
+what is written here is only the part no library does: running the `hpcml` command line in the
+forked process with the test's argv, environment, working folder and captured output, and giving
+back what `subprocess.run` would (exit code, stdout, stderr, a timeout).
+
+What differs from `python -m hpcml`, and why it does not matter to the tests that use it:
+- the modules in PRELOAD were imported under the environment the pytest worker started with;
+  hpcml reads its variables (HPCML_*, RANK, ...) when a command runs, not at import, and the
+  forked process gets the test's environment before the command starts. The thread count torch
+  read at import is set again from the test's OMP_NUM_THREADS.
+- the process is the forkserver's child, not the test's, and runs in the server's process group:
+  tests that signal a process group, read a command line, or need to be the parent (kill -9 and
+  signal tests) start `python -m hpcml` with `subprocess` themselves, as they already do.
+- `python -m` puts the working folder first on sys.path; so does the forked process.
+Workers, agents and servers a command starts are new interpreters as always (sys.executable).
+
+`HPCML_TEST_FORK=0` runs every command in a new interpreter instead (a check that nothing
+depends on the shortcut); `run_hpcml(..., fresh=True)` does so for one command.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PRELOAD = ["torch", "hpcml.cli.app", "hpcml.train.entry", "hpcml.train.trainer"]
+ENABLED = os.environ.get("HPCML_TEST_FORK", "1") != "0"
+
+forked_cpu_s = 0.0
+"""CPU seconds (user + system, the commands and the children they waited for) of every forked
+command so far: they are not this process's children, so RUSAGE_CHILDREN does not count them;
+the CPU record in tests/conftest.py adds this."""
+
+_context: mp.context.ForkServerContext | None = None
+
+
+def _ctx() -> mp.context.ForkServerContext:
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, usage: str) -> None:
+    """Runs in the forked process: `python -m hpcml ARGV` from here on, then exits with its code."""
+    import atexit
+    import threading
+    import traceback
+
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for path, fd in ((out, 1), (err, 2)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (fd 0, closed at exit)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.path.insert(0, cwd)
+    sys.argv = [str(Path(__file__).resolve().parents[1] / "src" / "hpcml" / "__main__.py"), *argv]
+    code: int = 0
+    try:
+        from hpcml.cli.app import main
+
+        main()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("text"): the interpreter prints it and exits 1
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        # What the interpreter does at exit: wait for non-daemon threads, run atexit, flush.
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        t = os.times()
+        cpu = t.user + t.system + t.children_user + t.children_system
+        Path(usage).write_text(repr(cpu))
+        os._exit(code)
+
+
+def run(
+    argv: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run([sys.executable, "-m", "hpcml", *argv], capture_output=True, text=True,
+    ...)`, in a forked process (see the module docstring)."""
+    global forked_cpu_s
+    cmd = [sys.executable, "-m", "hpcml", *argv]
+    with tempfile.TemporaryDirectory(prefix="hpcml-fork-") as tmp:
+        out, err, usage = (os.path.join(tmp, n) for n in ("out", "err", "usage"))
+        proc = _ctx().Process(target=_command, args=(argv, str(cwd), env, out, err, usage))
+        proc.start()
+        proc.join(timeout)
+        timed_out = proc.exitcode is None
+        if timed_out:
+            proc.kill()
+            proc.join()
+
+        def read(path: str) -> str:
+            try:
+                return Path(path).read_text(errors="replace")
+            except FileNotFoundError:
+                return ""
+
+        stdout, stderr = read(out), read(err)
+        try:
+            forked_cpu_s += float(Path(usage).read_text())
+        except (FileNotFoundError, ValueError):
+            pass
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    assert proc.exitcode is not None
+    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
