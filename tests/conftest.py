@@ -48,23 +48,39 @@ def hpcml_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_hpcml(*args: str, cwd: Path | None = None, timeout: float = 300, check: bool = True,
-              env: dict[str, str] | None = None, fresh: bool = False
-              ) -> subprocess.CompletedProcess[str]:
-    """`python -m hpcml ARGS` in a process of its own, run to its end. Forked from a server that
-    has imported torch and hpcml (tests/forked.py: the same command line, without paying the
-    imports per command) unless `fresh` or HPCML_TEST_FORK=0: then a new interpreter."""
+def hpcml_proc(
+    args: list[str],
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    fresh: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run([sys.executable, "-m", "hpcml", *args], capture_output=True, text=True)`:
+    the command in a process of its own, run to its end. Forked from a server that has imported
+    torch and hpcml (tests/forked.py: the same command line without paying the imports again)
+    unless `fresh` or HPCML_TEST_FORK=0: then a new interpreter."""
     if forked.ENABLED and not fresh:
-        proc = forked.run(list(args), cwd or ROOT, env or hpcml_env(), timeout)
-    else:
-        proc = subprocess.run(
-            [sys.executable, "-m", "hpcml", *args],
-            cwd=cwd or ROOT,
-            env=env or hpcml_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return forked.run(list(args), cwd or ROOT, env or hpcml_env(), timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hpcml", *args],
+        cwd=cwd or ROOT,
+        env=env or hpcml_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_hpcml(
+    *args: str,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    fresh: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """`hpcml_proc`, failing the test with the command's output when `check` and it fails."""
+    proc = hpcml_proc(list(args), cwd, env, timeout, fresh)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"hpcml {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
@@ -131,8 +147,11 @@ if _CPU_REPORT:
 
         cpu0, wall0 = _cpu_now(), time.monotonic()
         yield
-        rec = {"nodeid": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 3),
-               "wall_s": round(time.monotonic() - wall0, 3)}
+        rec = {
+            "nodeid": item.nodeid,
+            "cpu_s": round(_cpu_now() - cpu0, 3),
+            "wall_s": round(time.monotonic() - wall0, 3),
+        }
         with open(_CPU_REPORT, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
 

@@ -27,6 +27,7 @@ depends on the shortcut); `run_hpcml(..., fresh=True)` does so for one command.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import subprocess
@@ -53,7 +54,9 @@ def _ctx() -> mp.context.ForkServerContext:
     return _context
 
 
-def _command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, usage: str) -> None:
+def _command(
+    argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, usage: str
+) -> None:
     """Runs in the forked process: `python -m hpcml ARGV` from here on, then exits with its code."""
     import atexit
     import threading
@@ -94,10 +97,8 @@ def _command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str,
         threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
         t = os.times()
         cpu = t.user + t.system + t.children_user + t.children_system
         Path(usage).write_text(repr(cpu))
@@ -128,10 +129,8 @@ def run(
                 return ""
 
         stdout, stderr = read(out), read(err)
-        try:
+        with contextlib.suppress(FileNotFoundError, ValueError):
             forked_cpu_s += float(Path(usage).read_text())
-        except (FileNotFoundError, ValueError):
-            pass
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     assert proc.exitcode is not None

@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 import yaml
-from tests.conftest import ROOT, hpcml_env, summary
+from tests.conftest import ROOT, hpcml_env, hpcml_proc, summary
 
 from hpcml.config import load_config
 from hpcml.data.sources import load_source
@@ -180,14 +180,7 @@ def _fail_text(proc: subprocess.CompletedProcess[str], what: str) -> str:
 
 
 def _hpcml(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hpcml", *args],
-        cwd=cwd,
-        env=hpcml_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return hpcml_proc(args, cwd, timeout=timeout)  # forked (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -233,16 +226,16 @@ def trained(work: Path) -> Callable[[str], Trained]:
             if entry.torchrun:
                 launcher = ["-m", "torch.distributed.run", "--standalone"]
                 cmd = [*launcher, "--nproc-per-node", str(entry.nproc), "-m", "hpcml", *args]
-            else:
-                cmd = ["-m", "hpcml", *args, "--nproc", str(entry.nproc)]
-            proc = subprocess.run(
-                [sys.executable, *cmd, "--quiet"],
-                cwd=work,
-                env=hpcml_env(),
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+                proc = subprocess.run(
+                    [sys.executable, *cmd, "--quiet"],
+                    cwd=work,
+                    env=hpcml_env(),
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
+            else:  # `hpcml train`, forked from the pre-imported server (tests/conftest.py)
+                proc = hpcml_proc([*args, "--nproc", str(entry.nproc), "--quiet"], work, timeout=600)
             done[name] = (proc, run_dir)
         return done[name]
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.conftest import hpcml_env, step_losses, summary
+from tests.conftest import hpcml_env, hpcml_proc, step_losses, summary
 from tests.integration.gpt_export import save_gpt_export
 
 from hpcml.config import load_config
@@ -53,7 +53,9 @@ def train(config: Path, run_dir: Path, nproc: int, *args: str) -> subprocess.Com
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = [sys.executable, *(launch if nproc > 1 else []), "-m", "hpcml", "train", str(config)]
     cmd += [*args, "--run-dir", str(run_dir), "--quiet"]
-    return subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=280)
+    if nproc > 1:
+        return subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=280)
+    return hpcml_proc(cmd[3:], timeout=280)  # forked from the pre-imported server (conftest)
 
 
 def ok(out: subprocess.CompletedProcess[str]) -> None:

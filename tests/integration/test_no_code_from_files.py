@@ -12,13 +12,13 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from tests.conftest import hpcml_proc
 
 from hpcml.errors import DataError, ModelError
 from hpcml.models.export import load_export, save_export
@@ -37,14 +37,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def hpcml(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hpcml", *args],
-        capture_output=True,
-        text=True,
-        env=_env(**env),
-        cwd=cwd,
-        timeout=240,
-    )
+    return hpcml_proc(list(args), cwd, _env(**env), timeout=240)  # forked (tests/conftest.py)
 
 
 def assert_refused(proc: subprocess.CompletedProcess[str], marker: Path, *words: str) -> None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import ROOT, hpcml_env, summary
+from tests.conftest import ROOT, hpcml_env, hpcml_proc, summary
 from tests.conftest import step_losses as losses
 from tests.integration.worker_models import INF_STEP
 
@@ -45,9 +45,12 @@ def train(
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = [sys.executable, *(launch if nproc > 1 else []), "-m", "hpcml", "train", str(config)]
     cmd += [*overrides, "--run-dir", str(run_dir), "--quiet"]
-    out = subprocess.run(
-        cmd, cwd=ROOT, env=hpcml_env(), capture_output=True, text=True, timeout=300
-    )
+    if nproc > 1:
+        out = subprocess.run(
+            cmd, cwd=ROOT, env=hpcml_env(), capture_output=True, text=True, timeout=300
+        )
+    else:
+        out = hpcml_proc(cmd[3:], timeout=300)  # forked from the pre-imported server (conftest)
     assert out.returncode == code, f"{' '.join(cmd)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return out
 

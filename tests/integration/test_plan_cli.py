@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.conftest import hpcml_proc
 from typer.testing import CliRunner
 
 from hpcml.cli.app import app
@@ -24,8 +24,7 @@ runner = CliRunner()
 
 def hpcml(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    return subprocess.run([sys.executable, "-m", "hpcml", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return hpcml_proc(list(args), env=env, timeout=300)  # forked (tests/conftest.py)
 
 
 def invoke_json(*args: str) -> Any:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.conftest import hpcml_env, summary
+from tests.conftest import hpcml_env, hpcml_proc, summary
 from tests.conftest import step_losses as losses
 
 from hpcml.data.sources.tokens import prepare_pystdlib
@@ -52,7 +52,10 @@ def train(
     cmd += [*overrides, "--run-dir", str(run_dir), "--quiet"]
     if resume:
         cmd += ["--resume", resume]
-    out = subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=600)
+    if nproc > 1:
+        out = subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=600)
+    else:
+        out = hpcml_proc(cmd[3:], timeout=600)  # forked from the pre-imported server (conftest)
     assert out.returncode == 0, (
         f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     )

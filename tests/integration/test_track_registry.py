@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.conftest import hpcml_proc
 from tests.integration.mlflow_util import fresh_store
 
 from hpcml.config import TrackingConfig, dump_config, flatten, load_config
@@ -90,9 +91,7 @@ def make_run(
 def hpcml(*args: str, store: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(SRC), "MLFLOW_TRACKING_URI": store}
     env.pop("RANK", None)
-    return subprocess.run(
-        [sys.executable, "-m", "hpcml", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    return hpcml_proc(list(args), env=env, timeout=120)  # forked (tests/conftest.py)
 
 
 def cli(

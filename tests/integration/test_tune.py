@@ -20,7 +20,7 @@ import pytest
 import yaml
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
-from tests.conftest import ROOT, hpcml_env
+from tests.conftest import ROOT, hpcml_env, hpcml_proc
 from tests.integration.mlflow_util import fresh_store
 from typer.testing import CliRunner
 
@@ -60,10 +60,7 @@ def tune_cmd(config: Path, out: Path, *args: str) -> list[str]:
 
 
 def run_tune(config: Path, out: Path, *args: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        tune_cmd(config, out, *args, "--json"),
-        cwd=ROOT, env=hpcml_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = hpcml_proc(tune_cmd(config, out, *args, "--json")[3:], timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, proc.stdout  # --json: one line

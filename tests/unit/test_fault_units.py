@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import hpcml_proc
 
 from hpcml.config import RunConfig, load_config
 from hpcml.distributed.runtime import Runtime
@@ -451,10 +452,7 @@ def test_restarts_without_checkpoints_are_refused_and_mtbf_gives_a_daly_interval
     config.write_text("model: {name: mlp}\ndata: {source: digits}\ntrain: {checkpoint_every: 0}\n")
 
     def hpcml(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "hpcml", *args], env=env, capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
+        return hpcml_proc(list(args), env=env, timeout=120)  # forked (tests/conftest.py)
 
     train = hpcml("train", str(config), "--nproc", "2", "--max-restarts", "1",
                   "--run-dir", str(tmp_path / "t"))  # fmt: skip
