@@ -14,7 +14,8 @@ what hpcml needs from its agent:
   workers at once (`SignalGate`).
 
 The agent's own log lines are silenced unless HPCML_AGENT_LOGS=1; workers' output passes through.
-Same arguments as torchrun: `python -m hpcml.launch.agent --nproc-per-node 2 -m hpcml train ...`.
+Same arguments as torchrun: `python -m hpcml.launch.agent --nproc-per-node 2 -m hpcml train ...`
+(`hpcml train --nproc N` calls `main` in its own process: `hpcml.launch.local.run_torchrun`).
 The agent class is torchrun's LocalElasticAgent with `_monitor_workers` (the hook
 SimpleElasticAgent subclasses implement) extended; torchrun builds its agent by that name in
 torch.distributed.launcher.api, where it is replaced for this process.
@@ -71,9 +72,10 @@ DUPLICATE_S = 1.0
 
 class SignalGate:
     """torchrun's handler raises SignalException on every death signal, also on one that comes
-    while the agent is already stopping the workers for the first. Ctrl-C in a terminal reaches
-    the agent twice (from the process group, and forwarded by `hpcml train`); the second broke
-    off the shutdown that passed SIGINT on, and torchrun's clean-up then sent SIGTERM, which
+    while the agent is already stopping the workers for the first. The same signal can reach the
+    agent twice (from the process group and from a launcher that forwards it: `srun`, or
+    `hpcml train` when it ran the agent as a child process); the second broke off the shutdown
+    that passed SIGINT on, and torchrun's clean-up then sent SIGTERM, which
     workers take for a preemption (seen in CI). The gate's handler raises for the first signal,
     ignores others while the workers are being stopped for it or within DUPLICATE_S of it, and,
     should the first exception have been lost inside torchrun (the agent still not stopping

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcml.distributed.runtime import AGENT_ENV
 from hpcml.distributed.runtime import WORKER_ERRORS_ENV as ERRORS_ENV
 from hpcml.errors import LaunchError
 
@@ -58,11 +57,10 @@ def preemption_env(shutdown_timeout_s: int = 120) -> dict[str, str]:
     }
 
 
-def torchrun_command(nproc: int, worker_args: list[str], max_restarts: int = 0) -> list[str]:
+def torchrun_args(nproc: int, worker_args: list[str], max_restarts: int = 0) -> list[str]:
+    """torchrun's arguments (hpcml.launch.agent takes the same) for `python -m hpcml WORKER_ARGS`
+    in each of `nproc` local workers."""
     return [
-        sys.executable,
-        "-m",
-        "hpcml.launch.agent",  # [fault] torchrun that ends the group on a preemption (issue 11)
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -76,29 +74,35 @@ def run_torchrun(
     nproc: int,
     worker_args: list[str],
     max_restarts: int = 0,
-    cwd: Path | None = None,
     errors_dir: Path | None = None,
 ) -> int:
-    """Run the workers to completion; SIGINT/SIGTERM are passed on so workers can stop cleanly.
-    With `errors_dir`, workers and agent leave what failed there (see `worker_error`)."""
-    env = dict(os.environ)
-    if errors_dir is not None:
-        env[ERRORS_ENV] = str(errors_dir)
+    """Run the workers to completion under torchrun's agent (`hpcml.launch.agent`, the torchrun
+    that ends the group on a preemption), in this process: `hpcml train` has imported torch
+    already, and a separate agent process would import it again (~2 CPU s per launch) only to
+    wait. The agent handles SIGTERM/SIGINT/SIGUSR1 itself and passes them on to the workers.
+    With `errors_dir`, workers and agent leave what failed there (see `worker_error`). The
+    environment and signal handlers are restored afterwards."""
+    env = {ERRORS_ENV: str(errors_dir)} if errors_dir is not None else {}
     # torchrun warns and sets 1 when unset; split the cores between workers instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     env.update(preemption_env())
-    cmd = torchrun_command(nproc, worker_args, max_restarts)
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd)
-
-    def forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    saved_env = {k: os.environ.get(k) for k in (*env, AGENT_ENV)}
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+    saved_handlers = {s: signal.getsignal(s) for s in handled}
+    os.environ.update(env)
     try:
-        return proc.wait()
+        from hpcml.launch.agent import main as agent_main
+
+        return agent_main(torchrun_args(nproc, worker_args, max_restarts))
     finally:
-        for s, h in old.items():
+        for s, h in saved_handlers.items():
             signal.signal(s, h)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass
