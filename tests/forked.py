@@ -33,7 +33,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 PRELOAD = ["torch", "hpcml.cli.app", "hpcml.train.entry", "hpcml.train.trainer"]
 ENABLED = os.environ.get("HPCML_TEST_FORK", "1") != "0"
@@ -44,6 +46,28 @@ command so far: they are not this process's children, so RUSAGE_CHILDREN does no
 the CPU record in tests/conftest.py adds this."""
 
 _context: mp.context.ForkServerContext | None = None
+_cpu_lock = threading.Lock()
+
+
+def kill_tree(proc: Any) -> None:
+    """SIGKILL to a forked command and everything it started (torchrun's workers have sessions
+    of their own, so only their ancestry finds them)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    proc.kill()
+
+
+def add_cpu(usage: str) -> None:
+    """Adds the CPU seconds a forked command wrote to `usage` as it ended."""
+    global forked_cpu_s
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        seconds = float(Path(usage).read_text())
+        with _cpu_lock:
+            forked_cpu_s += seconds
 
 
 def _ctx() -> mp.context.ForkServerContext:
@@ -54,21 +78,32 @@ def _ctx() -> mp.context.ForkServerContext:
     return _context
 
 
+Stdio = str | Any
+"""A path to write (stdout, stderr) or a descriptor passed on (multiprocessing.reduction.DupFd)."""
+
+
+def _attach(stdio: tuple[Stdio, Stdio, Stdio]) -> None:
+    for fd, where in enumerate(stdio):
+        if where is None:
+            target = os.open(os.devnull, os.O_RDONLY)
+        elif isinstance(where, str):
+            target = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        else:
+            target = where.detach()
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (fd 0, closed at exit)
+
+
 def _command(
-    argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, usage: str
+    argv: list[str], cwd: str, env: dict[str, str], stdio: tuple[Stdio, Stdio, Stdio], usage: str
 ) -> None:
     """Runs in the forked process: `python -m hpcml ARGV` from here on, then exits with its code."""
     import atexit
     import threading
     import traceback
 
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for path, fd in ((out, 1), (err, 2)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (fd 0, closed at exit)
+    _attach(stdio)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -110,16 +145,16 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run([sys.executable, "-m", "hpcml", *argv], capture_output=True, text=True,
     ...)`, in a forked process (see the module docstring)."""
-    global forked_cpu_s
     cmd = [sys.executable, "-m", "hpcml", *argv]
     with tempfile.TemporaryDirectory(prefix="hpcml-fork-") as tmp:
         out, err, usage = (os.path.join(tmp, n) for n in ("out", "err", "usage"))
-        proc = _ctx().Process(target=_command, args=(argv, str(cwd), env, out, err, usage))
+        stdio = (None, out, err)
+        proc = _ctx().Process(target=_command, args=(argv, str(cwd), env, stdio, usage))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None
         if timed_out:
-            proc.kill()
+            kill_tree(proc)
             proc.join()
 
         def read(path: str) -> str:
@@ -129,8 +164,7 @@ def run(
                 return ""
 
         stdout, stderr = read(out), read(err)
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            forked_cpu_s += float(Path(usage).read_text())
+        add_cpu(usage)
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     assert proc.exitcode is not None

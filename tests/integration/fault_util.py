@@ -68,16 +68,17 @@ def train_cmd(config: Path, run_dir: Path, *args: str) -> list[str]:
 def run_train(
     config: Path, run_dir: Path, *args: str, timeout: float = 240, **env_extra: str
 ) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(
-        train_cmd(config, run_dir, *args),
-        env=env(**env_extra),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    out, err = finish(proc, timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """`hpcml train` run to its end, forked from the pre-imported server (tests/conftest.py's
+    hpcml_proc); past `timeout` it and its workers are killed and the test fails."""
+    from tests.conftest import hpcml_proc
+
+    try:
+        return hpcml_proc(train_cmd(config, run_dir, *args)[3:], env=env(**env_extra),
+                          timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(
+            f"hpcml train did not end within {timeout} s:\n{exc.output}\n{exc.stderr}"
+        ) from None
 
 
 def start_train(config: Path, run_dir: Path, *args: str, **env_extra: str) -> subprocess.Popen[str]:

@@ -34,11 +34,14 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests import forked
 from tests.conftest import system_binary
+from tests.fork_shim import ShimServer
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [
@@ -267,12 +270,26 @@ def docs_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-cache"
 
 
+@pytest.fixture(scope="module")
+def shim_path() -> Iterator[str]:
+    """PATH's first folder: an `hpcml` that forks its run-to-the-end verbs from this worker's
+    pre-imported server (tests/fork_shim.py); empty with HPCML_TEST_FORK=0."""
+    if not forked.ENABLED:
+        yield ""
+        return
+    server = ShimServer()
+    yield str(server.bin_dir) + os.pathsep
+    server.close()
+
+
 @pytest.mark.parametrize(
     "page",
     [p for p in PAGES if any(b.lang in RUN and not b.skip for b in blocks(p))],
     ids=_ids,
 )
-def test_the_page_commands_run_as_written(page: Path, tmp_path: Path, docs_cache: Path) -> None:
+def test_the_page_commands_run_as_written(
+    page: Path, tmp_path: Path, docs_cache: Path, shim_path: str
+) -> None:
     for tool in DOCS_TOOLS:
         system_binary(tool, installer=".ci/install_docs_tools.sh")
     # The page's commands are typed in the repository's root; what they write lands here.
@@ -284,7 +301,7 @@ def test_the_page_commands_run_as_written(page: Path, tmp_path: Path, docs_cache
     bindir = str(Path(sys.executable).parent)
     env = {
         **os.environ,
-        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+        "PATH": shim_path + bindir + os.pathsep + os.environ.get("PATH", ""),
         "PYTHONPATH": str(REPO / "src"),
         "NO_COLOR": "1",
         # One thread per process, as hpcml_env gives the other tests: two workers' runs of
