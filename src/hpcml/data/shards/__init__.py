@@ -49,7 +49,7 @@ from hpcml.data.shards.manifest import (
 )
 from hpcml.data.shards.manifest import canonical as canonical  # re-exported: the version id's input
 from hpcml.data.shards.manifest import version_id as version_id
-from hpcml.data.shards.order import shard_window_order
+from hpcml.data.shards.order import shard_stream_order, shard_window_order
 from hpcml.data.shards.readahead import ShardSlots
 from hpcml.data.shards.store import Store, is_remote
 from hpcml.errors import DataError
@@ -228,15 +228,23 @@ class ShardSet(Dataset[Any]):
             self.slots.prefetch(range(k + 1, min(k + 1 + self.readahead, len(self.files))), k)
         return reader
 
+    dealt = True
+    """The loader deals a shuffled epoch to its reading processes, a piece each
+    (`hpcml.data.shards.order.dealt_order`)."""
+
     @property
     def has_epoch_order(self) -> bool:
         """A shuffled epoch takes `epoch_order` (a window of shards) over one permutation."""
         return self.shuffle_shards is not None
 
-    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
-        """The shuffled order of one epoch, `shuffle_shards` shards at a time."""
+    def epoch_order(self, seed: int, epoch: int, pieces: list[int] | None = None) -> np.ndarray:
+        """The shuffled order of one epoch, `shuffle_shards` shards at a time; with `pieces`,
+        laid out in pieces of those lengths that each hold whole shards but at their ends, one
+        piece per reading process (`hpcml.data.shards.order.shard_stream_order`)."""
         window = self.shuffle_shards or len(self.counts)
-        return shard_window_order(self.counts, window, seed, epoch)
+        if pieces is None:
+            return shard_window_order(self.counts, window, seed, epoch)
+        return shard_stream_order(self.counts, window, seed, epoch, pieces)
 
     def shard_of(self, i: int) -> int:
         return bisect.bisect_right(self.starts, i) - 1
