@@ -100,5 +100,7 @@ def test_each_reading_process_fetches_its_own_shards(
     assert len(ids) == len(set(ids)) == 192  # 12 batches of 16 in all, each sample once
     # Goal of issue 30: at most 1.1x the set's bytes per epoch (here 50 shards of 4 samples,
     # cut into 2 pieces of whole shards: each shard once; not dealt, 71 and 94 GETs).
-    print(f"{world} rank(s) x {workers} workers: {len(gets)} GETs, {fetched / sum(sizes.values()):.2f}x")
+    print(
+        f"{world} rank(s) x {workers} workers: {len(gets)} GETs, {fetched / sum(sizes.values()):.2f}x"
+    )
     assert fetched <= 1.1 * sum(sizes.values()), (len(gets), fetched)

@@ -132,9 +132,7 @@ def test_a_dealt_order_gives_each_reader_its_own_shards(layout: Layout) -> None:
     still one permutation, and the readers share only the shards at the cuts between them."""
     counts = [6, 5, 7, 6, 6, 4, 6, 5, 7, 6, 6, 6, 3]  # uneven, as a split's shards are
     n = sum(counts)
-    order = dealt_order(
-        lambda pieces: shard_stream_order(counts, 3, SEED, 0, pieces), n, layout
-    )
+    order = dealt_order(lambda pieces: shard_stream_order(counts, 3, SEED, 0, pieces), n, layout)
     assert sorted(order.tolist()) == list(range(n))  # each sample once per epoch
     reads = stream_shards(order, counts, layout)
     readers = len(reads)

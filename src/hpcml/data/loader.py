@@ -221,7 +221,9 @@ def epoch_order(dataset: Any, seed: int, layout: Layout | None, epoch: int) -> A
     `layout` (`hpcml.data.shards.order.dealt_order`); None: its one-piece order."""
     if layout is None:
         return dataset.epoch_order(seed, epoch)
-    return dealt_order(lambda pieces: dataset.epoch_order(seed, epoch, pieces), len(dataset), layout)
+    return dealt_order(
+        lambda pieces: dataset.epoch_order(seed, epoch, pieces), len(dataset), layout
+    )
 
 
 def _layout(saved: Any) -> Layout | None:
