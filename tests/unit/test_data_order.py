@@ -170,3 +170,19 @@ def test_a_second_resume_mid_remainder_keeps_the_layout_it_was_dealt_for(root: P
     one.load_state_dict(state)
     exactly_once([seen, rest_of_epoch(one)], n, 1)
     assert one.next() is not None and one.position()["layout"] == [1, 0, B]  # epoch 1: its own
+
+
+def test_augmenting_keeps_the_dealt_shard_order(root: Path) -> None:
+    """data.augment wraps the training set (AugmentedImages); the wrapper hid the shard set's
+    epoch order, so an augmented set in a bucket was read in one permutation over every
+    sample (any batch, any shard). Wrapped, the loader draws the bare set's dealt order."""
+    from hpcml.data.sources import AugmentedImages
+
+    bare = loader(root, 0, 2)
+    ds = ShardSet(root, "train", cache_shards=3, shuffle_shards=WINDOW)
+    cfg = DataConfig(batch_size=B, num_workers=0, persistent_workers=False)
+    wrapped = EpochLoader(AugmentedImages(ds), cfg, 0, 2, SEED, False)
+    assert wrapped.position()["layout"] == [2, 0, B]
+    assert list(wrapped.sampler) == list(bare.sampler)  # rank 0 of 2, epoch 0
+    x, _ = wrapped.next()  # and it reads: augmented images of the set's shape
+    assert x.shape == (B, 3, 32, 32)

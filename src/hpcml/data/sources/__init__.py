@@ -89,6 +89,16 @@ class AugmentedImages(Dataset):
 
     def __init__(self, inner: Dataset) -> None:
         self.inner = inner
+        # A shard set's epoch order (a window of shards at a time, dealt to the readers) is
+        # kept: augmenting must not turn a set in a bucket back to one permutation.
+        self.has_epoch_order = getattr(inner, "has_epoch_order", False)
+        self.dealt = getattr(inner, "dealt", False)
+        self.order_always = getattr(inner, "order_always", False)
+
+    def epoch_order(self, seed: int, epoch: int, pieces: list[int] | None = None) -> Any:
+        if pieces is None:
+            return self.inner.epoch_order(seed, epoch)  # type: ignore[attr-defined]
+        return self.inner.epoch_order(seed, epoch, pieces)  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
