@@ -23,6 +23,7 @@ from hpcml.errors import ConfigError
 
 Positive = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0, lt=1)]
+AreaShare = Annotated[float, Field(gt=0, le=1)]
 
 
 class ModelConfig(_Section):
@@ -91,6 +92,13 @@ class DataConfig(_Section):
     cutmix_alpha: float = Field(0.0, ge=0)
     """With augment_on: device, cutmix with lambda ~ Beta(alpha, alpha); 0 turns it off. With
     both alphas set, each batch gets one of the two, evenly."""
+    random_resized_crop: tuple[AreaShare, AreaShare] | None = None
+    """data.source shards of encoded images (`hpcml data shard FOLDER --encoded`): each
+    training image is decoded at its stored resolution, a random crop covering this range of
+    its area (e.g. `[0.08, 1.0]`, ImageNet's) with an aspect ratio from 3/4 to 4/3 is taken
+    from it and resized to the set's image size, in the loader workers (the algorithm of
+    torchvision's RandomResizedCrop, drawn from (`train.seed`, epoch, sample)). null: the whole
+    image resized. Validation images are always resized whole."""
     limit_train: int | None = Field(None, gt=0)
     """Use only the first N training samples (smoke tests)."""
     seq_len: int = Field(256, gt=0)

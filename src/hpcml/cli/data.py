@@ -98,6 +98,12 @@ def shard(
         0, "--eot", help="Token documents (a datasets folder's input_ids): the id after each."
     ),
     synthetic_samples: int = typer.Option(4096, "--synthetic-samples", help="synthetic: samples."),
+    workers: int = typer.Option(
+        1,
+        "--workers",
+        help="Processes writing shard files (serialize, compress, sync, hash) while the source "
+        "is read; the output is byte for byte the same for any number.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Write a shard set (Arrow IPC shards + manifest.json) for data.source shards."""
@@ -118,6 +124,7 @@ def shard(
         fill=fill,
         encoded=encoded,
         eot=eot,
+        workers=workers,
     )
     if json_out:
         print_json(_info(result["manifest"], result["out"]))

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hpcml.config import DataConfig
-from hpcml.data.shards.order import OrderSampler
+from hpcml.data.shards.order import Layout, OrderSampler, dealt_order
 
 # torchdata 0.11 calls a deprecated torch API on every iterator; the warning says nothing to users.
 warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -47,10 +47,15 @@ class EpochLoader:
             cfg.shuffle or getattr(dataset, "order_always", False)
         )
         self.sampler: Any
+        self.layout: Layout | None = None
+        """Who reads an epoch of a dealt order (`hpcml.data.shards.order.streams`): each loader
+        worker of each rank reads its own piece of the shards."""
         if make_sampler is not None:
             self.sampler = make_sampler(rank, world_size, seed)
         elif ordered:
-            order_of = functools.partial(dataset.epoch_order, seed)  # type: ignore[attr-defined]
+            if getattr(dataset, "dealt", False):  # its order can be cut into reader pieces
+                self.layout = Layout(world_size, cfg.num_workers, cfg.batch_size)
+            order_of = functools.partial(epoch_order, dataset, seed, self.layout)
             self.sampler = OrderSampler(order_of, len(dataset), rank, world_size)  # type: ignore[arg-type]
         else:
             self.sampler = DistributedSampler(
@@ -91,6 +96,9 @@ class EpochLoader:
         self._remainder = False
         self._base = 0
         """Samples of the epoch taken before a resume on another world size."""
+        self._epoch_layout = self.layout
+        """The layout the current epoch's order was dealt for (a resumed epoch keeps the one
+        it started with; the next epoch takes this loader's)."""
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -101,6 +109,7 @@ class EpochLoader:
         self.taken = 0
         self._remainder = False
         self._base = 0
+        self._epoch_layout = self.layout
 
     def next(self) -> Any:
         if self._it is None:
@@ -119,29 +128,37 @@ class EpochLoader:
     def elastic(self) -> bool:
         return isinstance(self.sampler, (DistributedSampler, OrderSampler))
 
-    def position(self) -> dict[str, int]:
-        """Where the epoch stands globally: samples all ranks together have taken."""
+    def position(self) -> dict[str, Any]:
+        """Where the epoch stands globally: samples all ranks together have taken (and, for a
+        dealt order, the layout it was dealt for, which a resume rebuilds it with)."""
         done = self._base + self.taken * self.batch_size * self.world_size
-        return {"epoch": self.epoch, "samples": done}
+        if self.layout is None:
+            return {"epoch": self.epoch, "samples": done}
+        laid = None if self._epoch_layout is None else list(self._epoch_layout)
+        return {"epoch": self.epoch, "samples": done, "layout": laid}
 
     def state_dict(self) -> dict[str, Any]:
+        laid = {} if self.layout is None else {"layout": self.position()["layout"]}
         if self._remainder:  # a deterministic sampler: its position says it all
             return {
                 "epoch": self.epoch,
                 "taken": self.taken,
                 "loader": None,
                 "remainder_at": self.position()["samples"],
+                **laid,
             }
         return {
             "epoch": self.epoch,
             "taken": self.taken,
             "workers": self.workers,
             "loader": self.loader.state_dict() if self._it else None,
+            **laid,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved_layout = state.get("layout")
         if state.get("remainder_at") is not None:
-            self.resume_at(int(state["epoch"]), int(state["remainder_at"]))
+            self.resume_at(int(state["epoch"]), int(state["remainder_at"]), saved_layout)
             return
         self.epoch = int(state["epoch"])
         loader_state = state.get("loader")
@@ -150,19 +167,24 @@ class EpochLoader:
         if loader_state is not None and loader_state.get("_iterator_finished"):
             self.epoch += 1
             loader_state, taken = None, 0
-        if loader_state is not None and _other_workers(state, self.workers):
-            # StatefulDataLoader cannot load another worker count's state (it asserts); the
-            # global position can, exactly: taken batches of every rank of this same world.
-            self.resume_at(self.epoch, taken * self.batch_size * self.world_size)
+        other_layout = self.layout is not None and _layout(saved_layout) != self.layout
+        if loader_state is not None and (_other_workers(state, self.workers) or other_layout):
+            # StatefulDataLoader cannot load another worker count's state (it asserts), nor
+            # replay an order dealt for another layout; the global position can, exactly:
+            # taken batches of every rank of this same world, in the order it was dealt.
+            at = taken * self.batch_size * self.world_size
+            self.resume_at(self.epoch, at, saved_layout)
             return
         if loader_state is not None:
             self.loader.load_state_dict(loader_state)
         self._start_epoch()
         self.taken = taken
 
-    def resume_at(self, epoch: int, samples: int) -> None:
+    def resume_at(self, epoch: int, samples: int, layout: Any = None) -> None:
         """Continue epoch `epoch` after its first `samples` samples of the global order (written
-        by any world size): the rest of the epoch split over this world, then epochs as usual."""
+        by any world size): the rest of the epoch split over this world, then epochs as usual.
+        A dealt order is rebuilt for the `layout` the position was saved with (None: one
+        piece, the order of positions saved before layouts were)."""
         remainder_of = getattr(self.sampler, "remainder", None)  # e.g. token windows
         rest: Any
         if remainder_of is not None:
@@ -172,7 +194,9 @@ class EpochLoader:
             return
         else:
             if isinstance(self.sampler, OrderSampler):
-                order = self.sampler.order(epoch).tolist()
+                laid = _layout(layout) if self.layout is not None else None
+                order = epoch_order(self.dataset, self.seed, laid, epoch).tolist()
+                self._epoch_layout = laid
             else:
                 order = _permutation(len(self.dataset), self.seed, epoch, self.shuffle)  # type: ignore[arg-type]
             rest = RemainderSampler(order, samples, self.rank, self.world_size)
@@ -190,6 +214,20 @@ class EpochLoader:
         self._it = iter(remainder)
         self._remainder = True
         self._base, self.taken = samples, 0
+
+
+def epoch_order(dataset: Any, seed: int, layout: Layout | None, epoch: int) -> Any:
+    """The global order of an epoch of an ordered dataset (`has_epoch_order`), dealt for
+    `layout` (`hpcml.data.shards.order.dealt_order`); None: its one-piece order."""
+    if layout is None:
+        return dataset.epoch_order(seed, epoch)
+    return dealt_order(
+        lambda pieces: dataset.epoch_order(seed, epoch, pieces), len(dataset), layout
+    )
+
+
+def _layout(saved: Any) -> Layout | None:
+    return None if saved is None else Layout(*(int(v) for v in saved))
 
 
 def _worker_args(cfg: DataConfig, pin_memory: bool, persistent: bool) -> dict[str, Any]:

@@ -155,7 +155,7 @@ def restore_data(
         train_data.load_state_dict(loaded.rank_state["data"])
     elif "data_position" in loaded.trainer:
         pos = loaded.trainer["data_position"]
-        train_data.resume_at(int(pos["epoch"]), int(pos["samples"]))
+        train_data.resume_at(int(pos["epoch"]), int(pos["samples"]), pos.get("layout"))
     else:  # written before positions were stored: continue at the next epoch boundary
         epoch = int(loaded.trainer.get("epoch", 0)) + 1
         train_data.load_state_dict({"epoch": epoch, "loader": None})

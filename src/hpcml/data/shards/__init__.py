@@ -41,6 +41,7 @@ from torch.utils.data import Dataset
 
 from hpcml.data.device_augment import normalize_pixels
 from hpcml.data.shards.cache import DiskCache
+from hpcml.data.shards.crop import random_resized_crop
 from hpcml.data.shards.manifest import (
     MANIFEST,
     SPLITS,
@@ -49,7 +50,7 @@ from hpcml.data.shards.manifest import (
 )
 from hpcml.data.shards.manifest import canonical as canonical  # re-exported: the version id's input
 from hpcml.data.shards.manifest import version_id as version_id
-from hpcml.data.shards.order import shard_window_order
+from hpcml.data.shards.order import shard_stream_order, shard_window_order
 from hpcml.data.shards.readahead import ShardSlots
 from hpcml.data.shards.store import Store, is_remote
 from hpcml.errors import DataError
@@ -154,6 +155,7 @@ class ShardSet(Dataset[Any]):
         cache_limit_bytes: int = 10 * 10**9,
         readahead: int | None = None,
         shuffle_shards: int | None = None,
+        crop: tuple[float, float] | None = None,
     ) -> None:
         self._store_args = (str(folder), cache_dir, cache_limit_bytes)
         self.store = _store(*self._store_args)
@@ -183,6 +185,11 @@ class ShardSet(Dataset[Any]):
         self.with_ids = with_ids
         self.raw = raw
         """Inputs as stored (uint8 pixels), the read transform left to the device."""
+        self.crop = crop
+        """Encoded images: the area share range of a random-resized-crop at the stored
+        resolution (`hpcml.data.shards.crop`), drawn per (seed, epoch, index) key: the loader
+        then passes keys (`epoch_keyed`)."""
+        self.epoch_keyed = crop is not None
         self._batch: tuple[int, int, Any] | None = None
         self.slots = self._slots()
 
@@ -228,27 +235,36 @@ class ShardSet(Dataset[Any]):
             self.slots.prefetch(range(k + 1, min(k + 1 + self.readahead, len(self.files))), k)
         return reader
 
+    dealt = True
+    """The loader deals a shuffled epoch to its reading processes, a piece each
+    (`hpcml.data.shards.order.dealt_order`)."""
+
     @property
     def has_epoch_order(self) -> bool:
         """A shuffled epoch takes `epoch_order` (a window of shards) over one permutation."""
         return self.shuffle_shards is not None
 
-    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
-        """The shuffled order of one epoch, `shuffle_shards` shards at a time."""
+    def epoch_order(self, seed: int, epoch: int, pieces: list[int] | None = None) -> np.ndarray:
+        """The shuffled order of one epoch, `shuffle_shards` shards at a time; with `pieces`,
+        laid out in pieces of those lengths that each hold whole shards but at their ends, one
+        piece per reading process (`hpcml.data.shards.order.shard_stream_order`)."""
         window = self.shuffle_shards or len(self.counts)
-        return shard_window_order(self.counts, window, seed, epoch)
+        if pieces is None:
+            return shard_window_order(self.counts, window, seed, epoch)
+        return shard_stream_order(self.counts, window, seed, epoch, pieces)
 
     def shard_of(self, i: int) -> int:
         return bisect.bisect_right(self.starts, i) - 1
 
-    def __getitems__(self, indices: list[int]) -> list[Any]:
-        """Samples `indices`, in that order, read shard by shard: while one shard's samples are
-        read the batch's next shards are fetched ahead."""
+    def __getitems__(self, indices: list[Any]) -> list[Any]:
+        """Samples `indices` (or (seed, epoch, index) keys), in that order, read shard by shard:
+        while one shard's samples are read the batch's next shards are fetched ahead."""
         by_shard: dict[int, list[int]] = {}
-        for pos, i in enumerate(indices):
-            if not 0 <= int(i) < self.length:
+        for pos, key in enumerate(indices):
+            i = _index(key)
+            if not 0 <= i < self.length:
                 raise IndexError(i)
-            by_shard.setdefault(self.shard_of(int(i)), []).append(pos)
+            by_shard.setdefault(self.shard_of(i), []).append(pos)
         order = list(by_shard)
         out: list[Any] = [None] * len(indices)
         for n, k in enumerate(order):
@@ -270,25 +286,30 @@ class ShardSet(Dataset[Any]):
         ids, xs, ys = batch.column(0), batch.column(1), batch.column(2)
         return _cell(xs, j), _cell(ys, j), int(ids[j].as_py())
 
-    def __getitem__(self, i: int) -> Any:
-        i = int(i)
+    def __getitem__(self, key: Any) -> Any:
+        i = _index(key)
         if not 0 <= i < self.length:
             raise IndexError(i)
         xb, yb, sid = self._row(i)
         if self.layout == "encoded":  # an image file's bytes: decoded here, in the worker
-            x = self._decode_image(xb, sid)
+            x = self._decode_image(xb, sid, key)
         else:
             x = np.frombuffer(xb, dtype=self.x_dtype).reshape(self.x_shape)
         y = np.frombuffer(yb, dtype=self.y_dtype).reshape(self.y_shape)
         xt, yt = self._decode(x, y)
         return (xt, yt, sid) if self.with_ids else (xt, yt)
 
-    def _decode_image(self, data: memoryview, sid: int) -> np.ndarray:
+    def _decode_image(self, data: memoryview, sid: int, key: Any) -> np.ndarray:
         """(3, H, W) uint8 pixels of a stored image file, converted and resized as the manifest's
-        `transform.read.decode` says (the same Pillow calls as resizing at write time)."""
+        `transform.read.decode` says (the same Pillow calls as resizing at write time), or a
+        random-resized-crop of it with `crop` (a plain index counts as seed 0, epoch 0)."""
         h, w = self.x_shape[1:]
         try:
-            return decode_rgb(data, h, w)
+            if self.crop is None:
+                return decode_rgb(data, h, w)
+            seed, epoch, i = key if isinstance(key, tuple) else (0, 0, int(key))
+            rng = np.random.default_rng([seed % 2**63, epoch, i, CROP_STREAM])
+            return random_resized_crop(data, h, w, self.crop, rng)
         except ValueError as exc:
             raise DataError(
                 f"sample {sid} of shard set {self.root} is not a readable image "
@@ -315,6 +336,15 @@ class ShardSet(Dataset[Any]):
                 xt = (xt - mean) / std
         yt = torch.from_numpy(y.astype(np.int64))
         return xt, (yt.reshape(()) if self.y_shape in ((), (1,)) else yt)
+
+
+CROP_STREAM = 0x63726F70
+"""Salts the crop's generator apart from data.augment's, which is seeded with the same key."""
+
+
+def _index(key: Any) -> int:
+    """The sample index of a plain index or of a (seed, epoch, index) key."""
+    return int(key[2]) if isinstance(key, tuple) else int(key)
 
 
 def is_pixel_transform(t: dict[str, Any]) -> bool:

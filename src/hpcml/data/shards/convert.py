@@ -299,6 +299,7 @@ def shard(
     fill: float | None = None,
     encoded: bool = False,
     eot: int = 0,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Write the shard set of `source` (a built-in name, an image folder or a table file)."""
     shard_bytes = shards.parse_size(shard_size)
@@ -338,5 +339,5 @@ def shard(
                 "nor a saved `datasets` folder."
             )
     header["hpcml"] = __version__
-    manifest = shards.write_shard_set(out, samples, header, shard_bytes, compression)
+    manifest = shards.write_shard_set(out, samples, header, shard_bytes, compression, workers)
     return {"out": str(out), "version": shards.version_id(manifest), "manifest": manifest}

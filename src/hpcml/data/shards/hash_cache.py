@@ -12,10 +12,11 @@ written, files are simply hashed each time.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import sqlite3
 from pathlib import Path
+
+from hpcml.data.arrow_shard import sha256_of as sha256_of  # re-exported: its callers import it here
 
 FILE = "shard-sha256.sqlite"
 
@@ -26,14 +27,6 @@ def cache_path() -> Path:
         return Path(base).expanduser() / FILE
     xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
     return Path(xdg).expanduser() / "hpcml" / FILE
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):  # 4 MiB at a time: bounded memory
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class HashCache:

@@ -25,6 +25,7 @@ def load_shard_source(cfg: DataConfig) -> Any:
     if cfg.verify != "none":
         shards.verify(root, manifest, deep=None if cfg.verify == "full" else False, shared=True)
     normalize = device_normalize(cfg, manifest)
+    crop = check_crop(cfg, manifest, root)
     train, val = (
         shards.ShardSet(
             root,
@@ -36,6 +37,7 @@ def load_shard_source(cfg: DataConfig) -> Any:
             readahead=cfg.readahead,
             raw=normalize is not None,
             shuffle_shards=shuffle_window(cfg),
+            crop=crop if split == "train" else None,
         )
         for split in ("train", "val")
     )
@@ -69,6 +71,25 @@ def shuffle_window(cfg: DataConfig) -> int | None:
     if cfg.shuffle_shards is not None:
         return cfg.shuffle_shards
     return max(1, cfg.shard_cache - 1) if is_remote(cfg.path or "") else None
+
+
+def check_crop(cfg: DataConfig, manifest: dict[str, Any], root: Any) -> Any:
+    """data.random_resized_crop: its (low, high) area share, for a set of encoded images."""
+    crop = cfg.random_resized_crop
+    if crop is None:
+        return None
+    if manifest["sample"]["layout"] != "encoded":
+        raise DataError(
+            f"data.random_resized_crop crops images stored as their files' bytes, but shard set "
+            f"{root} stores {manifest['sample']['layout']} samples; write it with `hpcml data "
+            "shard FOLDER --encoded` or unset data.random_resized_crop."
+        )
+    if crop[0] > crop[1]:
+        raise DataError(
+            f"data.random_resized_crop {list(crop)} is not a range (low, high); write the "
+            "smaller area share first, e.g. [0.08, 1.0]."
+        )
+    return (float(crop[0]), float(crop[1]))
 
 
 def is_image_set(manifest: dict[str, Any]) -> bool:

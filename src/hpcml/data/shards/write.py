@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpcml.data.shards.hash_cache import sha256_of as sha256_file
+from hpcml.data.arrow_shard import write_shard
 from hpcml.data.shards.manifest import COMPRESSIONS, FORMAT, MANIFEST
 from hpcml.errors import DataError
 
@@ -49,6 +50,8 @@ class ShardWriter:
         shard_bytes: int,
         compression: str,
         encoded: bool = False,
+        pool: Executor | None = None,
+        ahead: int = 2,
     ) -> None:
         self.root, self.split, self.compression = root, split, compression
         self.encoded, self.shard_bytes, self._bytes = encoded, shard_bytes, 0
@@ -65,6 +68,11 @@ class ShardWriter:
             self.per_shard, self.rows_per_batch = 2**62, ENCODED_ROWS
         self.x_spec, self.y_spec = x_spec, y_spec
         self.shards: list[dict[str, Any]] = []
+        self.pool = pool
+        """Writer processes (`--workers`): a full shard's samples go to one of them, and the
+        manifest's entries come back in shard order; at most `ahead` shards wait in memory."""
+        self.ahead = ahead
+        self._pending: list[Future[dict[str, Any]]] = []
         self._ids: list[int] = []
         self._xs: list[bytes] = []
         self._ys: list[bytes] = []
@@ -79,42 +87,25 @@ class ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        import pyarrow as pa
-
         if not self._ids:
             return
-        n = len(self._ids)
-        table = pa.table(
-            {
-                "id": pa.array(self._ids, type=pa.int64()),
-                "x": pa.array(self._xs, type=pa.binary(-1 if self.encoded else self.x_width)),
-                "y": pa.array(self._ys, type=pa.binary(self.y_width)),
-            }
-        )
-        name = f"{self.split}-{len(self.shards):05d}.arrow"
-        path = self.root / name
-        codec = None if self.compression == "none" else self.compression
-        options = pa.ipc.IpcWriteOptions(compression=codec)
-        with (
-            pa.OSFile(str(path), "wb") as sink,
-            pa.ipc.new_file(sink, table.schema, options=options) as writer,
-        ):
-            writer.write_table(table, max_chunksize=self.rows_per_batch)
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        self.shards.append(
-            {
-                "file": name,
-                "samples": n,
-                "bytes": path.stat().st_size,
-                "sha256": sha256_file(path),
-                "first_id": self._ids[0],
-            }
-        )
+        name = f"{self.split}-{len(self.shards) + len(self._pending):05d}.arrow"
+        job = functools.partial(
+            write_shard, str(self.root / name), self._ids, self._xs, self._ys,
+            (self.x_width, self.y_width), self.encoded, self.rows_per_batch, self.compression,
+        )  # fmt: skip
         self._ids, self._xs, self._ys, self._bytes = [], [], [], 0
+        if self.pool is None:
+            self.shards.append(job())
+            return
+        self._pending.append(self.pool.submit(job))
+        while len(self._pending) > self.ahead:
+            self.shards.append(self._pending.pop(0).result())
 
     def summary(self) -> dict[str, Any]:
         self.flush()
+        while self._pending:
+            self.shards.append(self._pending.pop(0).result())
         return {
             "samples": sum(s["samples"] for s in self.shards),
             "rows_per_batch": self.rows_per_batch,
@@ -132,14 +123,19 @@ def write_shard_set(
     header: dict[str, Any],
     shard_bytes: int,
     compression: str,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Write `samples[split]` (id, x, y) into `out` and return the manifest (written last,
     atomically: a folder without a manifest is not a shard set). `header` holds format-level
-    facts: sample spec, source, transform, classes."""
+    facts: sample spec, source, transform, classes. With `workers` > 1 the shard files are
+    written (serialized, compressed, synced, hashed) by that many spawned processes while this
+    one reads the source; the files and the manifest are byte for byte the serial writer's."""
     if compression not in COMPRESSIONS:
         raise DataError(
             f"--compression {compression!r} is not known; use one of {', '.join(COMPRESSIONS)}."
         )
+    if workers < 1:
+        raise DataError(f"--workers {workers} must be at least 1 (processes writing shards).")
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(
@@ -155,13 +151,16 @@ def write_shard_set(
     x_spec = (np.dtype(sample["x"]["dtype"]), tuple(sample["x"]["shape"]))
     y_spec = (np.dtype(sample["y"]["dtype"]), tuple(sample["y"]["shape"]))
     splits: dict[str, Any] = {}
+    encoded = sample["layout"] == "encoded"
     try:
-        for split, items in samples.items():
-            encoded = sample["layout"] == "encoded"
-            writer = ShardWriter(out, split, x_spec, y_spec, shard_bytes, compression, encoded)
-            for sid, x, y in items:
-                writer.add(sid, x, y)
-            splits[split] = writer.summary()
+        with _writers(workers) as pool:
+            for split, items in samples.items():
+                writer = ShardWriter(
+                    out, split, x_spec, y_spec, shard_bytes, compression, encoded, pool, 2 * workers
+                )
+                for sid, x, y in items:
+                    writer.add(sid, x, y)
+                splits[split] = writer.summary()
     except BaseException:
         for p in out.iterdir():  # only files this call wrote: the folder was empty
             p.unlink()
@@ -173,3 +172,14 @@ def write_shard_set(
     tmp.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
     tmp.replace(out / MANIFEST)
     return manifest
+
+
+def _writers(workers: int) -> Any:
+    """A pool of `workers` spawned writer processes, or a no-op context for one."""
+    import contextlib
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    if workers == 1:
+        return contextlib.nullcontext(None)
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))

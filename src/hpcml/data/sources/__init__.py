@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 from hpcml.config import DataConfig
 from hpcml.data.device_augment import DeviceNormalize
@@ -89,13 +89,23 @@ class AugmentedImages(Dataset):
 
     def __init__(self, inner: Dataset) -> None:
         self.inner = inner
+        # A shard set's epoch order (a window of shards at a time, dealt to the readers) is
+        # kept: augmenting must not turn a set in a bucket back to one permutation.
+        self.has_epoch_order = getattr(inner, "has_epoch_order", False)
+        self.dealt = getattr(inner, "dealt", False)
+        self.order_always = getattr(inner, "order_always", False)
+
+    def epoch_order(self, seed: int, epoch: int, pieces: list[int] | None = None) -> Any:
+        if pieces is None:
+            return self.inner.epoch_order(seed, epoch)  # type: ignore[attr-defined]
+        return self.inner.epoch_order(seed, epoch, pieces)  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
 
     def __getitem__(self, key: int | tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         seed, epoch, i = key if isinstance(key, tuple) else (0, 0, int(key))
-        img, label = self.inner[i]
+        img, label = self.inner[key if getattr(self.inner, "epoch_keyed", False) else i]
         rng = np.random.default_rng([seed, epoch, i])
         dx, dy = (int(v) for v in rng.integers(0, 9, size=2))
         h, w = img.shape[-2:]
@@ -238,12 +248,38 @@ SOURCES: dict[str, Callable[[DataConfig], Splits]] = {
 }
 
 
+def _check_crop_source(cfg: DataConfig) -> None:
+    if cfg.random_resized_crop is not None and (cfg.source != "shards" or cfg.mix is not None):
+        where = "data.mix" if cfg.source == "shards" else f"data.source {cfg.source}"
+        raise DataError(
+            f"data.random_resized_crop applies to one shard set of encoded images (data.source "
+            f"shards, data.path), not to {where}; unset it or train from such a set."
+        )
+
+
+class KeyedSubset(Subset):  # type: ignore[type-arg]
+    """`data.limit_train` over a dataset whose samples take (seed, epoch, index) keys."""
+
+    epoch_keyed = True
+
+    def _key(self, key: Any) -> Any:
+        seed, epoch, i = key if isinstance(key, tuple) else (0, 0, int(key))
+        return (seed, epoch, self.indices[i])
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.dataset[self._key(key)]
+
+    def __getitems__(self, keys: list[Any]) -> list[Any]:
+        return [self.dataset[self._key(k)] for k in keys]
+
+
 def check_source(cfg: DataConfig) -> None:
     """Cheap checks a launcher runs before starting workers (folders exist, name known)."""
     if cfg.source not in SOURCES:
         raise DataError(
             f"data.source {cfg.source!r} is not known; known sources are: {', '.join(sorted(SOURCES))}."
         )
+    _check_crop_source(cfg)
     if cfg.source == "cifar10":
         _cifar_dir(cfg)
     if cfg.source == "tokens":
@@ -266,9 +302,11 @@ def load_source(cfg: DataConfig) -> Splits:
         raise DataError(
             f"data.source {cfg.source!r} is not known; known sources are: {', '.join(sorted(SOURCES))}."
         )
+    _check_crop_source(cfg)
     splits = loader(cfg)
     if cfg.limit_train is not None and cfg.limit_train < len(splits.train):  # type: ignore[arg-type]
-        splits.train = torch.utils.data.Subset(splits.train, range(cfg.limit_train))
+        subset = KeyedSubset if getattr(splits.train, "epoch_keyed", False) else Subset
+        splits.train = subset(splits.train, range(cfg.limit_train))
     # Outermost, so it sees the loader's (seed, epoch, index) keys; augment_on: device runs in
     # the trainer instead (hpcml.data.device_augment).
     if cfg.augment and cfg.augment_on == "cpu":
