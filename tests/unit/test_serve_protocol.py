@@ -14,8 +14,8 @@ import torch
 from hpcml.errors import ConfigError, ModelError
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
+from hpcml.serve.codec import oip, tensors
 from hpcml.serve.config import load_serve_config
-from hpcml.serve.protocol import oip, tensors
 from hpcml.serve.runtime.repository import resolve_model_source, sorted_versions
 
 SPEC = oip.TensorSpec("input", "FP32", (2, 2))
@@ -141,7 +141,10 @@ def test_example_serve_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "serve_digits.yaml"
     cfg = load_serve_config(example)
     digits = cfg.models["digits"]
-    assert digits.traffic == {"1": 0.9, "2": 0.1}  # normalised when read and digits.shadow is not None
+    assert digits.traffic == {
+        "1": 0.9,
+        "2": 0.1,
+    }  # normalised when read and digits.shadow is not None
     assert digits.versions["3"].backend == "onnx-int8"
 
 

@@ -28,9 +28,10 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 import hpcml
+from hpcml.serve.codec import oip
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.protocol import oip, schemas
+from hpcml.serve.protocol import schemas
 from hpcml.serve.protocol.inference import (
     EXTENSIONS,
     InferFailure,
@@ -38,7 +39,7 @@ from hpcml.serve.protocol.inference import (
     model_metadata,
     run_infer,
 )
-from hpcml.serve.runtime.model_stats import add_triton_routes
+from hpcml.serve.protocol.triton_config import add_triton_routes
 from hpcml.serve.traffic.drift import add_drift_routes
 from hpcml.serve.traffic.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
 from hpcml.serve.traffic.router import Router
@@ -106,6 +107,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         description="Open Inference Protocol v2 (KServe / Triton REST) with dynamic batching.",
         lifespan=lifespan,
     )
+
     def count_refused(path: str, status: int) -> None:
         """Inference requests the limits refuse never reach run_infer: counted here."""
         parts = path.strip("/").split("/")
