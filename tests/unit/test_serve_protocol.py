@@ -470,3 +470,28 @@ def test_non_finite_floats_are_refused_in_binary_and_grpc_as_in_json(
     # Finite values of the same tensor pass.
     values[1] = 2.0
     assert oip.parse_infer_request(header + values.tobytes(), len(header)).inputs["input"].size == 4
+
+
+@pytest.mark.parametrize(
+    "data",
+    [[1.5, -2, True, "3.25", 2**70], [None, 1.0], [1.0, [2.0]], ["abc", 1.0], [{"a": 1}, 2.0]],
+)
+def test_flat_float_data_reads_as_numpy_asarray_reads_it(data: list) -> None:
+    # Flat lists take a faster path than nested ones; values and refusals must not differ.
+    expected: np.ndarray | type[Exception]
+    try:
+        with np.errstate(over="ignore"):
+            expected = np.asarray(data, dtype=np.float32)
+    except (TypeError, ValueError):
+        expected = Exception
+    if expected is Exception:
+        with pytest.raises(oip.ProtocolError):
+            tensors.from_json_data(data, "FP32", (2,), "x")
+        return
+    if not np.isfinite(expected).all():
+        with pytest.raises(oip.ProtocolError, match="holds null"):
+            tensors.from_json_data(data, "FP32", (2,), "x")
+        return
+    got = tensors.from_json_data(data, "FP32", (len(data),), "x")
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)
