@@ -14,9 +14,9 @@ import torch
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
+from hpcml.serve.codec.oip import decode_output, encode_request
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.protocol.app import build_app
-from hpcml.serve.protocol.oip import decode_output, encode_request
 from hpcml.serve.testing import running_server
 
 ARGS = {"hidden": 16, "depth": 1}

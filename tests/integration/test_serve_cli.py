@@ -17,9 +17,9 @@ import torch
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
+from hpcml.serve.codec.oip import encode_request_bytes
 from hpcml.serve.loadtest import wait_ready
 from hpcml.serve.protocol.app import bind_socket
-from hpcml.serve.protocol.oip import encode_request_bytes
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 ENV = {**os.environ, "PYTHONPATH": str(SRC)}

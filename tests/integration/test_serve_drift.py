@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from hpcml.cli.app import app as cli_app
 from hpcml.config import DataConfig
 from hpcml.data.sources import load_source
+from hpcml.serve.codec.oip import encode_request
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.protocol.app import build_app
-from hpcml.serve.protocol.oip import encode_request
 from hpcml.serve.testing import running_server
 
 CONFIG = "examples/digits_cnn.yaml"

@@ -24,8 +24,8 @@ from tests.integration.mlflow_util import fresh_store
 from tests.integration.test_serve_supervision import _free_port, inference_children
 from tests.integration.test_track_registry import make_run
 
+from hpcml.serve.codec.oip import encode_request_bytes
 from hpcml.serve.loadtest import wait_ready
-from hpcml.serve.protocol.oip import encode_request_bytes
 from hpcml.track.registry import RegistryError, promote, register_run
 from hpcml.track.resolve import resolve_model
 

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
+from hpcml.serve.codec.oip import encode_request
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.protocol.app import build_app
-from hpcml.serve.protocol.oip import encode_request
 from hpcml.serve.testing import running_server
 
 ARGS = {"hidden": 8, "depth": 1, "input_shape": [2, 2]}

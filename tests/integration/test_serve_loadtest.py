@@ -165,8 +165,8 @@ def test_a_client_that_sends_late_marks_its_result_invalid(url: str) -> None:
 def test_binary_mode_builds_tensor_data_the_server_accepts(url: str) -> None:
     import aiohttp
 
+    from hpcml.serve.codec.oip import parse_header_length, parse_infer_request
     from hpcml.serve.loadtest import fetch_payload
-    from hpcml.serve.protocol.oip import parse_header_length, parse_infer_request
 
     async def payload() -> tuple[bytes, dict[str, str]]:
         async with aiohttp.ClientSession() as session:

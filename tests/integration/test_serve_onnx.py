@@ -20,9 +20,9 @@ from hpcml.config import DataConfig
 from hpcml.data.sources import load_source
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
+from hpcml.serve.codec.oip import decode_output, encode_request_bytes
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.protocol.app import build_app
-from hpcml.serve.protocol.oip import decode_output, encode_request_bytes
 from hpcml.serve.runtime.onnx_export import export_onnx
 from hpcml.serve.testing import running_server
 

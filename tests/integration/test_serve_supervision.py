@@ -27,11 +27,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
+from hpcml.serve.codec.oip import encode_request_bytes
 from hpcml.serve.loadtest import wait_ready
 from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
 from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
 from hpcml.serve.protocol.app import bind_socket
-from hpcml.serve.protocol.oip import encode_request_bytes
 
 pytestmark = pytest.mark.timeout(300)
 

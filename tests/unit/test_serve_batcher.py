@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from hpcml.serve.protocol.oip import TensorSpec
+from hpcml.serve.codec.oip import TensorSpec
 from hpcml.serve.runtime.batcher import (
     BackendFailed,
     BatcherClosed,

@@ -14,8 +14,8 @@ import torch
 from hpcml.errors import ConfigError, ModelError
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
+from hpcml.serve.codec import oip, tensors
 from hpcml.serve.config import load_serve_config
-from hpcml.serve.protocol import oip, tensors
 from hpcml.serve.runtime.repository import resolve_model_source, sorted_versions
 
 SPEC = oip.TensorSpec("input", "FP32", (2, 2))
@@ -141,7 +141,10 @@ def test_example_serve_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "serve_digits.yaml"
     cfg = load_serve_config(example)
     digits = cfg.models["digits"]
-    assert digits.traffic == {"1": 0.9, "2": 0.1}  # normalised when read and digits.shadow is not None
+    assert digits.traffic == {
+        "1": 0.9,
+        "2": 0.1,
+    }  # normalised when read and digits.shadow is not None
     assert digits.versions["3"].backend == "onnx-int8"
 
 
@@ -467,3 +470,28 @@ def test_non_finite_floats_are_refused_in_binary_and_grpc_as_in_json(
     # Finite values of the same tensor pass.
     values[1] = 2.0
     assert oip.parse_infer_request(header + values.tobytes(), len(header)).inputs["input"].size == 4
+
+
+@pytest.mark.parametrize(
+    "data",
+    [[1.5, -2, True, "3.25", 2**70], [None, 1.0], [1.0, [2.0]], ["abc", 1.0], [{"a": 1}, 2.0]],
+)
+def test_flat_float_data_reads_as_numpy_asarray_reads_it(data: list) -> None:
+    # Flat lists take a faster path than nested ones; values and refusals must not differ.
+    expected: np.ndarray | type[Exception]
+    try:
+        with np.errstate(over="ignore"):
+            expected = np.asarray(data, dtype=np.float32)
+    except (TypeError, ValueError):
+        expected = Exception
+    if expected is Exception:
+        with pytest.raises(oip.ProtocolError):
+            tensors.from_json_data(data, "FP32", (2,), "x")
+        return
+    if not np.isfinite(expected).all():
+        with pytest.raises(oip.ProtocolError, match="holds null"):
+            tensors.from_json_data(data, "FP32", (2,), "x")
+        return
+    got = tensors.from_json_data(data, "FP32", (len(data),), "x")
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)

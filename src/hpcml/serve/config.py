@@ -240,7 +240,7 @@ class ServeConfig(_Section):
     (gRPC: RESOURCE_EXHAUSTED) at once. Health and metrics endpoints are exempt. null: no limit."""
     tracing: bool = False
     """An OpenTelemetry trace per inference request (receive, queue, compute, respond), sent by
-    OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (hpcml.serve.spans)."""
+    OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (hpcml.serve.protocol.spans)."""
     json_offload_bytes: int = Field(default=256 * 1024, ge=0)
     """Inference bodies at least this large are parsed in a worker thread, so one large JSON
     body does not hold up every other request on the event loop."""

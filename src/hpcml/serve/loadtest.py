@@ -126,7 +126,7 @@ async def fetch_payload(
 ) -> tuple[bytes, dict[str, str]]:
     """A random request body that fits the model's signature, read from its metadata, and its
     headers: JSON, or with `binary` the binary tensor extension (what tritonclient sends)."""
-    from hpcml.serve.protocol.oip import DATATYPES, encode_binary_request, encode_request_bytes
+    from hpcml.serve.codec.oip import DATATYPES, encode_binary_request, encode_request_bytes
 
     path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
     try:

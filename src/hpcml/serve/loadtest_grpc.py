@@ -12,10 +12,10 @@ from typing import Any
 
 import grpc
 
+from hpcml.serve.codec.oip import HEADER_LENGTH, parse_header_length, parse_infer_request
+from hpcml.serve.codec.tensors import to_raw
 from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
 from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
-from hpcml.serve.protocol.oip import HEADER_LENGTH, parse_header_length, parse_infer_request
-from hpcml.serve.protocol.tensors import to_raw
 
 
 def grpc_sender(

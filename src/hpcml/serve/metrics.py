@@ -67,7 +67,7 @@ class _Readiness(Collector):
 class ServeMetrics:
     def __init__(self) -> None:
         self.tracer: Any = None
-        """An OpenTelemetry tracer: a trace per request (hpcml.serve.spans); None: off."""
+        """An OpenTelemetry tracer: a trace per request (hpcml.serve.protocol.spans); None: off."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(

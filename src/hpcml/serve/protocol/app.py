@@ -25,12 +25,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
-from starlette.routing import Route
+from starlette.middleware import Middleware
 
 import hpcml
+from hpcml.serve.codec import oip
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.protocol import oip, schemas
+from hpcml.serve.protocol import schemas
+from hpcml.serve.protocol.infer_route import InferRoute
 from hpcml.serve.protocol.inference import (
     EXTENSIONS,
     InferFailure,
@@ -38,7 +40,7 @@ from hpcml.serve.protocol.inference import (
     model_metadata,
     run_infer,
 )
-from hpcml.serve.runtime.model_stats import add_triton_routes
+from hpcml.serve.protocol.triton_config import add_triton_routes
 from hpcml.serve.traffic.drift import add_drift_routes
 from hpcml.serve.traffic.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
 from hpcml.serve.traffic.router import Router
@@ -106,6 +108,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         description="Open Inference Protocol v2 (KServe / Triton REST) with dynamic batching.",
         lifespan=lifespan,
     )
+
     def count_refused(path: str, status: int) -> None:
         """Inference requests the limits refuse never reach run_infer: counted here."""
         parts = path.strip("/").split("/")
@@ -254,16 +257,9 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         return await infer(request, name, version)
 
     # The two routes above document inference in the OpenAPI schema; requests are answered by
-    # these plain Starlette routes placed before them, which skip FastAPI's per-request
-    # dependency solving (about a fifth of a small request's CPU time).
-    async def infer_fast(request: Request) -> Response:
-        params = request.path_params
-        return await infer(request, params["name"], params.get("version"))
-
-    app.router.routes[0:0] = [
-        Route(path, infer_fast, methods=["POST"], include_in_schema=False)
-        for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer")
-    ]
+    # `InferRoute`, innermost (appended: inside the limits), which skips the framework's
+    # per-request layers.
+    app.user_middleware.append(Middleware(InferRoute, handler=infer))
 
     @app.get("/v2/health/live", response_model=schemas.ServerHealth, tags=["health"])
     async def live() -> dict[str, Any]:

@@ -29,19 +29,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import hpcml
 from hpcml.errors import ConfigError
-from hpcml.serve.config import ServeConfig
-from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
-from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
-from hpcml.serve.protocol.inference import (
-    EXTENSIONS,
-    InferFailure,
-    model_is_ready,
-    model_metadata,
-    run_infer,
-)
-from hpcml.serve.protocol.oip import InferRequest
-from hpcml.serve.protocol.tensors import (
+from hpcml.serve.codec.oip import InferRequest
+from hpcml.serve.codec.tensors import (
     DATATYPES,
     DecodeBudget,
     ProtocolError,
@@ -52,6 +41,17 @@ from hpcml.serve.protocol.tensors import (
     element_count,
     from_raw,
     to_raw,
+)
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.oip_pb import grpc_predict_v2_pb2 as pb
+from hpcml.serve.oip_pb import grpc_predict_v2_pb2_grpc as pb_grpc
+from hpcml.serve.protocol.inference import (
+    EXTENSIONS,
+    InferFailure,
+    model_is_ready,
+    model_metadata,
+    run_infer,
 )
 from hpcml.serve.protocol.triton_grpc import SERVICE, triton_handlers
 from hpcml.serve.traffic.router import Router

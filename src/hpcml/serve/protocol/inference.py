@@ -16,14 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from hpcml.serve.config import ServeConfig
-from hpcml.serve.metrics import ServeMetrics
-from hpcml.serve.protocol.oip import (
+from hpcml.serve.codec.oip import (
     InferRequest,
     ProtocolError,
     check_inputs,
     check_requested_outputs,
 )
+from hpcml.serve.config import ServeConfig
+from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.protocol.spans import RequestTrace
 from hpcml.serve.runtime.batcher import (
     BackendFailed,
     BatcherClosed,
@@ -31,7 +32,6 @@ from hpcml.serve.runtime.batcher import (
     RequestTimeout,
     WorkerLost,
 )
-from hpcml.serve.spans import RequestTrace
 from hpcml.serve.traffic.router import Router
 from hpcml.serve.traffic.versions import ModelVersion, NotFound
 

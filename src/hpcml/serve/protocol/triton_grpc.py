@@ -4,7 +4,7 @@ Triton's `grpc_service.proto` extends KServe's `inference.GRPCInferenceService` 
 ModelConfig, ModelStatistics and RepositoryIndex. Their messages are declared here, in code,
 with Triton's field numbers and only the fields this server fills (the wire format depends on
 numbers and types alone, so tritonclient reads them with its full messages), in a private
-descriptor pool beside `oip_pb`'s. The answers are the JSON forms of `model_stats` parsed into
+descriptor pool beside `oip_pb`'s. The answers are the JSON forms of `triton_config` parsed into
 these messages, so REST and gRPC cannot disagree.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 
-from hpcml.serve.runtime.model_stats import model_config, model_statistics
+from hpcml.serve.protocol.triton_config import model_config, model_statistics
 from hpcml.serve.traffic.router import Router
 from hpcml.serve.traffic.versions import NotFound
 

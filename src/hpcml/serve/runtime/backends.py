@@ -27,7 +27,7 @@ import numpy as np
 
 from hpcml.errors import ModelError
 from hpcml.models.export import check_architecture, read_export_meta
-from hpcml.serve.protocol.oip import DATATYPES, TensorSpec, datatype_of
+from hpcml.serve.codec.oip import DATATYPES, TensorSpec, datatype_of
 
 ONNX_FILE = "model.onnx"
 ONNX_INT8_FILE = "model.int8.onnx"

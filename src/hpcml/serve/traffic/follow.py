@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcml.errors import HpcmlError
-from hpcml.serve.protocol.oip import DATATYPES
+from hpcml.serve.codec.oip import DATATYPES
 from hpcml.serve.traffic.router import Router
 from hpcml.serve.traffic.versions import ModelVersion, TrafficPolicy
 

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from hpcml.serve.protocol.oip import error_body
+from hpcml.serve.codec.oip import error_body
 
 JSON = "application/json"
 ASGIApp = Callable[

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcml.serve.codec.oip import TensorSpec
 from hpcml.serve.config import ModelServeConfig, normalise_weights
-from hpcml.serve.protocol.oip import TensorSpec
 from hpcml.serve.runtime.batcher import DynamicBatcher
 from hpcml.serve.runtime.model_stats import InferStats
 from hpcml.serve.runtime.repository import sorted_versions

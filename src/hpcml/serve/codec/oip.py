@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from hpcml.serve.protocol.tensors import (
+from hpcml.serve.codec.tensors import (
     DATATYPES,
     DecodeBudget,
     ProtocolError,
