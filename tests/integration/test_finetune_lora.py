@@ -36,7 +36,8 @@ CONFIG = """
 model: {{name: gpt-tiny, args: {{n_layer: 2, d_model: 64, n_head: 4}}, init_from: {base}}}
 data: {{source: tokens, path: {corpus}, seq_len: 32, batch_size: 4, eval_windows: 8}}
 optim: {{name: adamw, lr: 0.01, schedule: constant}}
-train: {{max_steps: 8, eval_every: 0, checkpoint_every: 4, keep_last: 2, log_every: 1, seed: 3}}
+train: {{max_steps: 8, eval_every: 0, checkpoint_every: 4, keep_last: 2, log_every: 1, seed: 3,
+         eval_sets: {{code: {corpus}}}}}
 finetune: {{method: lora, r: 4, alpha: 8, export_adapter: true}}
 """
 
@@ -159,7 +160,8 @@ def test_two_processes_give_one_process_losses(
     root: Path, lora_run: dict[str, Any], strategy: str
 ) -> None:
     """The same global batch (2 x 2 windows vs 4): DDP all-reduces the adapters' gradients,
-    zero3 (FSDP2) shards frozen base and adapters alike and reduce-scatters the latter."""
+    zero3 (FSDP2) shards frozen base and adapters alike and reduce-scatters the latter; the
+    named evaluation set (`train.eval_sets`) gets the same scores and forgetting."""
     run2 = root / strategy
     ok(train(root / "lora.yaml", run2, 2, "data.batch_size=2", f"parallel.strategy={strategy}"))
     want, got = step_losses(lora_run["run"]), step_losses(run2)
@@ -169,6 +171,26 @@ def test_two_processes_give_one_process_losses(
         # them: a few ulps per step (measured: 1e-7 relative over 8 steps); the issue's 1e-5.
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
     assert summary(run2)["finetune"]["trainable_params"] == 4096
+    # train.eval_sets scored on each rank's share and reduced: the same scores before (step 0)
+    # and after, so the same forgetting. The losses and eval sums agree to fp32 rounding (sums
+    # in float64 of per-window fp32 losses computed in batches of 2 instead of 4): 1e-6
+    # relative on a loss of ~5, hence 1e-5 absolute on the difference of two of them.
+    want_sets, got_sets = summary(lora_run["run"])["eval_sets"], summary(run2)["eval_sets"]
+    assert sorted(got_sets) == ["code"]
+    for when in ("before", "after"):
+        w, g = want_sets["code"][when], got_sets["code"][when]
+        assert g["step"] == w["step"] == {"before": 0, "after": 8}[when]
+        assert g["val_loss"] == pytest.approx(w["val_loss"], rel=1e-6), when
+    forgetting = got_sets["code"]["forgetting"]
+    assert forgetting["val_loss_increase"] == pytest.approx(
+        want_sets["code"]["forgetting"]["val_loss_increase"], abs=1e-5
+    )
+    assert forgetting["val_loss_increase"] < -0.05  # eight steps on this code lowered its loss
+    # Accuracy counts argmax hits over 8 windows x 32 positions: equal unless an argmax sits
+    # within rounding of a tie, so at most one position (1/256) apart.
+    assert forgetting["val_accuracy_drop"] == pytest.approx(
+        want_sets["code"]["forgetting"]["val_accuracy_drop"], abs=1 / 256 + 1e-9
+    )
 
 
 @pytest.mark.parametrize(
@@ -302,9 +324,10 @@ def test_int8_base_trains_adapters_and_exports_what_it_trained(
     block, fp32 = s["finetune"], summary(lora_run["run"])["finetune"]
     assert block["trainable_params"] == fp32["trainable_params"] == 4096
     # Per layer wq, wk, wv, wo (d x d) and the MLP's w1, w2 (d x 4d, 4d x d): 3 bytes saved
-    # per weight, 4 bytes added per row for its scale; lm_head (tied to the embedding) stays.
+    # per weight, 5 bytes added per row for its fp32 scale and int8 zero point; lm_head (tied
+    # to the embedding) stays.
     quantized, rows = LAYERS * (4 * D * D + 2 * 4 * D * D), LAYERS * (4 * D + 4 * D + D)
-    assert fp32["param_bytes"] - block["param_bytes"] == 3 * quantized - 4 * rows
+    assert fp32["param_bytes"] - block["param_bytes"] == 3 * quantized - 5 * rows
     losses, want = step_losses(run), step_losses(lora_run["run"])
     for step in losses:  # rounding each weight to 1/254 of its row's largest: a small change
         assert losses[step] == pytest.approx(want[step], rel=0.01), step
