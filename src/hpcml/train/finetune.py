@@ -73,8 +73,9 @@ def check(cfg: RunConfig, meta_model: nn.Module, world_size: int = 1) -> None:
                 f"divide {where}; run a number of processes that divides both, or use parallel.strategy ddp."
             )
     if cfg.finetune.base_dtype == "int8" and world_size > 1:
-        # torchao's int8 tensors implement no view/split: DDP's broadcast and FSDP's sharding
-        # of the frozen base fail inside torch (seen with torchao 0.18 on torch 2.13).
+        # torchao's int8 tensors implement no view/split: FSDP's sharding of the frozen base
+        # fails inside torch (seen with torchao 0.18 on torch 2.13), as did DDP's broadcast
+        # before apply_ddp left quantized weights out of it (int8 under DDP untested since).
         raise ConfigError(
             f"finetune.base_dtype int8 trains on one process, not {world_size}; run it with "
             "--nproc 1, or use finetune.base_dtype fp32 with ddp or zero3."
