@@ -14,7 +14,7 @@ transformers; `rss_growth_bytes` leaves those out, and the model-state bytes are
 scales with the model.
 
     python benchmarks/finetune.py [--model gpt-tiny] [--args '{"n_layer": 4, "d_model": 256}']
-        [--pretrain-steps 150] [--steps 100] [--batch 8] [--seq-len 64] [--r 8]
+        [--pretrain-steps 150] [--steps 100] [--batch 8] [--seq-len 64] [--r 8] [--eval-windows 64]
         [--runs full,lora,lora_int8,lora_nf4] [--out finetune]
 
 Writes benchmarks/results/OUT.json and OUT.md.
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 CONFIG = """
 model: {{name: {model}, args: {args}}}
-data: {{source: tokens, path: {corpus}, seq_len: {seq_len}, batch_size: {batch}, eval_windows: 64}}
+data: {{source: tokens, path: {corpus}, seq_len: {seq_len}, batch_size: {batch}, eval_windows: {eval_windows}}}
 optim: {{name: adamw, lr: 0.003, warmup_steps: 10, grad_clip: 1.0}}
 train: {{max_steps: 10, eval_every: 0, log_every: 10, seed: 0}}
 precision: fp32
@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--r", type=int, default=8)
+    ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--full-lr", type=float, default=1e-3)
     ap.add_argument("--lora-lr", type=float, default=3e-3)
     ap.add_argument("--runs", default="full,lora,lora_int8,lora_nf4")
@@ -157,7 +158,12 @@ def main() -> None:
         config = root / "ft.yaml"
         config.write_text(
             CONFIG.format(
-                model=a.model, args=a.args, corpus=root / "corpus", seq_len=a.seq_len, batch=a.batch
+                model=a.model,
+                args=a.args,
+                corpus=root / "corpus",
+                seq_len=a.seq_len,
+                batch=a.batch,
+                eval_windows=a.eval_windows,
             )
         )
         load0 = os.getloadavg()[0]
