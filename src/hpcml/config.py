@@ -315,10 +315,11 @@ class FinetuneConfig(_Section):
     Conv2d of other models."""
     export_adapter: bool = False
     """With lora: also write the adapter alone (PEFT's safetensors + config) to export/adapter."""
-    base_dtype: Literal["fp32", "int8"] = "fp32"
+    base_dtype: Literal["fp32", "int8", "nf4"] = "fp32"
     """With lora: the frozen base's Linear weights as stored for training; `int8` keeps them
-    as int8 with one fp32 scale per output row (QLoRA-style; hpcml.models.quant), adapters
-    in fp32. The export is merged into fp32 weights either way."""
+    as int8 with one fp32 scale per output row, `nf4` as QLoRA's 4-bit NormalFloat with one
+    double-quantized scale per 64 weights (hpcml.models.quant), adapters in fp32. The export
+    is merged into fp32 weights either way."""
 
 
 class TuneParam(_Section):

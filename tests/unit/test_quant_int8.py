@@ -28,8 +28,9 @@ def test_untied_linears_get_int8_weights_and_dequantize_to_fp32_names() -> None:
         # most half a step off, plus fp32 rounding of the scale.
         step = w.abs().amax(dim=1, keepdim=True) / 127
         assert torch.all((got - w).abs() <= step / 2 * 1.001)
-    # int8 data (1 byte) + one fp32 scale per row, instead of 4 bytes per weight; biases and
-    # the embedding (shared with the tied head) stay fp32.
-    linear_bytes = (16 * 8 + 10 * 16) * 1 + (16 + 10) * 4
+    # int8 data (1 byte) + one fp32 scale and one int8 zero point (held, though 0 in this
+    # symmetric scheme) per row, instead of 4 bytes per weight; biases and the embedding
+    # (shared with the tied head) stay fp32.
+    linear_bytes = (16 * 8 + 10 * 16) * 1 + (16 + 10) * (4 + 1)
     float_bytes = (16 + 10) * 4 + 10 * 8 * 4
     assert quant.weight_bytes(model) == linear_bytes + float_bytes

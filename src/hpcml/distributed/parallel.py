@@ -55,9 +55,21 @@ TP_CHECKS: dict[str, Callable[[nn.Module, int], None]] = {"gpt": parallelize_gpt
 """Model family -> the check that its shapes divide by the tensor-parallel degree."""
 
 
+def _is_quantized(t: torch.Tensor) -> bool:
+    """A torchao int8 or nf4 tensor (a fine-tuning run's frozen quantized base weight)."""
+    return hasattr(t, "qdata") or hasattr(t, "quantized_data")
+
+
 def apply_ddp(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # DDP broadcasts rank 0's parameters at wrap time by copying into flat buffers, which
+    # re-quantizes an nf4 weight from its dequantized value (new scales: silently other weights)
+    # and fails on int8. Frozen quantized weights get no gradients and are built alike on every
+    # rank (the same export, deterministic quantization), so DDP leaves them out.
+    frozen_quantized = [n for n, p in model.named_parameters() if _is_quantized(p)]
+    if frozen_quantized:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, frozen_quantized)
     return DDP(
         model,
         device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
@@ -409,10 +421,11 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     reshard(model)
 
     def nbytes(t: torch.Tensor) -> int:
-        parts = [getattr(t, n) for n in ("qdata", "scale") if hasattr(t, n)]
-        if parts:  # a torchao int8 tensor (finetune.base_dtype int8): its data and scales
-            return sum(nbytes(p) for p in parts)
         local = getattr(t, "_local_tensor", t)  # DTensor shards count what is local
+        if _is_quantized(local):
+            # a torchao int8 or nf4 tensor (finetune.base_dtype): its data, scales and tables
+            names = local.__tensor_flatten__()[0]  # type: ignore[union-attr]
+            return sum(nbytes(getattr(local, n)) for n in names)
         return int(local.numel() * local.element_size())
 
     params = sum(nbytes(p) for p in model.parameters())

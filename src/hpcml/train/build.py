@@ -99,11 +99,18 @@ class SetupMemory:
         except OSError:
             pass
         self.start_rss_bytes = _status_bytes("VmRSS") or _max_rss_bytes()
+        self.before_model_rss_bytes: int | None = None
+
+    def mark_model_start(self) -> None:
+        """The RSS once the run is resolved (libraries imported, data opened), before the model
+        is built: what a run's peak holds beyond it is the model, its training and its data."""
+        self.before_model_rss_bytes = _status_bytes("VmRSS")
 
     def result(self) -> dict[str, int | None]:
         peak = _status_bytes("VmHWM") or _max_rss_bytes()
         return {
             "setup_start_rss_bytes": self.start_rss_bytes,
+            "rss_before_model_bytes": self.before_model_rss_bytes,
             "setup_peak_rss_bytes": peak,
             # Without the reset the peak may predate set-up: then the growth is unknown.
             "setup_rss_growth_bytes": peak - self.start_rss_bytes if self.reset else None,

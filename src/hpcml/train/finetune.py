@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hpcml.config import RunConfig
+from hpcml.distributed.parallel import SHARDED
 from hpcml.errors import CheckpointError, ConfigError, ModelError
 from hpcml.models import lora, quant
 from hpcml.models.export import WEIGHTS
@@ -63,9 +64,18 @@ def check(cfg: RunConfig, meta_model: nn.Module, world_size: int = 1) -> None:
         )
     if method == "lora":
         lora.check_targets(meta_model, lora_config_of(cfg, meta_model))
+    if cfg.finetune.base_dtype == "nf4" and world_size > 1 and cfg.parallel.strategy in SHARDED:
+        where = quant.nf4_unshardable(meta_model, world_size)
+        if where is not None:
+            raise ConfigError(
+                f"finetune.base_dtype nf4 under parallel.strategy {cfg.parallel.strategy} shards "
+                f"each quantized weight by rows and scales, and {world_size} processes do not "
+                f"divide {where}; run a number of processes that divides both, or use parallel.strategy ddp."
+            )
     if cfg.finetune.base_dtype == "int8" and world_size > 1:
-        # torchao's int8 tensors implement no view/split: DDP's broadcast and FSDP's sharding
-        # of the frozen base fail inside torch (seen with torchao 0.18 on torch 2.13).
+        # torchao's int8 tensors implement no view/split: FSDP's sharding of the frozen base
+        # fails inside torch (seen with torchao 0.18 on torch 2.13), as did DDP's broadcast
+        # before apply_ddp left quantized weights out of it (int8 under DDP untested since).
         raise ConfigError(
             f"finetune.base_dtype int8 trains on one process, not {world_size}; run it with "
             "--nproc 1, or use finetune.base_dtype fp32 with ddp or zero3."
@@ -108,8 +118,8 @@ def _last_layer(model: nn.Module) -> nn.Module:
 def prepare(cfg: RunConfig, model: nn.Module) -> nn.Module:
     """Freeze the base and add what trains: LoRA adapters, or the output layer unfrozen."""
     if cfg.finetune.method == "lora":
-        if cfg.finetune.base_dtype == "int8":  # QLoRA-style: the frozen Linears held as int8
-            quant.quantize_base(model)
+        if cfg.finetune.base_dtype != "fp32":  # QLoRA-style: frozen Linears held as int8/nf4
+            quant.quantize_base(model, cfg.finetune.base_dtype)
         return lora.inject(model, lora_config_of(cfg, model), cfg.train.seed)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -179,7 +189,7 @@ def summary_block(cfg: RunConfig, model: nn.Module, res: Any) -> dict[str, Any]:
         "method": cfg.finetune.method,
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
         "total_params": sum(p.numel() for p in params),
-        "param_bytes": quant.weight_bytes(model),  # as held: int8 weights count 1 byte each
+        "param_bytes": quant.weight_bytes(model),  # as held: int8 1 byte a weight, nf4 half
     }
     if active(cfg):
         block["base_dtype"] = cfg.finetune.base_dtype
@@ -195,7 +205,7 @@ def export_weights(cfg: RunConfig, res: Any, weights: dict[str, torch.Tensor]) -
     if cfg.finetune.method != "lora":
         return weights
     build = lambda: build_model(cfg.model.name, res.model_args)  # noqa: E731
-    fp32 = quant.dequantize_state(weights)  # base_dtype int8: the weights the run trained on
+    fp32 = quant.dequantize_state(weights)  # base_dtype int8/nf4: the weights it trained on
     return lora.merged_state(build, lora_config_of(cfg, res.meta_model), fp32)
 
 

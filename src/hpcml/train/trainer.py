@@ -188,6 +188,7 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg, rt = self.cfg, self.rt
+        self.setup_memory.mark_model_start()  # summary's rss_before_model_bytes
         built = build_training_model(cfg, rt, self.resolved)  # on meta, then local shards
         self.model, self.n_params = built.model, built.n_params
         self.flops_per_sample = built.flops_per_sample
