@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hpcml.config import RunConfig
 from hpcml.tune import guard
 
 PRELOAD = (
@@ -51,10 +52,19 @@ PRELOAD = (
     "hpcml.train.trainer",
     "hpcml.train.validate",
     "hpcml.data.sources",
-    "?sklearn.datasets",
 )
-"""Imported once by the launcher: what every `hpcml train` run imports; `?` marks one imported
-when installed (the digits source's scikit-learn and SciPy are most of its data load)."""
+"""Imported once by the launcher: what every `hpcml train` run imports."""
+
+
+def preload_for(cfg: RunConfig) -> tuple[str, ...]:
+    """PRELOAD and what runs of `cfg` import besides (`?`: when installed): scikit-learn and
+    SciPy are most of the digits source's load, MLflow seconds of a tracked run's start."""
+    extra: tuple[str, ...] = ("?sklearn.datasets",) if cfg.data.source == "digits" else ()
+    if cfg.tracking.backend == "mlflow":
+        extra += ("?mlflow",)
+    return PRELOAD + extra
+
+
 READY_WAIT_S = 600.0
 """A launcher that has not imported its modules this long after its start is given up."""
 
@@ -220,9 +230,8 @@ def _exit_code(code: object) -> int:
 
 
 class Launcher:
-    """The tuner worker's handle on its launcher (started at once: it imports while the
-    worker loads the study). Start it from the thread that runs the trials: the launcher dies
-    with that thread."""
+    """The tuner worker's handle on its launcher. Start it from the thread that runs the
+    trials: the launcher dies with that thread."""
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
         self.proc = subprocess.Popen(

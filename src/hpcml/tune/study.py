@@ -36,7 +36,7 @@ from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, l
 from hpcml.errors import ConfigError, HpcmlError, WorkFailed
 from hpcml.tune import feasible, guard, space, tracking
 from hpcml.tune import trial as trial_run
-from hpcml.tune.launcher import Launcher
+from hpcml.tune.launcher import Launcher, preload_for
 from hpcml.tune.report import counts, summary, write_report
 from hpcml.tune.storage import HEARTBEAT_S, MAX_RETRY, fail_dead_trials, heartbeat, open_storage
 
@@ -195,16 +195,16 @@ def next_action(study: optuna.Study, job: TuneJob, sampler: Any) -> str:
 def work(job: TuneJob, worker: int = 0, say: Callable[[str], None] = lambda _line: None) -> None:
     """One worker: run trials until the study holds `job.trials` finished ones."""
     prep = prepare(job.config, job.overrides)
-    # Started before the study loads, so that it imports torch meanwhile; from this thread,
-    # the one that runs the trials (the launcher dies with it).
-    launcher = Launcher() if Launcher.supported() else None
-    try:
+    launcher: Launcher | None = None  # started with this worker's first trial (its imports
+    try:  # cost about what a fresh run's do), from this thread, which runs the trials
         study = load_study(job, prep, worker)
         lock = StudyLock(job.out)
         while True:
             lock.acquire()
             try:
                 action = next_action(study, job, study.sampler)
+                if action == "run" and launcher is None and Launcher.supported():
+                    launcher = Launcher(preload_for(prep.cfg))
                 if action == "run":  # releases the lock once it has a trial
                     run_one(study, job, prep, lock, say, launcher)
             finally:
