@@ -130,10 +130,11 @@ import json, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from hpcml.tune import trial
-from hpcml.tune.launcher import Launcher
+from hpcml.config import load_config
+from hpcml.tune.launcher import Launcher, preload_for
 mode, out = sys.argv[1], Path(sys.argv[2])
 t0 = time.perf_counter()
-launcher = Launcher() if mode != "cold" else None
+launcher = Launcher(preload_for(load_config(Path(sys.argv[3]), []))) if mode != "cold" else None
 while launcher is not None and not launcher.ready:
     launcher.pump(1.0)
 ready = time.perf_counter() - t0
