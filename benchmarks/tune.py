@@ -134,11 +134,12 @@ from hpcml.config import load_config
 from hpcml.tune.launcher import Launcher, preload_for
 mode, out = sys.argv[1], Path(sys.argv[2])
 t0 = time.perf_counter()
-launcher = Launcher(preload_for(load_config(Path(sys.argv[3]), []))) if mode != "cold" else None
+warm = mode in ("warm", "preload")
+launcher = Launcher(preload_for(load_config(Path(sys.argv[3]), []))) if warm else None
 while launcher is not None and not launcher.ready:
     launcher.pump(1.0)
 ready = time.perf_counter() - t0
-if mode != "preload":
+if mode in ("cold", "warm"):
     cmd = trial.train_command(Path(sys.argv[3]), ["train.max_steps=1", "train.eval_every=1"],
                               out, 1)
     start = time.time()
@@ -150,7 +151,8 @@ else:
 if launcher is not None:
     launcher.close()
 """
-    rows: dict[str, list[dict[str, float]]] = {"cold": [], "warm": [], "preload": []}
+    modes = ("cold", "warm", "preload", "none")
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for _ in range(rounds):
         for mode in rows:
             with tempfile.TemporaryDirectory(prefix="hpcml-bench-start-") as tmp:
@@ -164,7 +166,7 @@ if launcher is not None:
                 row = json.loads(proc.stdout.splitlines()[-1])
                 row["cpu_s"] = children_cpu_s() - cpu
                 row["load_average_before"] = load
-                if mode != "preload":
+                if mode in ("cold", "warm"):
                     start = row.pop("start")
                     row.update(phases(run, start, start + row["trial_s"]))
                 rows[mode].append(row)
@@ -172,9 +174,11 @@ if launcher is not None:
     keys = ("cpu_s", "ready_s", "trial_s", "start")
     summary = {m: {k: spread([r[k] for r in rs]) for k in keys if k in rs[0]}
                for m, rs in rows.items()}  # fmt: skip
-    # A warm trial's own CPU: its round's, less the median launcher start.
-    pre = summary["preload"]["cpu_s"]["median"]
-    summary["warm, less preload"] = {"cpu_s": spread([r["cpu_s"] - pre for r in rows["warm"]])}
+    # A trial's own CPU: its round's less the median of what the measuring process (none)
+    # and a launcher (preload) cost without a trial.
+    for mode, base in (("cold", "none"), ("warm", "preload")):
+        less = summary[base]["cpu_s"]["median"]
+        summary[f"{mode} trial alone"] = {"cpu_s": spread([r["cpu_s"] - less for r in rows[mode]])}
     return {"rounds": rows, "summary": summary}
 
 
@@ -294,8 +298,9 @@ def startup_lines(out: dict[str, Any]) -> list[str]:
         "",
         "Starting one trial (a 1-step trial with one evaluation; median (min to max)): "
         "cold = a fresh `python -m hpcml train` under the guard, warm = forked from the "
-        "launcher; preload = the launcher's own start, once per tune worker. CPU is the "
-        "whole measuring process's (warm includes its launcher's preload).",
+        "launcher; preload = the launcher's own start, once per tune worker; none = the "
+        "measuring process alone. CPU is the whole measuring process's; the `trial alone` rows "
+        "take away the median of none (cold) or preload (warm).",
         "",
         "| start | CPU (s) | launcher ready (s) | trial wall (s) | to first step (s) |",
         "|---|---|---|---|---|",
