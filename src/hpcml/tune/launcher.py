@@ -186,7 +186,8 @@ def guard_run(launcher: int, command: list[str], log: str) -> list[str]:
     _, status = os.waitpid(pid, 0)  # a forwarded signal's handler runs, and it waits on
     rc = os.waitstatus_to_exitcode(status)
     if rc < 0:  # killed by a signal: end the same way, so the tuner sees what the run saw
-        signal.signal(-rc, signal.SIG_DFL)
+        if -rc not in (signal.SIGKILL, signal.SIGSTOP):  # these two have no handler
+            signal.signal(-rc, signal.SIG_DFL)
         os.kill(os.getpid(), -rc)
     os._exit(rc)
 
