@@ -295,6 +295,26 @@ class Launcher:
             self.proc.stdout.close()
 
 
+class OnDemand:
+    """A tune worker's launcher, started when the worker starts its first run (a worker that
+    finds the study full or whose trials are all infeasible starts none: its imports cost
+    about what one fresh run's do). None where fork and pidfds are not Linux's."""
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        self.preload = preload
+        self.launcher: Launcher | None = None
+
+    def get(self) -> Launcher | None:
+        if self.launcher is None and Launcher.supported():
+            self.launcher = Launcher(self.preload)
+        return self.launcher
+
+    def close(self) -> None:
+        if self.launcher is not None:
+            self.launcher.close()
+            self.launcher = None
+
+
 class WarmProcess:
     """A run started by a Launcher, with the part of subprocess.Popen's interface that
     hpcml.tune.trial uses (the pid is its guard's)."""
