@@ -87,18 +87,22 @@ def wait_for(what: str, check: Any) -> None:
         time.sleep(0.05)
 
 
-def test_two_workers_share_a_study_prune_and_a_rerun_adds_only_new_trials(tmp_path: Path):
+def test_two_workers_share_a_tracked_study_prune_register_and_a_rerun_adds_only_new_trials(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+):
     # Seed 28: worker 0 samples lr 0.0154, 0.0048, 0.00024 and worker 1 (seed 29) 0.039,
     # 0.00072, 0.00017, each worker's later trials with a 3x smaller lr than its first. After
     # 5 steps a smaller lr has a higher val_loss, so whatever the timing between the workers,
     # one of them runs two of the 3 trials, and its second meets its own first at ASHA's
     # first rung (step 5), is not the best there, and is pruned 295 steps before its end (the
     # margin lets a tuner slowed by a busy machine answer before the run is over).
-    config = tune_config(
-        tmp_path / "tune.yaml", {"pruner": "asha", "trials": 3, "seed": 28}, max_steps=300
-    )
+    # One study serves the MLflow checks too (a tune and its trials cost seconds of CPU each).
+    uri = fresh_store(tmp_path_factory, "tune-mlflow")  # migrated once per session
+    tracking = {"tracking": {"backend": "mlflow", "uri": uri, "experiment": "tune-test"}}
+    tune = {"pruner": "asha", "trials": 3, "seed": 28}
+    config = tune_config(tmp_path / "tune.yaml", tune, tracking, max_steps=300)
     out = tmp_path / "study"
-    result = run_tune(config, out, "--workers", "2")
+    result = run_tune(config, out, "--workers", "2", "--register", "tune-best")
 
     n = result["trials"]
     assert n["complete"] + n["pruned"] == 3 and n["failed"] == n["infeasible"] == 0, result
@@ -129,6 +133,8 @@ def test_two_workers_share_a_study_prune_and_a_rerun_adds_only_new_trials(tmp_pa
     assert result["best_value"] == best.value and result["best_params"] == best.params
     assert result["best_run"] == best.user_attrs["run_dir"]
     assert 1e-4 <= result["best_params"]["optim.lr"] <= 1e-1
+    check_mlflow(uri, load(out), n["pruned"])
+    check_registered(uri, load(out), result)
 
     # The same command with --trials 4 continues the study: exactly one new trial, with a
     # point not tried before, and the finished trials are neither run again nor changed.
@@ -141,6 +147,51 @@ def test_two_workers_share_a_study_prune_and_a_rerun_adds_only_new_trials(tmp_pa
     assert {t.number: (t.state, t.value, t.params) for t in after[:3]} == before
     assert after[3].params["optim.lr"] not in [p["optim.lr"] for _, _, p in before.values()]
     assert all(p.read_bytes() == b for p, b in summaries.items())
+    # The rerun's trial nests under the study's one parent run too.
+    check_mlflow(uri, load(out), again["trials"]["pruned"])
+
+
+def check_mlflow(uri: str, study: optuna.Study, pruned: int) -> None:
+    """One parent run for the study, FINISHED with the study's numbers, and each trial's own
+    training run as its child, with the trial's status, state and sampled optim.lr."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("tune-test")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("hpcml.tune.study") == "tune"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    assert parent.data.metrics["best_value"] == study.best_value
+    assert parent.data.metrics["trials_pruned"] == pruned
+    children = {
+        int(r.data.tags["hpcml.tune.trial"]): r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
+    trials = study.get_trials()
+    assert sorted(children) == [t.number for t in trials]
+    mlflow_status = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "KILLED"}
+    for t in trials:
+        child = children[t.number]
+        assert child.info.status == mlflow_status[t.state]
+        assert child.data.tags["hpcml.tune.state"] == t.state.name.lower()
+        assert float(child.data.params["optim.lr"]) == t.params["optim.lr"]
+        assert child.data.tags["hpcml.run_dir"] == str(Path(t.user_attrs["run_dir"]).resolve())
+
+
+def check_registered(uri: str, study: optuna.Study, result: dict[str, Any]) -> None:
+    """--register: the best trial's export is version 1 of the model, linked to that trial's
+    own training run (its MLflow child), from its run folder."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    best_run = Path(study.best_trial.user_attrs["run_dir"])
+    version = client.get_model_version("tune-best", "1")
+    assert result["registered"] == {"name": "tune-best", "version": 1, "run_id": version.run_id}
+    tags = client.get_run(version.run_id).data.tags
+    assert tags["hpcml.run_dir"] == str(best_run.resolve())
+    assert tags["hpcml.tune.trial"] == str(study.best_trial.number)
 
 
 def _running(pid: int) -> bool:
@@ -229,56 +280,6 @@ def test_planner_infeasible_trials_are_recorded_and_never_started(tmp_path: Path
         assert t.state == TrialState.PRUNED and t.constraints["memory"] > 0
 
 
-def test_mlflow_holds_a_parent_run_and_a_child_run_per_trial_and_registers_the_best(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-):
-    from mlflow import MlflowClient
-
-    uri = fresh_store(tmp_path_factory, "tune-mlflow")  # migrated once per session
-    tracking = {"tracking": {"backend": "mlflow", "uri": uri, "experiment": "tune-test"}}
-    # One worker, seed 28: trial 0 (lr 0.0154) completes, trial 1 (lr 0.0048) has the higher
-    # val_loss at ASHA's first rung (step 5; see the two-worker test) and is pruned there.
-    tune = {"pruner": "asha", "trials": 2, "seed": 28}
-    config = tune_config(tmp_path / "tune.yaml", tune, tracking, max_steps=300)
-    out = tmp_path / "study"
-    result = run_tune(config, out, "--register", "tune-best")
-    assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
-    study = load(out)
-
-    client = MlflowClient(uri)
-    # --register: the best trial's export is version 1 of the model, linked to that trial's
-    # own training run (the child below), from its run folder.
-    best_run = Path(study.best_trial.user_attrs["run_dir"])
-    version = client.get_model_version("tune-best", "1")
-    assert result["registered"] == {"name": "tune-best", "version": 1, "run_id": version.run_id}
-    assert client.get_run(version.run_id).data.tags["hpcml.run_dir"] == str(best_run.resolve())
-    assert client.get_run(version.run_id).data.tags["hpcml.tune.trial"] == str(
-        study.best_trial.number
-    )
-    experiment = client.get_experiment_by_name("tune-test")
-    runs = client.search_runs([experiment.experiment_id])
-    parents = [r for r in runs if r.data.tags.get("hpcml.tune.study") == "tune"]
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    parent = parents[0]
-    assert parent.data.metrics["best_value"] == study.best_value
-    assert parent.data.metrics["trials_pruned"] == 1
-    children = {
-        int(r.data.tags["hpcml.tune.trial"]): r
-        for r in runs
-        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
-    }
-    assert sorted(children) == [0, 1]
-    # Each child is the trial's own training run: its status and Optuna state agree, and it
-    # logged the sampled value as its optim.lr.
-    mlflow_status = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "KILLED"}
-    for t in study.get_trials():
-        child = children[t.number]
-        assert child.info.status == mlflow_status[t.state]
-        assert child.data.tags["hpcml.tune.state"] == t.state.name.lower()
-        assert float(child.data.params["optim.lr"]) == t.params["optim.lr"]
-        assert child.data.tags["hpcml.run_dir"] == str(Path(t.user_attrs["run_dir"]).resolve())
-
-
 def _cli(*args: str) -> Any:
     return CliRunner().invoke(app, ["tune", *args])
 
@@ -349,25 +350,37 @@ def test_without_a_tune_section_exits_2(tmp_path: Path):
     assert not (tmp_path / "study").exists()
 
 
-def test_trials_on_two_processes_each_are_ddp_runs_and_a_pruned_one_stops_on_both_ranks(
-    tmp_path: Path,
-):
-    # One worker, seed 28, --nproc 2: trial 0 (lr 0.0154) completes; trial 1 (lr 0.0048) has
-    # the higher val_loss at ASHA's first rung (step 5, as on one process) and is pruned: the
-    # tuner's SIGINT goes to `hpcml train --nproc 2`, which passes it to torchrun's workers,
-    # and both ranks stop at the same step boundary.
-    tune = {"pruner": "asha", "trials": 2, "seed": 28}
-    config = tune_config(tmp_path / "tune.yaml", tune, max_steps=150)
+def _study_with_a_best_rung(out: Path) -> None:
+    """A study.journal holding one finished trial that led ASHA's first rung (val_loss 0 at
+    step 5), made with Optuna itself: any real trial is pruned at that rung."""
+    out.mkdir(parents=True)
+    study = optuna.create_study(study_name="tune", storage=journal(out), direction="minimize")
+    study.add_trial(
+        optuna.create_trial(
+            value=0.0,
+            params={"optim.lr": 0.01},
+            distributions={"optim.lr": optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)},
+            intermediate_values={5: 0.0},
+            system_attrs={"completed_rung_0": 0.0},  # Optuna's successive halving's own key
+        )
+    )
+
+
+def test_a_trial_on_two_processes_is_a_ddp_run_and_pruned_stops_on_both_ranks(tmp_path: Path):
+    # --nproc 2, one real trial: the study already holds a trial with val_loss 0 at ASHA's
+    # first rung (step 5), so the trial is pruned there: the tuner's SIGINT goes to `hpcml
+    # train --nproc 2`, which passes it to torchrun's workers, and both ranks stop at the
+    # same step boundary, 145 steps before the end (the margin lets a tuner slowed by a busy
+    # machine answer before the run is over).
+    config = tune_config(tmp_path / "tune.yaml", {"pruner": "asha", "trials": 2}, max_steps=150)
     out = tmp_path / "study"
+    _study_with_a_best_rung(out)
     result = run_tune(config, out, "--nproc", "2")
     assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
-    for t in load(out).get_trials():
-        run = Path(t.user_attrs["run_dir"])
-        summary = json.loads((run / "summary.json").read_text())
-        assert sorted(p.name for p in (run / "pids").iterdir()) == ["rank-0.pid", "rank-1.pid"]
-        if t.state == TrialState.COMPLETE:
-            assert summary["status"] == "finished" and summary["world_size"] == 2
-            assert steps_run(run) == 150
-        else:
-            assert t.state == TrialState.PRUNED and summary["status"] == "interrupted"
-            assert steps_run(run) < 150
+    t = load(out).get_trials()[1]
+    assert t.state == TrialState.PRUNED
+    run = Path(t.user_attrs["run_dir"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert sorted(p.name for p in (run / "pids").iterdir()) == ["rank-0.pid", "rank-1.pid"]
+    assert summary["status"] == "interrupted"
+    assert 5 <= steps_run(run) < 150

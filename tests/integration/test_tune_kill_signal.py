@@ -10,7 +10,10 @@ runs end with no summary.json.
 
 The kernel's order is made certain here: the tuner's thread that started the run exits first
 (pthread_exit, its siblings alive), and only then is the tuner killed. The run is a stand-in
-that counts the SIGINTs it gets until its parent is gone.
+that counts the SIGINTs it gets until its parent is gone. Both ways a run starts are checked:
+a fresh `python -I guard.py` per trial, and forked from the warm launcher
+(hpcml.tune.launcher), which has threads of its own (numpy's BLAS pool) and dies with the
+thread that started it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from tests.conftest import ROOT, hpcml_env
 
 WAIT_S = 60.0
@@ -46,6 +50,7 @@ TUNER = r"""
 import ctypes, sys, threading
 from pathlib import Path
 from hpcml.tune import trial
+from hpcml.tune.launcher import Launcher
 out = Path(sys.argv[1])
 for _ in range(4):  # a tuner's other threads: heartbeat, database, BLAS pools
     threading.Thread(target=threading.Event().wait, daemon=True).start()
@@ -53,8 +58,10 @@ def beat():
     if (out / "ready").exists():  # the run is up: this thread, its parent, ends first
         ctypes.CDLL(None).pthread_exit(None)
 def start():
+    # numpy: a launcher with threads, as the real one has (the run must not be their child)
+    launcher = Launcher(preload=("numpy",)) if sys.argv[3] == "warm" else None
     trial.run([sys.executable, "-c", sys.argv[2], str(out)], out / "run", "val_loss",
-              lambda points: False, heartbeat=beat, heartbeat_s=0.0)
+              lambda points: False, heartbeat=beat, heartbeat_s=0.0, launcher=launcher)
 threading.Thread(target=start).start()
 threading.Event().wait()
 """
@@ -68,9 +75,10 @@ def _wait_file(path: Path) -> str:
     return path.read_text()
 
 
-def test_a_run_gets_one_sigint_as_its_tuners_threads_exit_in_turn(tmp_path: Path):
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_a_run_gets_one_sigint_as_its_tuners_threads_exit_in_turn(tmp_path: Path, start: str):
     tuner = subprocess.Popen(
-        [sys.executable, "-c", TUNER, str(tmp_path), RUN], cwd=ROOT, env=hpcml_env()
+        [sys.executable, "-c", TUNER, str(tmp_path), RUN, start], cwd=ROOT, env=hpcml_env()
     )
     try:
         # The first SIGINT: the thread that started the run has exited (the tuner lives on).

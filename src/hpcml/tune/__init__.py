@@ -1,5 +1,6 @@
 """Hyperparameter search over real `hpcml train` runs (Optuna): the study and its workers
-(`study`), the search space (`space`), one trial's run (`trial`), planner feasibility
+(`study`), the search space (`space`), one trial's run (`trial`, started from a worker's warm
+`launcher` under a one-thread `guard`), planner feasibility
 (`feasible`), MLflow parent and child runs (`tracking`) and the study's summary and report
 page (`report`)."""
 

@@ -51,7 +51,8 @@ def main(command: list[str]) -> int:
         signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
     rc = proc.wait()
     if rc < 0:  # killed by a signal: end the same way, so the tuner sees what the run saw
-        signal.signal(-rc, signal.SIG_DFL)
+        if -rc not in (signal.SIGKILL, signal.SIGSTOP):  # these two have no handler
+            signal.signal(-rc, signal.SIG_DFL)
         os.kill(os.getpid(), -rc)
     return rc
 

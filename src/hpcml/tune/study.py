@@ -5,8 +5,9 @@ elsewhere.
 Each worker loops: under a lock on `OUT/.tune.lock` it counts the study's trials and, while
 fewer than `--trials` are done or running, starts one (`study.optimize` with one trial, so
 Optuna's heartbeat and stale-trial handling run as usual). A trial is a real `hpcml train` in
-`OUT/trials/trial-NNNN` (hpcml.tune.trial); one the planner predicts will not fit
-`tune.device` is recorded infeasible (pruned, with Optuna's constraint > 0) and never started.
+`OUT/trials/trial-NNNN` (hpcml.tune.trial), forked from the worker's warm launcher
+(hpcml.tune.launcher: torch imported once per worker, not once per trial); one the planner
+predicts will not fit `tune.device` is recorded infeasible (pruned, with Optuna's constraint > 0) and never started.
 
 A worker that dies (kill -9, a crash) leaves its trial RUNNING, failed and queued again by the
 next worker (hpcml.tune.storage.fail_dead_trials). Running the same command again continues
@@ -35,6 +36,7 @@ from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, l
 from hpcml.errors import ConfigError, HpcmlError, WorkFailed
 from hpcml.tune import feasible, guard, space, tracking
 from hpcml.tune import trial as trial_run
+from hpcml.tune.launcher import OnDemand, preload_for
 from hpcml.tune.report import counts, summary, write_report
 from hpcml.tune.storage import HEARTBEAT_S, MAX_RETRY, fail_dead_trials, heartbeat, open_storage
 
@@ -193,20 +195,25 @@ def next_action(study: optuna.Study, job: TuneJob, sampler: Any) -> str:
 def work(job: TuneJob, worker: int = 0, say: Callable[[str], None] = lambda _line: None) -> None:
     """One worker: run trials until the study holds `job.trials` finished ones."""
     prep = prepare(job.config, job.overrides)
-    study = load_study(job, prep, worker)
-    lock = StudyLock(job.out)
-    while True:
-        lock.acquire()
-        try:
-            action = next_action(study, job, study.sampler)
-            if action == "run":
-                run_one(study, job, prep, lock, say)  # releases the lock once it has a trial
-        finally:
-            lock.release()
-        if action == "done":
-            return
-        if action == "wait":
-            time.sleep(WAIT_S)
+    # Started by this thread, which runs the trials: the launcher dies with it.
+    launcher = OnDemand(preload_for(prep.cfg))
+    try:
+        study = load_study(job, prep, worker)
+        lock = StudyLock(job.out)
+        while True:
+            lock.acquire()
+            try:
+                action = next_action(study, job, study.sampler)
+                if action == "run":  # releases the lock once it has a trial
+                    run_one(study, job, prep, lock, say, launcher)
+            finally:
+                lock.release()
+            if action == "done":
+                return
+            if action == "wait":
+                time.sleep(WAIT_S)
+    finally:
+        launcher.close()
 
 
 def run_one(
@@ -215,6 +222,7 @@ def run_one(
     prep: Prepared,
     lock: StudyLock,
     say: Callable[[str], None],
+    launcher: OnDemand | None = None,
 ) -> None:
     started: list[int] = []
 
@@ -224,7 +232,7 @@ def run_one(
         t.set_user_attr("worker", trial_run.worker_identity())
         lock.release()  # the trial exists now: other workers may count it
         started.append(t._trial_id)
-        return objective_body(t, job, prep, say)
+        return objective_body(t, job, prep, say, launcher)
 
     try:
         study.optimize(objective, n_trials=1, catch=(TrialRunFailed,))
@@ -236,7 +244,11 @@ def run_one(
 
 
 def objective_body(
-    t: optuna.Trial, job: TuneJob, prep: Prepared, say: Callable[[str], None]
+    t: optuna.Trial,
+    job: TuneJob,
+    prep: Prepared,
+    say: Callable[[str], None],
+    launcher: OnDemand | None = None,
 ) -> float:
     params = space.suggest(t, prep.dists)
     data = prep.base
@@ -262,7 +274,7 @@ def objective_body(
     try:
         outcome = trial_run.run(
             command, run_dir, prep.tune.metric, report,
-            heartbeat(t, t.study._storage), HEARTBEAT_S,
+            heartbeat(t, t.study._storage), HEARTBEAT_S, launcher.get() if launcher else None,
         )  # fmt: skip
     except BaseException:
         trial_run.write_trial_file(run_dir, {**info, "status": "failed", "error": "stopped"})

@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hpcml.errors import ConfigError
 from hpcml.records import RUN_LOG, SUMMARY
 from hpcml.tune import guard
+from hpcml.tune.launcher import Launcher
 
 TRIAL_FILE = "trial.json"
 """What the tuner says of the run in its folder: study, trial number, parameters, status."""
@@ -98,7 +99,33 @@ def _last_error(log: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+class Process(Protocol):
+    """What the tuner uses of a run's process: subprocess.Popen's or a WarmProcess's."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+def _start(command: list[str], run_dir: Path, launcher: Launcher | None) -> Process:
+    """The run under a guard that dies with the tuner: forked from the warm launcher, or a
+    fresh `python -I guard.py COMMAND` (see the module docstring)."""
+    if launcher is not None:
+        return launcher.start(command, run_dir / LOG_FILE)
+    with open(run_dir / LOG_FILE, "wb") as log:
+        return subprocess.Popen(
+            # -I: the guard imports only the standard library, not modules beside its file.
+            [sys.executable, "-I", guard.__file__, *command],  # dies with the tuner (its doc)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # the terminal's Ctrl-C is the tuner's to pass on
+        )  # fmt: skip
+
+
+def _stop(proc: Process) -> None:
     """SIGINT (the run stops at a step boundary, its folder consistent); SIGKILL if it hangs."""
     proc.send_signal(signal.SIGINT)
     try:
@@ -115,6 +142,7 @@ def run(
     report: Callable[[list[tuple[int, float]]], bool],
     heartbeat: Callable[[], None] = lambda: None,
     heartbeat_s: float = 5.0,
+    launcher: Launcher | None = None,
 ) -> Outcome:
     """Run `command` (an `hpcml train` writing into `run_dir`) and pass each evaluation's
     `metric` to `report([(step, value), ...])`, which returns True to prune the trial there.
@@ -124,39 +152,34 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     tail = RecordTail(run_dir / RUN_LOG)
     curve: list[tuple[int, float]] = []
-    with open(run_dir / LOG_FILE, "wb") as log:
-        proc = subprocess.Popen(
-            # -I: the guard imports only the standard library, not modules beside its file.
-            [sys.executable, "-I", guard.__file__, *command],  # dies with the tuner (its doc)
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,  # the terminal's Ctrl-C is the tuner's to pass on
-        )  # fmt: skip
-        beat = time.monotonic()
-        try:
-            while True:
-                done = proc.poll() is not None
-                points = _eval_points(tail.read(), metric, proc)
-                curve += points
-                if points and report(points) and not done:
-                    _stop(proc)
-                    if _status(run_dir) != "finished":  # it may have finished meanwhile
-                        return Outcome("pruned", points[-1][1], points[-1][0], curve=curve)
-                    done = True
-                if done:
-                    break
-                if time.monotonic() - beat >= heartbeat_s:
-                    heartbeat()
-                    beat = time.monotonic()
-                time.sleep(POLL_S)
-        except BaseException:  # Ctrl-C or an error of the tuner: leave no run behind
-            if proc.poll() is None:
+    proc = _start(command, run_dir, launcher)
+    beat = time.monotonic()
+    try:
+        while True:
+            done = proc.poll() is not None
+            points = _eval_points(tail.read(), metric, proc)
+            curve += points
+            if points and report(points) and not done:
                 _stop(proc)
-            raise
+                if _status(run_dir) != "finished":  # it may have finished meanwhile
+                    return Outcome("pruned", points[-1][1], points[-1][0], curve=curve)
+                done = True
+            if done:
+                break
+            if time.monotonic() - beat >= heartbeat_s:
+                heartbeat()
+                beat = time.monotonic()
+            time.sleep(POLL_S)
+    except BaseException:  # Ctrl-C or an error of the tuner: leave no run behind
+        if proc.poll() is None:
+            _stop(proc)
+        raise
+    assert proc.returncode is not None
     return _finished(proc.returncode, run_dir, metric, curve)
 
 
 def _eval_points(
-    records: list[dict[str, Any]], metric: str, proc: subprocess.Popen[bytes]
+    records: list[dict[str, Any]], metric: str, proc: Process
 ) -> list[tuple[int, float]]:
     points = []
     for rec in records:
