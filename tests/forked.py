@@ -113,31 +113,26 @@ def _command(
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.path.insert(0, cwd)
     sys.argv = [str(Path(__file__).resolve().parents[1] / "src" / "hpcml" / "__main__.py"), *argv]
-    code: int = 0
+    def record_cpu() -> None:
+        t = os.times()
+        Path(usage).write_text(repr(t.user + t.system + t.children_user + t.children_system))
+
+    # `main` ends the process itself (hpcml.cli.app.exit_now: threads joined, atexit run,
+    # streams flushed, os._exit); the CPU record is written by an atexit handler of its own.
+    atexit.register(record_cpu)
     try:
         from hpcml.cli.app import main
 
         main()
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:  # sys.exit("text"): the interpreter prints it and exits 1
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:
+    except BaseException:  # what escaped main: the interpreter prints it and exits 1
         traceback.print_exc()
-        code = 1
     finally:
-        # What the interpreter does at exit: wait for non-daemon threads, run atexit, flush.
         threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        t = os.times()
-        cpu = t.user + t.system + t.children_user + t.children_system
-        Path(usage).write_text(repr(cpu))
-        os._exit(code)
+        os._exit(1)
 
 
 def run(
