@@ -140,8 +140,9 @@ class GenerationConfig(_Section):
     need at most this many times the cache: 1.0 never preempts; more admits more sequences
     whose outputs may stop early, at the price of some recompute."""
     max_waiting: int | None = Field(default=None, gt=0)
-    """Most requests of one model waiting for a place in its engine; more are answered 429
-    with Retry-After at once. null: no bound."""
+    """Most sequences of one model waiting for a place in its engine (a request adds one per
+    prompt times its n); a request that would make more wait is answered 429 with Retry-After
+    at once. null: no bound."""
     request_timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     """A request not finished this long after it arrived is dropped from the engine (504, or
     an error event when streamed); null: no deadline."""
