@@ -76,6 +76,16 @@ class EngineConfig:
     `prompt + max_tokens` (never preempted again): recompute work per sequence is bounded."""
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one step computed: decodes (one token after an output token), prompt or recompute
+    tokens, and padding rows (static batching's finished sequences)."""
+
+    decodes: int = 0
+    prefill_tokens: int = 0
+    padding: int = 0
+
+
 @dataclass(eq=False)  # compared by identity: `running.remove(seq)` removes that sequence
 class Sequence:
     id: int
@@ -187,6 +197,8 @@ class Engine:
         """Ids of sequences admitted for the first time since the owner last looked."""
         self.batch_size = 0
         """Sequences in the last step."""
+        self.last_step = StepStats()
+        """What the last step computed (benchmarks/llm_step_profile.py reads it)."""
 
     def submit(self, prompt: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
         """Queue a request; its id. Raises RequestRefused if it can never be served."""
@@ -320,6 +332,9 @@ class Engine:
         plan, budget = self._plan_running(self.config.max_batched_tokens)
         self._admit(plan, budget)
         self.batch_size = len(plan)
+        decodes = sum(1 for s, n in plan if _decodes(s, n))
+        prefill = sum(n for _, n in plan) - decodes
+        self.last_step = StepStats(decodes, prefill, len(self._ghosts) if plan else 0)
         if not plan:
             return []
         ghosts = [(g, 0) for g in self._ghosts]
