@@ -21,8 +21,8 @@ streamed `usage`. Workloads (token lengths):
 
 Modes: two servers, up at once, with the same settings but `generation.static_batching` (a
 batch starts only when the previous has ended; finished sequences pad it until its longest
-ends); continuous batching with `generation.max_prefill_tokens` `--chunk` (32, the default:
-prompt tokens in a step that also decodes). Each rate runs on one then the other, back to back
+ends); continuous batching with `generation.max_prefill_tokens` `--chunk` (prompt tokens in a
+step that also decodes; 0, the default: none, as the server's default). Each rate runs on one then the other, back to back
 (a shared machine's load drifts less between them; which goes first alternates between
 repetitions), for `--repeats` sweeps; every point records the 1-minute load average. At equal
 p99 inter-token latency (each objective of `--itl-objectives`): in each sweep, each mode's best
@@ -341,8 +341,8 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--max-seqs", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=32,
-                    help="continuous: generation.max_prefill_tokens (0: none)")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="continuous: generation.max_prefill_tokens (0: none, the default)")
     ap.add_argument("--repeats", type=int, default=1, help="sweeps, each rate's pair in turn")
     ap.add_argument("--hf", action="store_true",
                     help="also transformers' generate on the same weights, in-process")
@@ -415,6 +415,7 @@ def main() -> None:
         f"hpcml serve over HTTP, continuous vs static batching: GPT-2-sized model "
         f"({a.n_layer} layers, d_model {a.d_model}, vocabulary {a.vocab}, {params / 1e6:.0f}M "
         f"parameters, random weights, {a.dtype}), at most {a.max_seqs} sequences per step, "
+        f"max_prefill_tokens {a.chunk or 'none'}, "
         f"{a.threads} torch thread(s), {a.duration:g} s of Poisson arrivals per rate; "
         f"{platform.processor() or platform.machine()} ({cpu}), {time.strftime('%Y-%m-%d')}"
     )

@@ -56,11 +56,13 @@ class EngineConfig:
     """Most sequences in one step."""
     max_batched_tokens: int = 256
     """Most new tokens in one step (prefill chunks plus one per decoding sequence)."""
-    max_prefill_tokens: int | None = 32
+    max_prefill_tokens: int | None = None
     """Most prompt (or recompute) tokens in a step that also decodes: every decoding sequence
     waits for the whole step, so this bounds how much arriving prompts lengthen its
     inter-token latency. A step without decodes prefills up to `max_batched_tokens`. None:
-    no bound but `max_batched_tokens`."""
+    no bound but `max_batched_tokens` (benchmarks/llm_step_profile.py: a bound of 32 or 8
+    did not lower p99 inter-token latency at 16M parameters, and raised time to first token
+    and the number of steps)."""
     static_batching: bool = False
     prefix_sharing: bool = True
     """Sequences whose prompts start with the same full blocks share those blocks' KV."""
