@@ -17,11 +17,13 @@ sequences) and seconds are recorded (`Engine.last_step`), and for each configura
 - a least-squares fit of step seconds = fixed + per decode x decodes + per prompt token x
   prompt tokens + per padding row x padding rows (what each kind of row costs here);
 
-and the bounds on continuous / static throughput for the workload: the positions bound (every
-position costs the same), the FLOPs bound (a position costs 24 d^2 per layer, and a row whose
-logits are read another 2 d V: static batching's padding rows read none, so with a large
-vocabulary on a small model they cost little), and the fitted-cost bound (the fit's per-row
-costs, its fixed cost per step, and each mode's steps at saturation).
+and three ratios of static's work over continuous's for the workload, in saturated batches:
+positions (every position costs the same: the positions bound of `llm_serving_http.py`), FLOPs
+(a position costs 24 d^2 per layer, and a row whose logits are read another 2 d V: static
+batching's padding rows read none, so with a large vocabulary on a small model they cost
+little), and fitted (the fit's costs per row and per step, each mode's steps at saturation).
+Where a step has a large fixed cost, the measured ratio moves from the FLOPs ratio toward the
+ratio of steps, which is above the positions one.
 
     python benchmarks/llm_step_profile.py                 # results/llm_step_profile.{json,md}
     python benchmarks/llm_step_profile.py --requests 40 --repeats 1 --prefill 64 16
@@ -42,7 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from llm_serving_http import WORKLOADS
+from llm_serving_http import WORKLOADS, flops_ratio, positions_bound
 
 from hpcml.models.gpt import GPT, GPTConfig
 from hpcml.serve.generate.engine import Engine, EngineConfig
@@ -121,21 +123,7 @@ def summarise(
     }
 
 
-def flops_bound(n_layer: int, d: int, vocab: int, batch: int, seed: int) -> float:
-    """Static / continuous FLOPs: layers per position, the head per row whose logits are read."""
-    prompt, output = WORKLOADS["long-tailed"]
-    rng = np.random.default_rng(seed)
-    p, o = np.array(prompt.draw(4096, rng)), np.array(output.draw(4096, rng))
-    layer, head = 24 * d * d * n_layer, 2 * d * vocab
-    continuous = (p + o - 1).sum() * layer + o.sum() * head
-    static = p.sum() * layer + o.sum() * head
-    for i in range(0, len(o), batch):
-        chunk = o[i : i + batch]
-        static += len(chunk) * (int(chunk.max()) - 1) * layer
-    return float(static / continuous)
-
-
-def fitted_bound(fit: dict[str, float], batch: int, seed: int) -> float:
+def fitted_ratio(fit: dict[str, float], batch: int, seed: int) -> float:
     """Static / continuous seconds at saturation from a fit: static runs each batch for its
     longest output (padding rows for the finished), continuous keeps `batch` decoding."""
     prompt, output = WORKLOADS["long-tailed"]
@@ -172,8 +160,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{statistics.median(r['steps_with_prefill'] for r in runs):.2f} | "
             + ", ".join(f"{fit[k]:.2f}" for k in ("fixed", "decode", "prompt_token", "padding"))
             + " |")
-    b = result["bounds"]
-    lines += ["", f"Bounds on continuous / static output tokens/s for this workload at "
+    b = result["work_ratios"]
+    lines += ["", f"Static's work over continuous's for this workload at "
               f"{result['max_seqs']} sequences: positions {b['positions']:.2f}x, FLOPs "
               f"{b['flops']:.2f}x, fitted step cost {b['fitted']:.2f}x.", "",
               "Continuous / static, per repetition (output tok/s over the run; in the arrival "
@@ -236,8 +224,6 @@ def main() -> None:
     fits = {m: {k: statistics.median(r["fit_ms"][k] for r in runs) for k in runs[0]["fit_ms"]}
             for m, runs in modes.items()}
     pooled = {k: statistics.median(f[k] for f in fits.values()) for k in fits["static"]}
-    from llm_serving_http import positions_bound
-
     prompt, output = WORKLOADS["long-tailed"]
     ratios = {m: [(r["output_tokens_per_s"] / s["output_tokens_per_s"],
                    r["window_tokens_per_s"] / s["window_tokens_per_s"])
@@ -258,10 +244,11 @@ def main() -> None:
         "modes": modes,
         "fits_ms": fits,
         "ratios": ratios,
-        "bounds": {
+        "work_ratios": {
             "positions": positions_bound(prompt, output, a.max_seqs, a.seed),
-            "flops": flops_bound(a.n_layer, a.d_model, a.vocab, a.max_seqs, a.seed),
-            "fitted": fitted_bound(pooled, a.max_seqs, a.seed),
+            "flops": flops_ratio(prompt, output, a.max_seqs, a.seed,
+                                 (a.n_layer, a.d_model, a.vocab)),
+            "fitted": fitted_ratio(pooled, a.max_seqs, a.seed),
         },
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__},
