@@ -22,7 +22,7 @@ from generate_util import one_thread, reference, tiny_gpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpcml.serve.generate.engine import Engine, EngineConfig, RequestRefused
+from hpcml.serve.generate.engine import Engine, EngineConfig, RequestRefused, StepStats
 from hpcml.serve.generate.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -217,6 +217,25 @@ def test_prompt_tokens_per_step_are_capped_only_while_others_decode() -> None:
     c = alone.submit(prompt, SamplingParams(max_tokens=3, temperature=0))
     assert [ev.seq_id for ev in alone.step()] == [c]
     assert alone.rows_computed == 30
+
+
+def test_last_step_counts_decodes_prompt_tokens_and_padding() -> None:
+    """`Engine.last_step` (what the step profile benchmark reads): a 3-token prompt's prefill is
+    3 prompt tokens and no decode; its decodes beside a 4-token prompt are 1 decode and 4 prompt
+    tokens; under static batching a finished sequence is 1 padding row per step."""
+    engine = Engine(MODEL, EngineConfig(kv_cache_blocks=64, block_size=4))
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=5, temperature=0))
+    engine.step()
+    assert engine.last_step == StepStats(decodes=0, prefill_tokens=3, padding=0)
+    engine.submit([4, 5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
+    engine.step()
+    assert engine.last_step == StepStats(decodes=1, prefill_tokens=4, padding=0)
+    static = Engine(MODEL, EngineConfig(kv_cache_blocks=64, block_size=4, static_batching=True))
+    static.submit([1, 2], SamplingParams(max_tokens=1, temperature=0))
+    static.submit([3, 4], SamplingParams(max_tokens=3, temperature=0))
+    static.step()  # both prefilled; the first is done and pads the batch from now on
+    static.step()
+    assert static.last_step == StepStats(decodes=1, prefill_tokens=0, padding=1)
 
 
 @st.composite
