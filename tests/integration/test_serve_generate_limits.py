@@ -142,3 +142,35 @@ def test_an_engine_death_is_named_in_the_503_of_a_non_streamed_chat(
     assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 400
     _until(lambda: service.pid not in (None, engine) and service.is_ready(), "no new engine")
     assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 200
+
+
+def test_max_waiting_counts_sequences_and_refuses_a_request_larger_than_the_bound(
+    served: tuple[str, Any],
+) -> None:
+    """`max_waiting` counts sequences (prompts x n), not requests: with the engine idle and the
+    bound at 1, a request of n = 2 (or of two prompts) would alone make 2 wait, so it is answered
+    429 with Retry-After and a sentence that says to send a smaller n, through the official
+    `openai` client (its retries off, so the 429 reaches the test) and raw HTTP for chat and a
+    prompt list; the same request with n = 1 is served. Main let any request in while fewer
+    than max_waiting requests waited, so n = 64 added 64 sequences to a bound of 1."""
+    import openai
+
+    url, _ = served
+    counter = f'hpcml_llm_refused_requests_total{{model="{NAME}"}}'
+    refused_before = scrape(url).get(counter, 0.0)  # absent until a first refusal
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model=NAME, prompt="a", max_tokens=2, n=2, temperature=1)
+    assert caught.value.response.headers["retry-after"] == "1"
+    message = caught.value.response.json()["error"]["message"]
+    assert "asks for 2 sequences" in message and "smaller n" in message, message
+    answer = client.completions.create(model=NAME, prompt="a", max_tokens=2, n=1)
+    assert len(answer.choices) == 1
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 3}
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, **chat}, timeout=60)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+    assert "asks for 3 sequences" in r.json()["error"]["message"]
+    two = {"model": NAME, "prompt": ["a", "b"], "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/completions", json=two, timeout=60)
+    assert r.status_code == 429 and "asks for 2 sequences" in r.json()["error"]["message"]
+    assert scrape(url)[counter] == refused_before + 3

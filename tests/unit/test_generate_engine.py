@@ -22,7 +22,7 @@ from generate_util import one_thread, reference, tiny_gpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpcml.serve.generate.engine import Engine, EngineConfig, RequestRefused
+from hpcml.serve.generate.engine import Engine, EngineConfig, RequestRefused, StepStats
 from hpcml.serve.generate.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -66,6 +66,7 @@ def workloads(draw: st.DrawFn) -> tuple[EngineConfig, list[tuple[list[int], int,
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 6)),
         max_batched_tokens=draw(st.sampled_from([2, 5, 64])),
+        max_prefill_tokens=draw(st.sampled_from([None, 1, 3, 32])),
         # From admission that never preempts to one that lets preemption happen often.
         kv_overcommit=draw(st.sampled_from([1.0, 1.25, 4.0])),
         max_preemptions=draw(st.integers(1, 3)),
@@ -191,6 +192,52 @@ def test_chunked_prefill_does_not_stall_decoding() -> None:
     assert engine.cache.allocator.free == 64
 
 
+def test_prompt_tokens_per_step_are_capped_only_while_others_decode() -> None:
+    """`max_prefill_tokens` 4: beside a decoding sequence a 30-token prompt takes 4 tokens a
+    step (5 positions per step, its first token at step ceil(30 / 4) = 8), although
+    `max_batched_tokens` 64 would take it whole; alone (nothing decodes) it is prefilled whole
+    in one step."""
+    cfg = EngineConfig(
+        kv_cache_blocks=64, block_size=4, max_batched_tokens=64, max_prefill_tokens=4
+    )
+    engine = Engine(MODEL, cfg)
+    a = engine.submit([1, 2], SamplingParams(max_tokens=20, temperature=0))
+    engine.step()
+    prompt = [random.Random(6).randrange(64) for _ in range(30)]
+    b = engine.submit(prompt, SamplingParams(max_tokens=3, temperature=0))
+    rows, per_step = [], []
+    for _ in range(8):
+        before = engine.rows_computed
+        per_step.append([ev.seq_id for ev in engine.step()])
+        rows.append(engine.rows_computed - before)
+    assert all(a in ids for ids in per_step)
+    assert [b in ids for ids in per_step] == [False] * 7 + [True]
+    assert rows == [5] * 7 + [3]
+    alone = Engine(MODEL, cfg)
+    c = alone.submit(prompt, SamplingParams(max_tokens=3, temperature=0))
+    assert [ev.seq_id for ev in alone.step()] == [c]
+    assert alone.rows_computed == 30
+
+
+def test_last_step_counts_decodes_prompt_tokens_and_padding() -> None:
+    """`Engine.last_step` (what the step profile benchmark reads): a 3-token prompt's prefill is
+    3 prompt tokens and no decode; its decodes beside a 4-token prompt are 1 decode and 4 prompt
+    tokens; under static batching a finished sequence is 1 padding row per step."""
+    engine = Engine(MODEL, EngineConfig(kv_cache_blocks=64, block_size=4))
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=5, temperature=0))
+    engine.step()
+    assert engine.last_step == StepStats(decodes=0, prefill_tokens=3, padding=0)
+    engine.submit([4, 5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
+    engine.step()
+    assert engine.last_step == StepStats(decodes=1, prefill_tokens=4, padding=0)
+    static = Engine(MODEL, EngineConfig(kv_cache_blocks=64, block_size=4, static_batching=True))
+    static.submit([1, 2], SamplingParams(max_tokens=1, temperature=0))
+    static.submit([3, 4], SamplingParams(max_tokens=3, temperature=0))
+    static.step()  # both prefilled; the first is done and pads the batch from now on
+    static.step()
+    assert static.last_step == StepStats(decodes=1, prefill_tokens=0, padding=1)
+
+
 @st.composite
 def shared_prefix_workloads(
     draw: st.DrawFn,
@@ -210,6 +257,7 @@ def shared_prefix_workloads(
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 6)),
         max_batched_tokens=draw(st.sampled_from([2, 5, 64])),
+        max_prefill_tokens=draw(st.sampled_from([None, 1, 3, 32])),
         # From admission that never preempts to one that lets preemption happen often.
         kv_overcommit=draw(st.sampled_from([1.0, 1.25, 4.0])),
         max_preemptions=draw(st.integers(1, 3)),

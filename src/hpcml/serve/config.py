@@ -127,6 +127,13 @@ class GenerationConfig(_Section):
     """Most sequences decoded together in one step."""
     max_batched_tokens: int = Field(default=256, gt=0)
     """Most new tokens in one step: long prompts are prefilled in chunks of at most this."""
+    max_prefill_tokens: int | None = Field(default=None, gt=0)
+    """Most prompt tokens in a step that also decodes (decodes are planned first): every
+    decoding sequence waits for the whole step, so this bounds how much arriving prompts
+    lengthen the inter-token latency, at the price of time to first token; a step with no
+    decodes prefills up to max_batched_tokens. null: no bound but max_batched_tokens. Worth
+    setting where a prompt token costs nearly a decode (a large model with a small
+    vocabulary); see the LLM guide's step profile."""
     prefix_sharing: bool = True
     """Sequences whose prompts start with the same full KV blocks share them."""
     watermark_blocks: int = Field(default=1, ge=0)
@@ -140,8 +147,9 @@ class GenerationConfig(_Section):
     need at most this many times the cache: 1.0 never preempts; more admits more sequences
     whose outputs may stop early, at the price of some recompute."""
     max_waiting: int | None = Field(default=None, gt=0)
-    """Most requests of one model waiting for a place in its engine; more are answered 429
-    with Retry-After at once. null: no bound."""
+    """Most sequences of one model waiting for a place in its engine (a request adds one per
+    prompt times its n); a request that would make more wait is answered 429 with Retry-After
+    at once. null: no bound."""
     request_timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     """A request not finished this long after it arrived is dropped from the engine (504, or
     an error event when streamed); null: no deadline."""

@@ -212,7 +212,8 @@ def parse_chat(body: bytes) -> ChatRequest:
 
 
 def chat_choices(service: GenerationService, req: ChatRequest) -> list[Choice]:
-    """The request's n choices, checked against the engine (RequestRefused, BadRequest)."""
+    """The request's n choices, checked against the engine (RequestRefused, BadRequest) and its
+    waiting queue (QueueFull)."""
     prompt = service.tokenizer.encode(render_chat(req.messages, service.tokenizer))
     limit = req.max_completion_tokens or req.max_tokens or room(service, prompt)
     params = replace(
@@ -222,6 +223,7 @@ def chat_choices(service: GenerationService, req: ChatRequest) -> list[Choice]:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
     service.check(prompt, params)
+    service.admit(req.n)
     return expand([prompt], params, req.n, echo=False, keep=True)
 
 
@@ -287,6 +289,7 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
             params = _sampling(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop)
             prompt = service.tokenizer.encode(req.text_input)
             service.check(prompt, params)
+            service.admit(1)
         except BadRequest as exc:
             return JSONResponse({"error": exc.message}, status_code=exc.status)
         except RequestRefused as exc:

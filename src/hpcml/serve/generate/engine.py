@@ -56,6 +56,13 @@ class EngineConfig:
     """Most sequences in one step."""
     max_batched_tokens: int = 256
     """Most new tokens in one step (prefill chunks plus one per decoding sequence)."""
+    max_prefill_tokens: int | None = None
+    """Most prompt (or recompute) tokens in a step that also decodes: every decoding sequence
+    waits for the whole step, so this bounds how much arriving prompts lengthen its
+    inter-token latency. A step without decodes prefills up to `max_batched_tokens`. None:
+    no bound but `max_batched_tokens` (benchmarks/llm_step_profile.py: a bound of 32 or 8
+    did not lower p99 inter-token latency at 16M parameters, and raised time to first token
+    and the number of steps)."""
     static_batching: bool = False
     prefix_sharing: bool = True
     """Sequences whose prompts start with the same full blocks share those blocks' KV."""
@@ -69,6 +76,16 @@ class EngineConfig:
     sequences whose outputs may stop early, at the price of some preemptions (recompute)."""
     """After this many preemptions a sequence is readmitted holding blocks for its whole
     `prompt + max_tokens` (never preempted again): recompute work per sequence is bounded."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step computed: decodes (one token after an output token), prompt or recompute
+    tokens, and padding rows (static batching's finished sequences)."""
+
+    decodes: int = 0
+    prefill_tokens: int = 0
+    padding: int = 0
 
 
 @dataclass(eq=False)  # compared by identity: `running.remove(seq)` removes that sequence
@@ -110,6 +127,12 @@ class TokenEvent:
     """The token's logprob (when the request's params ask for it)."""
     prompt_logprobs: list[Logprob] | None = None
     """On a sequence's first token, its prompt's logprobs (when its params ask for them)."""
+
+
+def _decodes(seq: Sequence, n: int) -> bool:
+    """A chunk of `n` tokens is a decode: the one token after an output token (a client waits
+    for the next one since the last)."""
+    return n == 1 and seq.computed + 1 == len(seq.tokens) > seq.prompt_len
 
 
 def check_request(
@@ -176,6 +199,8 @@ class Engine:
         """Ids of sequences admitted for the first time since the owner last looked."""
         self.batch_size = 0
         """Sequences in the last step."""
+        self.last_step = StepStats()
+        """What the last step computed (benchmarks/llm_step_profile.py reads it)."""
 
     def submit(self, prompt: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
         """Queue a request; its id. Raises RequestRefused if it can never be served."""
@@ -218,18 +243,29 @@ class Engine:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _prefill_room(self, plan: list[tuple[Sequence, int]], budget: int) -> int:
+        """Prompt tokens the step may still take: `budget`, and, once it decodes, at most
+        `max_prefill_tokens` in all."""
+        cap = self.config.max_prefill_tokens
+        decodes = sum(1 for s, n in plan if _decodes(s, n))
+        if cap is None or not decodes:
+            return budget
+        return min(budget, cap - (sum(n for _, n in plan) - decodes))
+
     def _plan_running(self, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
         """Chunks for running sequences, oldest first. Decodes (1 token) come before prefill
-        chunks. A decode that needs a block when none is free preempts the newest running
-        sequence that is not reserved (itself if it is the newest); when that would be itself
-        while reserved sequences hold blocks, it waits a step instead (they never grow, and
-        free their blocks when they end)."""
+        chunks, which share `max_prefill_tokens` when the step decodes. A decode that needs a
+        block when none is free preempts the newest running sequence that is not reserved
+        (itself if it is the newest); when that would be itself while reserved sequences hold
+        blocks, it waits a step instead (they never grow, and free their blocks when they
+        end)."""
         order = sorted(self.running, key=lambda s: (len(s.tokens) - s.computed > 1, s.id))
         plan: list[tuple[Sequence, int]] = []
         for seq in order:
             if seq not in self.running:  # preempted while planning an older one
                 continue
-            n = min(len(seq.tokens) - seq.computed, budget)
+            left = len(seq.tokens) - seq.computed
+            n = min(left, budget if left == 1 else self._prefill_room(plan, budget))
             if n <= 0:
                 continue
             while not self.cache.grow(seq.table, seq.computed + n):
@@ -266,9 +302,14 @@ class Engine:
                     self.cache.allocator.release(seq.table)
                     seq.computed = 0
                 break
+            n = min(len(seq.tokens) - seq.computed, self._prefill_room(plan, budget))
+            if n <= 0:  # this step's prompt tokens are spent: admit it next step
+                if self.sharing:
+                    self.cache.allocator.release(seq.table)
+                    seq.computed = 0
+                break
             grown = self.cache.grow(seq.table, full)
             assert grown
-            n = min(len(seq.tokens) - seq.computed, budget)
             self.waiting.popleft()
             self.running.append(seq)
             plan.append((seq, n))
@@ -293,6 +334,9 @@ class Engine:
         plan, budget = self._plan_running(self.config.max_batched_tokens)
         self._admit(plan, budget)
         self.batch_size = len(plan)
+        decodes = sum(1 for s, n in plan if _decodes(s, n))
+        prefill = sum(n for _, n in plan) - decodes
+        self.last_step = StepStats(decodes, prefill, len(self._ghosts) if plan else 0)
         if not plan:
             return []
         ghosts = [(g, 0) for g in self._ghosts]

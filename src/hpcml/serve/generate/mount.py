@@ -42,6 +42,7 @@ def text_services(
         block_size=g.block_size,
         max_num_seqs=g.max_num_seqs,
         max_batched_tokens=g.max_batched_tokens,
+        max_prefill_tokens=g.max_prefill_tokens,
         prefix_sharing=g.prefix_sharing,
         watermark_blocks=g.watermark_blocks,
         max_preemptions=g.max_preemptions,

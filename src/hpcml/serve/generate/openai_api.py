@@ -221,7 +221,8 @@ def sampling_of(
 
 
 def checked_choices(service: GenerationService, req: CompletionRequest) -> list[Choice]:
-    """The request's choices, each checked against the engine (RequestRefused, BadRequest)."""
+    """The request's choices, each checked against the engine (RequestRefused, BadRequest), and
+    all together against its waiting queue (QueueFull)."""
     prompts = prompts_of(req, service.tokenizer)
     choices = []
     for i, prompt in enumerate(prompts):
@@ -230,6 +231,7 @@ def checked_choices(service: GenerationService, req: CompletionRequest) -> list[
         service.check(prompt, params)
         for c in expand([prompt], params, req.n, req.echo, req.max_tokens != 0):
             choices.append(replace(c, index=i * req.n + c.index))
+    service.admit(len(choices))
     return choices
 
 

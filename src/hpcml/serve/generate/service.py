@@ -210,16 +210,28 @@ class GenerationService:
         return len(self._streams) - self._running + len(self._waiters)
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise RequestRefused now for a request the engine could never serve, QueueFull for
-        one that would wait behind `max_waiting` others (checked when the request arrives)."""
+        """Raise RequestRefused now for a request the engine could never serve."""
         check_request(prompt, params, self.max_seq_len, self.capacity)
-        if self.max_waiting is not None and self.waiting >= self.max_waiting:
-            if self.metrics is not None:
-                self.metrics.refused.labels(self.name).inc()
+
+    def admit(self, sequences: int) -> None:
+        """Raise QueueFull for a request of `sequences` sequences (its prompts times its n, each
+        a sequence in the engine) that would make more than `max_waiting` sequences wait, or
+        that alone asks for more (checked when the request arrives)."""
+        if self.max_waiting is None or self.waiting + sequences <= self.max_waiting:
+            return
+        if self.metrics is not None:
+            self.metrics.refused.labels(self.name).inc()
+        if sequences > self.max_waiting:
             raise QueueFull(
-                f"{self.waiting} requests already wait for model {self.name!r} (max_waiting "
-                f"{self.max_waiting}); retry after {QueueFull.retry_after_s} s."
+                f"this request asks for {sequences} sequences (prompts x n), more than model "
+                f"{self.name!r} lets wait at once (generation.max_waiting {self.max_waiting}); "
+                "send fewer prompts or a smaller n per request."
             )
+        raise QueueFull(
+            f"{self.waiting} sequences already wait for model {self.name!r} and this request "
+            f"adds {sequences} (max_waiting {self.max_waiting}); retry after "
+            f"{QueueFull.retry_after_s} s."
+        )
 
     async def start(self) -> None:
         """Start the engine process and wait until it has built its engine."""
