@@ -206,14 +206,12 @@ class Trainer:
         self.train_data = EpochLoader(
             splits.train, cfg.data, rt.dp_rank, rt.dp_size, cfg.train.seed, pin
         )
-        self.val_data = eval_loader(
-            shard_for_eval(splits.val, rt.dp_rank, rt.dp_size), cfg.data.batch_size * 2, pin
-        )
+        batch = cfg.train.eval_batch_size or cfg.data.batch_size * 2
+        self.val_data = eval_loader(shard_for_eval(splits.val, rt.dp_rank, rt.dp_size), batch, pin)
         self.global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.dp_size
         self.device_augment = device_augment(cfg, rt.dp_rank, splits.num_classes)
         self.device_normalize = splits.device_normalize
         self.data_versions = first_read(splits.version, cfg.data.path)
-        batch = cfg.data.batch_size * 2
         self.eval_sets = EvalSets(self.resolved.eval_sets, rt.dp_rank, rt.dp_size, batch, pin)
 
     def restore(self, path: Path, quiet: bool = False) -> int:
