@@ -28,6 +28,7 @@ profiler records everything and costs far more than a few events per step).
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from hpcml.distributed.parallel import wrap_fsdp_waits
-from hpcml.distributed.runtime import Runtime, all_gather_object
+from hpcml.distributed.runtime import Runtime, all_gather_object, all_gather_rows
 
 Mark = Any
 """A torch.cuda.Event (GPU) or a perf_counter() float (CPU)."""
@@ -217,42 +218,51 @@ def nvml_state(device: torch.device) -> dict[str, Any] | None:
 
 
 def compare(rt: Runtime, timer: StepTimer, factor: float, step: int) -> list[dict[str, Any]]:
-    """Every rank calls this at the same step (one all_gather of a small dict); returns one
-    straggler record per rank slower than `factor` x the (lower) median of all ranks."""
+    """Every rank calls this at the same step; returns one straggler record per rank slower
+    than `factor` x the (lower) median of all ranks. One all-gather of three numbers and one
+    host read of them; only when some rank is slow (every rank sees the same times, so all
+    agree) a second gathers the slow ranks' host, device and NVML state."""
     compute_s, data_s = timer.window_s()
-    mine = {
-        "s": compute_s + data_s,
-        "compute_s": compute_s,
-        "data_wait_s": data_s,
-        "host": socket.gethostname(),
+    mine = torch.tensor([compute_s + data_s, compute_s, data_s], dtype=torch.float64)
+    rows = all_gather_rows(rt, mine.to(rt.device)).tolist()
+    if rt.world_size < 2:
+        return []
+    times = [row[0] for row in rows]
+    # median_low: with two ranks the reference is the faster one, not their mean.
+    ref = statistics.median_low(times)
+    slow = [rank for rank, t in enumerate(times) if ref > 0 and t > factor * ref]
+    if not slow:
+        return []
+    where = all_gather_object(rt, _where(rt) if rt.rank in slow else None)
+    out = []
+    for rank in slow:
+        t, rec = times[rank], where[rank]
+        event = {
+            "event": "straggler",
+            "step": step,
+            "rank": rank,
+            "host": rec["host"],
+            "node": rec["node"],
+            "device": rec["device"],
+            "local_step_s": t,
+            "compute_s": rows[rank][1],
+            "data_wait_s": rows[rank][2],
+            "median_s": ref,
+            "ratio": t / ref,
+        }
+        if rec["nvml"] is not None:
+            event["nvml"] = rec["nvml"]
+        out.append(event)
+    return out
+
+
+def _where(rt: Runtime) -> dict[str, Any]:
+    """Where this rank runs: host, SLURM node name (what `--exclude` takes; the host name
+    outside SLURM), device and its NVML state."""
+    host = socket.gethostname()
+    return {
+        "host": host,
+        "node": os.environ.get("SLURMD_NODENAME") or host,
         "device": device_name(rt.device),
         "nvml": nvml_state(rt.device),
     }
-    everyone = all_gather_object(rt, mine)
-    if rt.world_size < 2:
-        return []
-    times = [float(r["s"]) for r in everyone]
-    # median_low: with two ranks the reference is the faster one, not their mean.
-    ref = statistics.median_low(times)
-    if ref <= 0:
-        return []
-    out = []
-    for rank, rec in enumerate(everyone):
-        t = float(rec["s"])
-        if t > factor * ref:
-            event = {
-                "event": "straggler",
-                "step": step,
-                "rank": rank,
-                "host": rec["host"],
-                "device": rec["device"],
-                "local_step_s": t,
-                "compute_s": rec["compute_s"],
-                "data_wait_s": rec["data_wait_s"],
-                "median_s": ref,
-                "ratio": t / ref,
-            }
-            if rec["nvml"] is not None:
-                event["nvml"] = rec["nvml"]
-            out.append(event)
-    return out

@@ -27,6 +27,7 @@ from hpcml.distributed.parallel import (
     loss_context,
     no_sync,
     shard_optimizer,
+    sync_buffers,
 )
 from hpcml.distributed.precision import setup_precision
 from hpcml.distributed.runtime import (
@@ -410,6 +411,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss and accuracy; every rank runs the same number of batches."""
+        sync_buffers(self.model)  # rank 0's BatchNorm statistics (DDP broadcasts none per step)
         with self.phase("hpcml.eval", step=self.step), self.device_peaks.evaluating():
             self.last_eval = evaluate_model(
                 self.model,
@@ -441,6 +443,7 @@ class Trainer:
             **finetune.checkpoint_fields(cfg, self.resolved),  # the base's sha256
             **self.eval_sets.checkpoint_fields(),  # the scores before training
         }
+        sync_buffers(self.model)
         nbytes = local_checkpoint_bytes(self.model, self.optimizer)
         with self.guard.checkpointing(nbytes), self.phase("hpcml.checkpoint", step=self.step):
             path = ckpt.save(
