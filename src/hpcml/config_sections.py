@@ -44,6 +44,10 @@ class FaultConfig(_Section):
     """Every N steps the ranks compare their local step times; 0 turns it off."""
     straggler_factor: float = Field(1.5, gt=1)
     """A rank slower than this many times the (lower) median of all ranks is a straggler."""
+    straggler_exclude_after: int = Field(3, ge=0)
+    """A rank named a straggler at this many checks in a row is a persistent one: its node is
+    added to the run folder's `exclude_nodes`, which `hpcml launch slurm`'s script leaves out
+    when it requeues the job. 0: never."""
     watchdog_s: float | None = Field(None, ge=0, le=SECONDS_MAX)
     """A rank without progress for this long ends the job naming the stuck rank and step;
     null means 0.9 x parallel.timeout_s (so it speaks before the collective times out),

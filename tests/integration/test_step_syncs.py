@@ -47,6 +47,7 @@ COLLECTIVES = (
     "broadcast_object_list",
     "barrier",
     "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter_tensor",
     "gather_object",
     "all_to_all",

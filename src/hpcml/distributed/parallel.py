@@ -278,6 +278,28 @@ def wrap_fsdp_waits(
     return restore
 
 
+def wrap_dtensor_waits(
+    model: nn.Module, around: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None] | None:
+    """Replace the function through which DTensor's collectives (tensor parallelism's
+    all-reduces, all-gathers and reduce-scatters in forward and backward, as functional
+    collectives) are waited for, `torch.distributed._functional_collectives.wait_tensor`,
+    with `around(it)`; returns the function that puts it back. None when `model` has no
+    DTensor parameter. Eager waits of an `AsyncCollectiveTensor` all go through that module
+    global (torch 2.11-2.13); there is no public hook."""
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    from torch.distributed import _functional_collectives as funcol
+
+    original = funcol.wait_tensor
+    funcol.wait_tensor = around(original)
+
+    def restore() -> None:
+        funcol.wait_tensor = original
+
+    return restore
+
+
 def _grad_groups(model: nn.Module) -> list[list[torch.Tensor]]:
     """The gradients of `model` grouped by placement: plain tensors, and DTensors per
     (mesh, placements), so that each group's norm is one reduction."""

@@ -288,7 +288,7 @@ def all_gather_rows(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
     if not rt.distributed:
         return t.unsqueeze(0)
     out = t.new_empty(rt.world_size * t.numel())  # gloo wants a flat output
-    dist.all_gather_into_tensor(out, t.reshape(-1))
+    dist.all_gather_single(out, t.reshape(-1))
     return out.view(rt.world_size, *t.shape)
 
 
