@@ -22,7 +22,7 @@ PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
 
 
 class FaultConfig(_Section):
-    """Guards of the training loop (hpcml.train.fault): bad steps, stragglers, hangs, preemption."""
+    """Guards of the training loop (hpcml.train.fault.guard): bad steps, stragglers, hangs, preemption."""
 
     nan_policy: Literal["skip", "rollback", "stop"] = "skip"
     """A step whose loss is NaN or Inf: drop its update, reload the last checkpoint and skip
@@ -76,7 +76,7 @@ class FaultConfig(_Section):
     KillWait and Kubernetes' grace period default to 30 s); 0 waits for the save."""
     preempt_notice: Literal["none", "aws", "gcp", "azure"] = "none"  # [fault] issue 11
     """Also poll this cloud's instance-metadata endpoint for a spot/preemption notice and treat
-    one like a preemption signal (hpcml.train.preempt_notice)."""
+    one like a preemption signal (hpcml.train.fault.notice)."""
     preempt_notice_url: str | None = None  # [fault] issue 11
     """Base URL of the metadata endpoint; null means the provider's (169.254.169.254 or
     metadata.google.internal)."""

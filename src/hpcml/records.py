@@ -18,7 +18,7 @@ SUMMARY = "summary.json"
 CONFIG = "config.yaml"
 EXCLUDE_NODES = "exclude_nodes"
 """Node names, comma-separated on one line (SLURM's ExcNodeList form), that a requeued job must
-leave out: persistent stragglers (hpcml.train.straggler), read by `hpcml launch slurm`'s script."""
+leave out: persistent stragglers (hpcml.train.fault.straggler), read by `hpcml launch slurm`'s script."""
 
 
 def write_bytes_atomic(path: Path, data: Any, tmp_prefix: str | None = None) -> None:

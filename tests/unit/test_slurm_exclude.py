@@ -1,5 +1,5 @@
 """The generated sbatch script leaves out the nodes training listed as persistent stragglers
-(RUN_DIR/exclude_nodes, written by hpcml.train.straggler; tests/integration/
+(RUN_DIR/exclude_nodes, written by hpcml.train.fault.straggler; tests/integration/
 test_straggler_tp.py) when it requeues the job: after a preempted attempt, and, with the
 unhealthy nodes, after a failed one.
 

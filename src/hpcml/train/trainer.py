@@ -42,15 +42,15 @@ from hpcml.errors import HpcmlError
 from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
-from hpcml.train import checkpoint as ckpt
 from hpcml.train import finetune, memprobe, mfu, resume_changes, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
-from hpcml.train.ckpt_manifest import folder_bytes
+from hpcml.train.checkpoint import store as ckpt
+from hpcml.train.checkpoint.manifest import folder_bytes
 from hpcml.train.eval_sets import EvalSets
 from hpcml.train.evaluation import evaluate_model
-from hpcml.train.fault import FaultGuard
-from hpcml.train.fault_hook import FaultHook
+from hpcml.train.fault.guard import FaultGuard
+from hpcml.train.fault.hook import FaultHook
 from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter

@@ -41,19 +41,20 @@ from hpcml.distributed.runtime import (
 from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.errors import REQUEUE_EXIT_CODE, Preempted, WorkFailed
 from hpcml.records import EXCLUDE_NODES, RunLog, add_excluded_nodes, write_json_atomic
-from hpcml.train import checkpoint as ckpt
-from hpcml.train import ckpt_phase, straggler
-from hpcml.train.fault_inject import INJECT_ENV, FaultInjector
-from hpcml.train.fault_policy import (
+from hpcml.train.checkpoint import phase as ckpt_phase
+from hpcml.train.checkpoint import store as ckpt
+from hpcml.train.fault import straggler
+from hpcml.train.fault.inject import INJECT_ENV, FaultInjector
+from hpcml.train.fault.notice import NoticeWatcher
+from hpcml.train.fault.policy import (
     CKPT_TIMEOUT_FLOOR_S,
     checkpoint_advice,
     checkpoint_timeout,
     require_checkpoints_for_restarts,
     worker_outcome,
 )
-from hpcml.train.fault_watchdog import Watchdog
-from hpcml.train.preempt_notice import NoticeWatcher
-from hpcml.train.stop_signals import PreemptionFlag, agreed
+from hpcml.train.fault.stop_signals import PreemptionFlag, agreed
+from hpcml.train.fault.watchdog import Watchdog
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
@@ -123,7 +124,7 @@ class FaultGuard:
         self.cfg = cfg
         self.fc = cfg.fault
         self.rt = rt
-        # Ctrl-C stops at a step boundary, on several ranks the same (hpcml.train.stop_signals).
+        # Ctrl-C stops at a step boundary, on several ranks the same (hpcml.train.fault.stop_signals).
         self.preemption = PreemptionFlag(
             self.fc.preempt_signals, interrupt=True, escalate=rt.world_size == 1
         )
@@ -373,7 +374,7 @@ class FaultGuard:
         return {r: self.stragglers.get(r, 0) for r in range(self.rt.world_size)}
 
     def _check_stragglers(self, n: int) -> None:
-        """Every rank at the same step: compare compute times (see hpcml.train.straggler)."""
+        """Every rank at the same step: compare compute times (see hpcml.train.fault.straggler)."""
         events = straggler.compare(self.rt, self.timer, self.fc.straggler_factor, n)
         self._exclude(self.persistent.update(events, self.rt.world_size), n)
         for event in events:
