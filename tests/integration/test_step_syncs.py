@@ -47,12 +47,13 @@ COLLECTIVES = (
     "broadcast_object_list",
     "barrier",
     "all_gather_into_tensor",
-    "all_gather_single",
     "reduce_scatter_tensor",
     "gather_object",
     "all_to_all",
     "_broadcast_coalesced",
 )
+OWN_ONLY = ("all_gather_single",)
+"""Counted only when hpcml calls it (the straggler check): FSDP2 gathers parameters with it."""
 
 
 def _free_port() -> int:
@@ -67,8 +68,10 @@ DATA_PIPELINE = ("torch/utils/data/", "torchdata/", "hpcml/data/")
 def _count(counts: dict[str, int], key: str, fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_code.co_filename
-        if key != "read" or not any(part in caller for part in DATA_PIPELINE):
-            counts[key] += 1
+        if key == "read" and any(part in caller for part in DATA_PIPELINE):
+            pass
+        elif key != "own_collective" or "/hpcml/" in caller:
+            counts["read" if key == "read" else "collective"] += 1
         return fn(*args, **kwargs)
 
     return wrapper
@@ -95,6 +98,8 @@ def _worker(rank: int, port: int, run_dir: str, queue: Any, overrides: list[str]
         setattr(torch.Tensor, name, _count(counts, "read", getattr(torch.Tensor, name)))
     for name in COLLECTIVES:
         setattr(dist, name, _count(counts, "collective", getattr(dist, name)))
+    for name in OWN_ONLY:
+        setattr(dist, name, _count(counts, "own_collective", getattr(dist, name)))
     seen: dict[int, dict[str, int]] = {}
 
     class Snapshot(Hook):

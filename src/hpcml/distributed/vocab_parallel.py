@@ -17,6 +17,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 
+def vocab_sharded(logits: DTensor) -> bool:
+    """Whether `logits` are sharded by vocabulary on a 1-D mesh (what tensor parallelism's
+    loss-parallel head gives), the layout `vocab_parallel_scores` takes."""
+    first = logits.placements[0]
+    return (
+        logits.device_mesh.ndim == 1
+        and isinstance(first, Shard)
+        and first.dim in (-1, logits.dim() - 1)
+    )
+
+
 @torch.no_grad()
 def vocab_parallel_scores(
     logits: DTensor, target: torch.Tensor
@@ -25,12 +36,9 @@ def vocab_parallel_scores(
     maximum (bool), both of `target`'s shape, from `logits` (..., vocab) sharded by vocabulary
     on a 1-D mesh. Equal to `F.cross_entropy(full, target, reduction="none")` and
     `full.argmax(-1) == target` on the gathered logits up to float rounding (and ties)."""
-    mesh, placements = logits.device_mesh, logits.placements
-    vocab_dim = logits.dim() - 1
-    if mesh.ndim != 1 or not (
-        isinstance(placements[0], Shard) and placements[0].dim in (-1, vocab_dim)
-    ):
-        raise ValueError(f"expected logits sharded by vocabulary on one mesh axis: {placements}")
+    mesh = logits.device_mesh
+    if not vocab_sharded(logits):
+        raise ValueError(f"logits not sharded by vocabulary on one mesh axis: {logits.placements}")
     group = mesh.get_group()
     local = logits.to_local().float()
     # Shard splits like torch.chunk: every rank but the last holds ceil(vocab / size) columns.

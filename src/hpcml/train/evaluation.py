@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpcml.distributed.runtime import Runtime, all_reduce_sum
-from hpcml.distributed.vocab_parallel import vocab_parallel_scores
+from hpcml.distributed.vocab_parallel import vocab_parallel_scores, vocab_sharded
 
 
 @torch.no_grad()
@@ -43,9 +43,11 @@ def evaluate_model(
             x = x.contiguous(memory_format=torch.channels_last)
         with precision.autocast():
             logits = model(x)
-        if isinstance(logits, DTensor):  # loss-parallel TP: scored without a gather
-            per_pos, correct = vocab_parallel_scores(logits, y)
+        if isinstance(logits, DTensor) and vocab_sharded(logits):  # loss-parallel TP
+            per_pos, correct = vocab_parallel_scores(logits, y)  # no gather
         else:
+            if isinstance(logits, DTensor):  # another layout: gathered
+                logits = logits.full_tensor()
             per_pos = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none"
             ).reshape(y.shape)
