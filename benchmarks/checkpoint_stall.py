@@ -28,7 +28,7 @@ import torch
 
 from hpcml.config import load_config
 from hpcml.records import read_run_log
-from hpcml.train import checkpoint as ckpt
+from hpcml.train.checkpoint import store as ckpt
 from hpcml.train.engine import run as hpcml_run
 
 RESULTS = Path(__file__).resolve().parent / "results"

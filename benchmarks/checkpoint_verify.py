@@ -54,8 +54,9 @@ def _model(total_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _startup(mode: str, run: Path, model: Any, opt: Any, rt: Any) -> float:
     from hpcml.distributed.runtime import barrier, broadcast_object
-    from hpcml.train import checkpoint as ckpt
-    from hpcml.train import ckpt_manifest, rundir
+    from hpcml.train import rundir
+    from hpcml.train.checkpoint import manifest as ckpt_manifest
+    from hpcml.train.checkpoint import store as ckpt
 
     ckpt_manifest._verified.clear()
     barrier(rt)
@@ -90,7 +91,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: 
     )
     torch.set_num_threads(1)
     from hpcml.distributed.runtime import init_runtime, shutdown
-    from hpcml.train import checkpoint as ckpt
+    from hpcml.train.checkpoint import store as ckpt
 
     rt = init_runtime(device="cpu", backend="gloo", timeout_s=600)
     rows = []

@@ -211,6 +211,8 @@ class TrainConfig(_Section):
     also the LR schedule's horizon unless `optim.decay_steps` is set."""
     eval_every: int = Field(100, ge=0)
     """Evaluate every N steps (and at the end); 0 evaluates at the end only."""
+    eval_batch_size: int | None = Field(None, gt=0)
+    """Samples per evaluation batch on each data-parallel rank; null: 2 x data.batch_size."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps (and at the end); 0 checkpoints at the end only."""
     checkpoint_every_s: float | None = Field(None, gt=0, le=SECONDS_MAX)  # [fault] issue 11

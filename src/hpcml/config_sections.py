@@ -22,7 +22,7 @@ PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
 
 
 class FaultConfig(_Section):
-    """Guards of the training loop (hpcml.train.fault): bad steps, stragglers, hangs, preemption."""
+    """Guards of the training loop (hpcml.train.fault.guard): bad steps, stragglers, hangs, preemption."""
 
     nan_policy: Literal["skip", "rollback", "stop"] = "skip"
     """A step whose loss is NaN or Inf: drop its update, reload the last checkpoint and skip
@@ -44,6 +44,10 @@ class FaultConfig(_Section):
     """Every N steps the ranks compare their local step times; 0 turns it off."""
     straggler_factor: float = Field(1.5, gt=1)
     """A rank slower than this many times the (lower) median of all ranks is a straggler."""
+    straggler_exclude_after: int = Field(3, ge=0)
+    """A rank named a straggler at this many checks in a row is a persistent one: its node is
+    added to the run folder's `exclude_nodes`, which `hpcml launch slurm`'s script leaves out
+    when it requeues the job. 0: never."""
     watchdog_s: float | None = Field(None, ge=0, le=SECONDS_MAX)
     """A rank without progress for this long ends the job naming the stuck rank and step;
     null means 0.9 x parallel.timeout_s (so it speaks before the collective times out),
@@ -72,7 +76,7 @@ class FaultConfig(_Section):
     KillWait and Kubernetes' grace period default to 30 s); 0 waits for the save."""
     preempt_notice: Literal["none", "aws", "gcp", "azure"] = "none"  # [fault] issue 11
     """Also poll this cloud's instance-metadata endpoint for a spot/preemption notice and treat
-    one like a preemption signal (hpcml.train.preempt_notice)."""
+    one like a preemption signal (hpcml.train.fault.notice)."""
     preempt_notice_url: str | None = None  # [fault] issue 11
     """Base URL of the metadata endpoint; null means the provider's (169.254.169.254 or
     metadata.google.internal)."""

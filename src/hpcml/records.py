@@ -16,6 +16,9 @@ from typing import Any
 RUN_LOG = "run.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
+EXCLUDE_NODES = "exclude_nodes"
+"""Node names, comma-separated on one line (SLURM's ExcNodeList form), that a requeued job must
+leave out: persistent stragglers (hpcml.train.fault.straggler), read by `hpcml launch slurm`'s script."""
 
 
 def write_bytes_atomic(path: Path, data: Any, tmp_prefix: str | None = None) -> None:
@@ -93,6 +96,15 @@ def truncate_run_log_after(path: Path, step: int) -> None:
         return
     kept = [r for r in read_run_log(path) if int(r.get("step", 0)) <= step]
     write_text_atomic(path, "".join(json.dumps(r, default=float) + "\n" for r in kept))
+
+
+def add_excluded_nodes(run_dir: Path, nodes: list[str]) -> list[str]:
+    """Add `nodes` to the run folder's `EXCLUDE_NODES` (kept in order, no repeats); the list."""
+    path = run_dir / EXCLUDE_NODES
+    have = path.read_text().strip().split(",") if path.exists() else []
+    merged = [n for n in have if n] + [n for n in nodes if n not in have]
+    write_text_atomic(path, ",".join(merged) + "\n")
+    return merged
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import yaml
 from slurm_cluster import SlurmCluster, why_unavailable
 
 from hpcml.errors import REQUEUE_EXIT_CODE
-from hpcml.train import checkpoint as ckpt
+from hpcml.train.checkpoint import store as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"

@@ -22,8 +22,8 @@ from fault_util import (
     write_config,
 )
 
-from hpcml.train import checkpoint as ckpt
 from hpcml.train import rundir
+from hpcml.train.checkpoint import store as ckpt
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from fault_util import config_dict, run_engine, summary
 
-from hpcml.train import checkpoint as ckpt
+from hpcml.train.checkpoint import store as ckpt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ def test_the_step_timer_counts_device_time_of_a_slow_backward_without_a_sync_per
     import importlib.util
     import time
 
-    from hpcml.train.straggler import StepTimer, nvml_state
+    from hpcml.train.fault.straggler import StepTimer, nvml_state
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

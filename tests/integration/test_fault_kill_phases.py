@@ -43,8 +43,8 @@ from fault_util import (
     summary,
 )
 
-from hpcml.train import checkpoint as ckpt
 from hpcml.train import rundir
+from hpcml.train.checkpoint import store as ckpt
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from fault_util import config_dict, records, run_engine, summary
 
-from hpcml.train import checkpoint as ckpt
-from hpcml.train.preempt_notice import NoticeWatcher
+from hpcml.train.checkpoint import store as ckpt
+from hpcml.train.fault.notice import NoticeWatcher
 
 AZURE_EVENT = {
     "EventId": "602d9444-d2cd-49c7-8624-8643e7171297",

@@ -25,7 +25,7 @@ from fault_util import (
 )
 
 from hpcml.errors import REQUEUE_EXIT_CODE
-from hpcml.train import checkpoint as ckpt
+from hpcml.train.checkpoint import store as ckpt
 
 pytestmark = pytest.mark.slow
 

@@ -29,8 +29,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     torch.set_num_threads(1)
     from hpcml.distributed.runtime import init_runtime, shutdown
     from hpcml.models.zoo import build_model
-    from hpcml.train import checkpoint as ckpt
-    from hpcml.train import ckpt_manifest, rundir
+    from hpcml.train import rundir
+    from hpcml.train.checkpoint import manifest as ckpt_manifest
+    from hpcml.train.checkpoint import store as ckpt
 
     rt = init_runtime(device="cpu", backend="gloo", timeout_s=60)
     torch.manual_seed(0)

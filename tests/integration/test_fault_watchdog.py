@@ -21,7 +21,7 @@ from fault_util import (
     write_config,
 )
 
-from hpcml.train import checkpoint as ckpt
+from hpcml.train.checkpoint import store as ckpt
 
 pytestmark = pytest.mark.slow
 

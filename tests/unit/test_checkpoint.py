@@ -6,7 +6,7 @@ import torch
 from hpcml.distributed.runtime import Runtime
 from hpcml.errors import CheckpointError
 from hpcml.models.zoo import build_model
-from hpcml.train import checkpoint as ckpt
+from hpcml.train.checkpoint import store as ckpt
 
 RT = Runtime(
     rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None
@@ -137,7 +137,8 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_survives_retention(tmp_p
 
 
 def test_verify_modes_full_size_none_and_the_bytes_each_one_hashes(tmp_path):
-    from hpcml.train import ckpt_manifest, rundir
+    from hpcml.train import rundir
+    from hpcml.train.checkpoint import manifest as ckpt_manifest
 
     model, opt = _model_opt()
     before = ckpt_manifest.bytes_hashed
@@ -166,7 +167,7 @@ def test_verify_modes_full_size_none_and_the_bytes_each_one_hashes(tmp_path):
 
 
 def test_a_manifest_written_without_hashes_is_checked_by_size(tmp_path):
-    from hpcml.train import ckpt_manifest
+    from hpcml.train.checkpoint import manifest as ckpt_manifest
 
     model, opt = _model_opt()
     before = ckpt_manifest.bytes_hashed

@@ -1,4 +1,4 @@
-"""The pieces of hpcml.train.fault and hpcml.launch.slurm that need no training run."""
+"""The pieces of hpcml.train.fault.guard and hpcml.launch.slurm that need no training run."""
 
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ from hpcml.distributed.runtime import Runtime
 from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.errors import REQUEUE_EXIT_CODE, ConfigError, HpcmlError, LaunchError, Preempted
 from hpcml.launch.slurm import NodeShape, SlurmJob, parse_sinfo, parse_time_s, render_sbatch
-from hpcml.train.ckpt_phase import Phase
-from hpcml.train.fault import (
+from hpcml.train.checkpoint.phase import Phase
+from hpcml.train.fault.guard import (
     FaultInjector,
     PreemptionFlag,
     SpikeDetector,
     Watchdog,
     checkpoint_advice,
 )
-from hpcml.train.stop_signals import agreed
+from hpcml.train.fault.stop_signals import agreed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,7 +101,7 @@ def test_sigint_is_an_interrupt_never_a_preemption_and_escalates_only_on_one_pro
 def test_a_ctrl_c_wrapped_by_torch_checkpoint_is_recognised() -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hpcml.train.checkpoint import interrupted_inside
+    from hpcml.train.checkpoint.store import interrupted_inside
 
     assert interrupted_inside(CheckpointException("x", {0: (KeyboardInterrupt(), None)}))
     assert not interrupted_inside(CheckpointException("x", {0: (OSError("disk"), None)}))
@@ -476,8 +476,8 @@ def test_restarts_without_checkpoints_are_refused_and_mtbf_gives_a_daly_interval
 def test_checkpoint_timeout_follows_the_bytes_and_the_measured_write_bandwidth() -> None:
     # Issue 29: the timeout of a checkpoint phase was a constant 1800 s whatever the size: a
     # hung write of a few MB waited half an hour, a slow write of a large shard was killed.
-    from hpcml.train import checkpoint as ckpt
-    from hpcml.train.fault import FaultGuard
+    from hpcml.train.checkpoint import store as ckpt
+    from hpcml.train.fault.guard import FaultGuard
 
     spec = {"model": {"name": "mlp"}, "data": {"source": "digits"}}
     guard = FaultGuard(RunConfig.model_validate(spec), runtime())

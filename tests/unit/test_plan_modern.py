@@ -14,7 +14,7 @@ from hpcml.plan.cost import checkpoint_plan, daly_interval, spot_economics
 from hpcml.plan.hardware import load_catalog
 from hpcml.plan.memory import Layout, Training, activation_bytes_per_layer, per_device_bytes
 from hpcml.plan.shapes import model_shape, shape_from_raw, transformer
-from hpcml.train.fault import checkpoint_advice
+from hpcml.train.fault.guard import checkpoint_advice
 
 
 def test_gpt2_small_with_sdpa_is_the_measured_817_mb() -> None:

@@ -276,7 +276,7 @@ def _checkpoint_interval(
     """A requeued job resumes from its newest checkpoint: refuse a config that saves only at
     the end, or (with --mtbf) give it Daly's interval from the measured or given cost."""
     from hpcml.errors import ConfigError
-    from hpcml.train.fault import checkpoint_advice
+    from hpcml.train.fault.guard import checkpoint_advice
 
     if cfg.train.checkpoint_every or cfg.train.checkpoint_every_s:
         return None
@@ -377,7 +377,7 @@ def checkpoint_interval(
     from hpcml.cli.common import console, print_json
     from hpcml.errors import ConfigError
     from hpcml.records import read_summary
-    from hpcml.train.fault import checkpoint_advice
+    from hpcml.train.fault.guard import checkpoint_advice
 
     if (mtbf is None) == (node_mtbf is None):
         raise ConfigError("give exactly one of --mtbf (whole job) or --node-mtbf with --nodes.")

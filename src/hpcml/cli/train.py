@@ -65,7 +65,7 @@ def train(
     from hpcml.launch.local import check_nproc
     from hpcml.track.mlflow import check_resume_store
     from hpcml.train.entry import preflight, run_here
-    from hpcml.train.fault import require_checkpoints_for_restarts
+    from hpcml.train.fault.guard import require_checkpoints_for_restarts
 
     if strict_health:
         overrides = [*(overrides or []), "observe.strict_health=true"]
@@ -126,13 +126,13 @@ def launch_workers(
     """Run `nproc` workers under torchrun's agent; a worker's HpcmlError ends here as its one
     sentence and exit code (rank 0 has printed it already; another rank's is printed here).
     Exit 75 only with the checkpoint saved for this preemption; 130 for Ctrl-C
-    (see hpcml.train.fault.worker_outcome)."""
+    (see hpcml.train.fault.guard.worker_outcome)."""
     import tempfile
 
     from hpcml.errors import REQUEUE_EXIT_CODE, HpcmlError, Interrupted, Preempted, WorkFailed
     from hpcml.launch.local import run_torchrun, worker_error
     from hpcml.train.entry import prepare_for_workers
-    from hpcml.train.fault import worker_outcome
+    from hpcml.train.fault.guard import worker_outcome
 
     chosen = prepare_for_workers(config, run_dir, resume, overwrite, allow_fresh_start)
     args = ["train", str(config), *overrides, "--run-dir", str(chosen)]

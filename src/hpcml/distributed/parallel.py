@@ -76,7 +76,29 @@ def apply_ddp(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
         find_unused_parameters=cfg.find_unused_parameters,
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=True,
+        # Not before every forward: training-mode BatchNorm normalizes with the batch's own
+        # statistics, so the running ones are needed only by evaluation and checkpoints,
+        # which `sync_buffers` serves (rank 0's, as DDP's broadcast would give them).
+        broadcast_buffers=False,
     )
+
+
+@torch.no_grad()
+def sync_buffers(model: nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) to every rank of a DDP model: one
+    broadcast per buffer dtype. Every rank calls it, before evaluating or saving."""
+    if not isinstance(model, DDP):
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in model.module.buffers():
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for group in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(group)
+        dist.broadcast(flat, src=0, group=model.process_group)
+        for b, synced in zip(
+            group, torch._utils._unflatten_dense_tensors(flat, group), strict=True
+        ):
+            b.copy_(synced)
 
 
 def build_mesh(rt: Runtime) -> DeviceMesh:
@@ -264,6 +286,28 @@ def wrap_fsdp_waits(
     def restore() -> None:
         for u in undo:
             u()
+
+    return restore
+
+
+def wrap_dtensor_waits(
+    model: nn.Module, around: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None] | None:
+    """Replace the function through which DTensor's collectives (tensor parallelism's
+    all-reduces, all-gathers and reduce-scatters in forward and backward, as functional
+    collectives) are waited for, `torch.distributed._functional_collectives.wait_tensor`,
+    with `around(it)`; returns the function that puts it back. None when `model` has no
+    DTensor parameter. Eager waits of an `AsyncCollectiveTensor` all go through that module
+    global (torch 2.11-2.13); there is no public hook."""
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    from torch.distributed import _functional_collectives as funcol
+
+    original = funcol.wait_tensor
+    funcol.wait_tensor = around(original)
+
+    def restore() -> None:
+        funcol.wait_tensor = original
 
     return restore
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -38,12 +39,17 @@ def check_tp(model: nn.Module, tp: int) -> None:
             )
 
 
-def can_loss_parallel(model: nn.Module) -> bool:
-    """Loss-parallel cross-entropy needs the head's columns to be exactly the vocabulary: with
-    padded rows (`vocab_multiple`) the model cuts the logits, which a vocabulary-sharded
-    DTensor would first have to gather."""
+def padded_vocab_mask(model: nn.Module, tp_mesh: DeviceMesh) -> DTensor | None:
+    """Loss-parallel logits keep the head's padded columns (`vocab_multiple`): cutting them
+    off a vocabulary-sharded DTensor would gather it. This mask (0 on the vocabulary, -inf on
+    the padding), sharded like the logits, gives them no probability and no gradient; None
+    when nothing is padded. Each rank builds its own slice: no communication."""
     cfg: Any = model.cfg  # type: ignore[assignment]
-    return bool(cfg.padded_vocab == cfg.vocab_size)
+    if cfg.padded_vocab == cfg.vocab_size:
+        return None
+    mask = torch.zeros(cfg.padded_vocab, device=tp_mesh.device_type)
+    mask[cfg.vocab_size :] = float("-inf")
+    return distribute_tensor(mask, tp_mesh, [Shard(0)], src_data_rank=None)
 
 
 def apply_tp(
@@ -58,13 +64,14 @@ def apply_tp(
     tied = model.lm_head.weight is model.emb.tok.weight  # type: ignore[union-attr]
     seq = Shard(1)
     residual = seq if sequence_parallel else Replicate()
-    loss_parallel = loss_parallel and can_loss_parallel(model)
     head = (
         ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
         if loss_parallel
         else ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
     )
     model.loss_parallel = loss_parallel  # type: ignore[assignment]
+    if loss_parallel:
+        model.vocab_mask = padded_vocab_mask(model, tp_mesh)  # type: ignore[assignment]
     top: dict[str, Any] = {"emb.tok": RowwiseParallel(input_layouts=Replicate()), "lm_head": head}
     if sequence_parallel:
         # Positions are added to the whole sequence, then each rank keeps its slice (no comm).

@@ -283,6 +283,15 @@ def all_gather_object(rt: Runtime, obj: Any) -> list[Any]:
     return out
 
 
+def all_gather_rows(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
+    """Every rank's `t` stacked, (world_size, *t.shape): one collective, no host read."""
+    if not rt.distributed:
+        return t.unsqueeze(0)
+    out = t.new_empty(rt.world_size * t.numel())  # gloo wants a flat output
+    dist.all_gather_single(out, t.reshape(-1))
+    return out.view(rt.world_size, *t.shape)
+
+
 def split_work(items: list[Any], fn: Any) -> list[Any]:
     """`fn(item)` for every item, each computed on one rank of the default process group (rank
     r takes items r, r + W, ...), the results on every rank in item order; in one process (no

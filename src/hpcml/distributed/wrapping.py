@@ -59,7 +59,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     `backend`: torch.compile's (tests pick `aot_eager`, the same graph capture and autograd
     without inductor's C++ compile, which takes minutes on a busy CPU).
     Units, not one graph, also on one process: the step timer's module hooks on the model
-    (hpcml.train.straggler) must run outside compiled code, and compiling the whole model
+    (hpcml.train.fault.straggler) must run outside compiled code, and compiling the whole model
     traced them (seen on an H100 with torch 2.11: CUDA events never recorded, the straggler
     check raised). Per unit, compile was 0.88x eager on gpt2-small and SimpleCNN ran at 0.51x
     a hand loop compiled whole there (benchmarks/results/gpu/README.md): not yet a speed-up."""

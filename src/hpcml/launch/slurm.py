@@ -27,6 +27,7 @@ from pathlib import Path
 from hpcml import __version__
 from hpcml.errors import REQUEUE_EXIT_CODE, LaunchError
 from hpcml.launch.local import AGENT_SIGNALS
+from hpcml.records import EXCLUDE_NODES
 
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)$")
 _MEM_RE = re.compile(r"^\d+[KMGT]?$")
@@ -311,11 +312,38 @@ def _launch_lines(job: SlurmJob) -> list[str]:
     ]
 
 
+def _requeue_without_lines() -> list[str]:
+    """A shell function that requeues the job leaving out the nodes in $1 (comma-separated)
+    besides those it already left out."""
+    return [
+        "requeue_without() {",
+        '    excluded=$(scontrol -o show job "$SLURM_JOB_ID" | tr " " "\\n" '
+        "| sed -n 's/^ExcNodeList=//p')",
+        '    nodes="$1"',
+        '    [ -n "$excluded" ] && [ "$excluded" != "(null)" ] && nodes="$excluded,$nodes"',
+        "    # A running job's ExcNodeList cannot change: hold it pending first. slurmctld",
+        "    # may apply the requeue after scontrol returns (seen under load: the update and",
+        "    # release came first and the job stayed held), so wait until it is pending; this",
+        "    # script outlives the requeue's SIGTERM (trapped) for KillWait.",
+        '    scontrol requeuehold "$SLURM_JOB_ID" || return 1',
+        "    for _ in $(seq 100); do",
+        '        scontrol -o show job "$SLURM_JOB_ID" | grep -q "JobState=PENDING" && break',
+        "        sleep 0.2",
+        "    done",
+        '    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$nodes"',
+        '    scontrol release "$SLURM_JOB_ID"',
+        "}",
+    ]
+
+
 def _outcome_lines(job: SlurmJob) -> list[str]:
     """After srun: requeue a preempted attempt (up to --max-requeues); requeue a failed one
-    without its broken node(s); otherwise end with the attempt's exit code."""
+    without its broken node(s); otherwise end with the attempt's exit code. Either requeue
+    also leaves out the nodes training listed as persistent stragglers (`EXCLUDE_NODES`)."""
     n = job.max_requeues
     return [
+        *_requeue_without_lines(),
+        f'slow=$(tr -d " \\n" < "$RUN_DIR/{EXCLUDE_NODES}" 2>/dev/null)',
         'if [ "$RUN_DIR/summary.json" -nt "$ATTEMPT_MARK" ] && '
         'grep -q \'"status": "preempted"\' "$RUN_DIR/summary.json"; then',
         '    if [ "$got_term" -eq 1 ]; then',
@@ -328,8 +356,14 @@ def _outcome_lines(job: SlurmJob) -> list[str]:
         f'$restarts times (--max-requeues {n}): not requeueing; resubmit this script to continue"',
         f"        exit {REQUEUE_EXIT_CODE}",
         "    fi",
-        '    say "attempt $attempt saved a checkpoint and stopped: requeueing job $SLURM_JOB_ID"',
-        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        '    if [ -n "$slow" ]; then',
+        '        say "attempt $attempt saved a checkpoint and stopped: requeueing job '
+        '$SLURM_JOB_ID without persistent straggler node(s) $slow"',
+        '        requeue_without "$slow" && exit 0',
+        "    else",
+        '        say "attempt $attempt saved a checkpoint and stopped: requeueing job $SLURM_JOB_ID"',
+        '        scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "    fi",
         '    say "the job cannot be requeued (cancelled?)"',
         f"    exit {REQUEUE_EXIT_CODE}",
         "fi",
@@ -337,22 +371,9 @@ def _outcome_lines(job: SlurmJob) -> list[str]:
         '    bad=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,drained,draining,fail,'
         "no_respond -o %N 2>/dev/null | sort -u | paste -sd, -)",
         f'    if [ -n "$bad" ] && [ "$restarts" -lt {n} ]; then',
-        '        excluded=$(scontrol -o show job "$SLURM_JOB_ID" | tr " " "\\n" '
-        "| sed -n 's/^ExcNodeList=//p')",
-        '        [ -n "$excluded" ] && [ "$excluded" != "(null)" ] && bad="$excluded,$bad"',
         '        say "attempt $attempt failed (exit $rc) on unhealthy node(s) $bad: requeueing '
-        'job $SLURM_JOB_ID without them"',
-        "        # A running job's ExcNodeList cannot change: hold it pending first. slurmctld",
-        "        # may apply the requeue after scontrol returns (seen under load: the update and",
-        "        # release came first and the job stayed held), so wait until it is pending; this",
-        "        # script outlives the requeue's SIGTERM (trapped) for KillWait.",
-        '        scontrol requeuehold "$SLURM_JOB_ID"',
-        "        for _ in $(seq 100); do",
-        '            scontrol -o show job "$SLURM_JOB_ID" | grep -q "JobState=PENDING" && break',
-        "            sleep 0.2",
-        "        done",
-        '        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$bad"',
-        '        scontrol release "$SLURM_JOB_ID"',
+        'job $SLURM_JOB_ID without them${slow:+ and without persistent straggler node(s) $slow}"',
+        '        requeue_without "$bad${slow:+,$slow}"',
         "        exit 0",
         "    fi",
         "fi",

@@ -35,7 +35,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     vocab_multiple: int = 64
     """Token table and output head get `padded_vocab` rows: a multiple of this (matmul kernels
-    and tensor-parallel splits want round sizes). Logits of the padding ids are cut off."""
+    and tensor-parallel splits want round sizes). Logits of the padding ids are cut off, or,
+    under loss-parallel tensor parallelism, kept at -inf (`vocab_mask`)."""
 
     @property
     def padded_vocab(self) -> int:
@@ -176,6 +177,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.emb.tok.weight
+        self.vocab_mask: torch.Tensor | None = None
+        """0 on the vocabulary's columns, -inf on the padding's: set (vocabulary-sharded) by
+        loss-parallel tensor parallelism, whose logits keep every padded column; else None
+        and the padded columns are cut off."""
         for name, p in self.named_parameters():
             self.init_parameter(name, p.data)
 
@@ -214,7 +219,9 @@ class GPT(nn.Module):
         if rows is not None:
             x = x[:, rows]
         logits: torch.Tensor = self.lm_head(self.norm(x))
-        if self.cfg.padded_vocab != self.cfg.vocab_size:
+        if self.vocab_mask is not None:  # padded columns kept, with no probability
+            logits = logits + self.vocab_mask
+        elif self.cfg.padded_vocab != self.cfg.vocab_size:
             # Padding ids are never a target nor a prediction: drop their columns.
             logits = logits[..., : self.cfg.vocab_size]
         return logits

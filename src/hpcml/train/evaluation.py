@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpcml.distributed.runtime import Runtime, all_reduce_sum
+from hpcml.distributed.vocab_parallel import vocab_parallel_scores, vocab_sharded
 
 
 @torch.no_grad()
@@ -42,14 +43,18 @@ def evaluate_model(
             x = x.contiguous(memory_format=torch.channels_last)
         with precision.autocast():
             logits = model(x)
-        if isinstance(logits, DTensor):  # loss-parallel TP: vocabulary-sharded logits
-            logits = logits.full_tensor()
-        per_pos = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none"
-        ).reshape(y.shape)
+        if isinstance(logits, DTensor) and vocab_sharded(logits):  # loss-parallel TP
+            per_pos, correct = vocab_parallel_scores(logits, y)  # no gather
+        else:
+            if isinstance(logits, DTensor):  # another layout: gathered
+                logits = logits.full_tensor()
+            per_pos = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none"
+            ).reshape(y.shape)
+            correct = logits.argmax(dim=-1) == y
         mask = valid.reshape(-1, *([1] * (y.dim() - 1))).expand_as(y).double()
         totals[0] += (per_pos.double() * mask).sum()
-        totals[1] += ((logits.argmax(dim=-1) == y).double() * mask).sum()
+        totals[1] += (correct.double() * mask).sum()
         totals[2] += mask.sum()
         totals[3] += valid.double().sum()
         totals[4] += 1

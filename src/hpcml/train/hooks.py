@@ -11,7 +11,7 @@ Two kinds of hook method:
   (skip the update, roll back to a checkpoint, stop for preemption) that the Trainer applies.
   Every rank must return the same decision: decide from reduced values only.
 
-Tracking (MLflow) is an observer; fault tolerance (`hpcml.train.fault_hook`) is a behaviour hook.
+Tracking (MLflow) is an observer; fault tolerance (`hpcml.train.fault.hook`) is a behaviour hook.
 """
 
 from __future__ import annotations

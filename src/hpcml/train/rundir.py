@@ -16,8 +16,8 @@ from typing import Any
 from hpcml.distributed.runtime import Runtime, broadcast_object
 from hpcml.errors import CheckpointError, HpcmlError, RunDirError
 from hpcml.records import RUN_LOG, SUMMARY
-from hpcml.train import checkpoint as ckpt
-from hpcml.train import ckpt_manifest
+from hpcml.train.checkpoint import manifest as ckpt_manifest
+from hpcml.train.checkpoint import store as ckpt
 
 
 def default_run_dir(config_path: Path | None) -> Path:

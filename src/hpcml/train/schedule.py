@@ -48,14 +48,14 @@ def build_scheduler(
 
 
 def can_fuse(params: list[Any]) -> bool:
-    """The fused kernels take a list of one tensor kind: all plain tensors or all DTensors.
-    Tensor parallelism over part of a model (sharded blocks, replicated embeddings) mixes the
-    two, and `aten._fused_adamw_` refuses the mix, so such a model steps with `foreach`."""
-    from torch.distributed.tensor import DTensor
+    """Whether torch has a fused kernel for every parameter's device (and it is floating
+    point). A tensor-parallel model that mixes plain tensors and DTensors steps fused too:
+    `hpcml.train.update` calls the kernel once per tensor kind."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
+    devices = set(_get_fused_kernels_supported_devices())
     flat = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
-    kinds = {isinstance(t, DTensor) for t in flat}
-    return len(kinds) <= 1
+    return all(t.device.type in devices and torch.is_floating_point(t) for t in flat)
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[Any]:
@@ -82,9 +82,12 @@ def build_optimizer(
     params: Iterable[Any], cfg: OptimConfig, world_size: int, fused: bool | None = None
 ) -> torch.optim.Optimizer:
     """AdamW or SGD with the fused kernel where the parameters allow it (one kernel per step,
-    and a step the Trainer can skip on the device through `found_inf`, as GradScaler does)."""
+    and a step the Trainer can skip on the device through `found_inf`, as GradScaler does).
+    Without it AdamW keeps its step counts on the parameters' device (`capturable`, off the
+    CPU), so that the Trainer's skip of a non-finite step needs no host read either."""
     params = list(params)
     fused = can_fuse(params) if fused is None else fused
+    on_device = not fused and _off_cpu(params)
     lr = cfg.lr * (world_size if cfg.scale_lr_with_world else 1)
     if cfg.name == "sgd":
         return torch.optim.SGD(
@@ -101,4 +104,10 @@ def build_optimizer(
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         fused=fused,
+        capturable=on_device,
     )
+
+
+def _off_cpu(params: list[Any]) -> bool:
+    flat = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    return any(t.device.type not in ("cpu", "meta") for t in flat)

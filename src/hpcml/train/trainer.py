@@ -27,6 +27,7 @@ from hpcml.distributed.parallel import (
     loss_context,
     no_sync,
     shard_optimizer,
+    sync_buffers,
 )
 from hpcml.distributed.precision import setup_precision
 from hpcml.distributed.runtime import (
@@ -41,15 +42,15 @@ from hpcml.errors import HpcmlError
 from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
-from hpcml.train import checkpoint as ckpt
 from hpcml.train import finetune, memprobe, mfu, resume_changes, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
-from hpcml.train.ckpt_manifest import folder_bytes
+from hpcml.train.checkpoint import store as ckpt
+from hpcml.train.checkpoint.manifest import folder_bytes
 from hpcml.train.eval_sets import EvalSets
 from hpcml.train.evaluation import evaluate_model
-from hpcml.train.fault import FaultGuard
-from hpcml.train.fault_hook import FaultHook
+from hpcml.train.fault.guard import FaultGuard
+from hpcml.train.fault.hook import FaultHook
 from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
@@ -207,14 +208,12 @@ class Trainer:
         self.train_data = EpochLoader(
             splits.train, cfg.data, rt.dp_rank, rt.dp_size, cfg.train.seed, pin
         )
-        self.val_data = eval_loader(
-            shard_for_eval(splits.val, rt.dp_rank, rt.dp_size), cfg.data.batch_size * 2, pin
-        )
+        batch = cfg.train.eval_batch_size or cfg.data.batch_size * 2
+        self.val_data = eval_loader(shard_for_eval(splits.val, rt.dp_rank, rt.dp_size), batch, pin)
         self.global_batch = cfg.data.batch_size * cfg.train.grad_accum * rt.dp_size
         self.device_augment = device_augment(cfg, rt.dp_rank, splits.num_classes)
         self.device_normalize = splits.device_normalize
         self.data_versions = first_read(splits.version, cfg.data.path)
-        batch = cfg.data.batch_size * 2
         self.eval_sets = EvalSets(self.resolved.eval_sets, rt.dp_rank, rt.dp_size, batch, pin)
 
     def restore(self, path: Path, quiet: bool = False) -> int:
@@ -413,6 +412,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss and accuracy; every rank runs the same number of batches."""
+        sync_buffers(self.model)  # rank 0's BatchNorm statistics (DDP broadcasts none per step)
         with self.phase("hpcml.eval", step=self.step), self.device_peaks.evaluating():
             self.last_eval = evaluate_model(
                 self.model,
@@ -444,6 +444,7 @@ class Trainer:
             **finetune.checkpoint_fields(cfg, self.resolved),  # the base's sha256
             **self.eval_sets.checkpoint_fields(),  # the scores before training
         }
+        sync_buffers(self.model)
         nbytes = local_checkpoint_bytes(self.model, self.optimizer)
         with self.guard.checkpointing(nbytes), self.phase("hpcml.checkpoint", step=self.step):
             path = ckpt.save(

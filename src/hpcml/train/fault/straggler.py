@@ -14,6 +14,9 @@ reduce-scatter, not autograd, so no such hook fires, and a fast rank waits for a
 FSDP's parameter all-gathers and gradient reduce-scatters inside forward and backward. There
 a micro-batch is timed from the first forward to the end of the last backward, and the time
 spent in FSDP's waiting methods (`hpcml.distributed.parallel.wrap_fsdp_waits`) is subtracted.
+Under tensor parallelism the forward and backward hold collectives of their own (DTensor's, a
+fast rank waits there for a slow one): the time in their waits
+(`hpcml.distributed.parallel.wrap_dtensor_waits`) inside a span is subtracted too.
 
 On a GPU the marks are CUDA events recorded on the current stream (no host sync); they are read
 (`Event.elapsed_time`, which waits for them) only at the comparison step. On the CPU the ops are
@@ -28,6 +31,7 @@ profiler records everything and costs far more than a few events per step).
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -37,8 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcml.distributed.parallel import wrap_fsdp_waits
-from hpcml.distributed.runtime import Runtime, all_gather_object
+from hpcml.distributed.parallel import wrap_dtensor_waits, wrap_fsdp_waits
+from hpcml.distributed.runtime import Runtime, all_gather_object, all_gather_rows
 
 Mark = Any
 """A torch.cuda.Event (GPU) or a perf_counter() float (CPU)."""
@@ -50,7 +54,8 @@ class StepTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
-        self._spans: list[tuple[Mark, Mark]] = []
+        self._spans: list[tuple[Mark, Mark, list[tuple[Mark, Mark]]]] = []
+        """(start, end, the waits for other ranks inside it)."""
         self._fb_start: Mark | None = None
         self._fb_end: Mark | None = None
         self._opt_start: Mark | None = None
@@ -60,8 +65,9 @@ class StepTimer:
         self._last_param: int | None = None
         self._pruned = False
         self._handles: list[Any] = []
-        self._waits: list[tuple[Mark, Mark]] = []
+        self._waits: list[tuple[Mark, Mark]] = []  # of the open forward/backward span
         self._unwrap_fsdp: Callable[[], None] | None = None
+        self._unwrap_dtensor: Callable[[], None] | None = None
 
     # -- marks -----------------------------------------------------------------------------
 
@@ -78,6 +84,7 @@ class StepTimer:
         after the first backward) and on the optimizer's step."""
         if model is not None:
             self._unwrap_fsdp = wrap_fsdp_waits(model, self._timed_wait)
+            self._unwrap_dtensor = wrap_dtensor_waits(model, self._timed_wait)
         fsdp = self._unwrap_fsdp is not None
         params = [p for p in model.parameters() if p.requires_grad] if model and not fsdp else []
         for i, p in enumerate(params):
@@ -92,12 +99,14 @@ class StepTimer:
         for h in self._grad_handles + self._handles:
             h.remove()
         self._grad_handles, self._handles = [], []
-        if self._unwrap_fsdp is not None:
-            self._unwrap_fsdp()
-            self._unwrap_fsdp = None
+        for undo in (self._unwrap_fsdp, self._unwrap_dtensor):
+            if undo is not None:
+                undo()
+        self._unwrap_fsdp = self._unwrap_dtensor = None
 
     def _timed_wait(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        """FSDP: `method` waits for other ranks; its time inside a timed step is not compute."""
+        """`method` waits for other ranks (FSDP's collectives, DTensor's); its time inside a
+        timed span is not compute."""
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._fb_start is None:  # evaluation, or outside the training step
@@ -130,8 +139,9 @@ class StepTimer:
 
     def _close_fb(self) -> None:
         if self._fb_start is not None and self._fb_end is not None:
-            self._spans.append((self._fb_start, self._fb_end))
+            self._spans.append((self._fb_start, self._fb_end, self._waits))
         self._fb_start = self._fb_end = None
+        self._waits = []
         if not self._pruned and self._last_param is not None:
             # The gradient order of a static graph repeats: keep only the last one's hook.
             keep = self._last_param
@@ -148,7 +158,7 @@ class StepTimer:
 
     def after_optimizer(self) -> None:
         if self._opt_start is not None:
-            self._spans.append((self._opt_start, self._mark()))
+            self._spans.append((self._opt_start, self._mark(), []))
             self._opt_start = None
 
     def end_step(self, data_wait_s: float) -> None:
@@ -166,19 +176,23 @@ class StepTimer:
         call; on a GPU this waits for the recorded events (the only sync)."""
         self._close_fb()
         spans, steps, extra = self._spans, max(self._steps, 1), self._extra_s
-        waits = self._waits
-        self._spans, self._steps, self._extra_s, self._waits = [], 0, 0.0, []
-        total = self._seconds(spans) - self._seconds(waits)
+        self._spans, self._steps, self._extra_s = [], 0, 0.0
+        total = sum(self._compute_s(*span) for span in spans)
         return max(total, 0.0) / steps, extra / steps
 
-    def _seconds(self, spans: list[tuple[Mark, Mark]]) -> float:
-        if not self.cuda:
-            return float(sum(end - start for start, end in spans))
-        total = 0.0
-        for start, end in spans:
-            end.synchronize()
-            total += start.elapsed_time(end) / 1000.0
-        return total
+    def _compute_s(self, start: Mark, end: Mark, waits: list[tuple[Mark, Mark]]) -> float:
+        """A span's length less the parts of its waits that lie inside it (a wait may run past
+        the span's end: the gradient norm's all-reduce after the last gradient)."""
+        if self.cuda:
+            for mark in [end, *(e for _, e in waits)]:
+                mark.synchronize()
+
+        def offset(mark: Mark) -> float:  # seconds from the span's start
+            return float(start.elapsed_time(mark) / 1000.0 if self.cuda else mark - start)
+
+        length = offset(end)
+        waited = sum(max(0.0, min(offset(e), length) - max(offset(s), 0.0)) for s, e in waits)
+        return length - waited
 
 
 def device_name(device: torch.device) -> str:
@@ -217,42 +231,69 @@ def nvml_state(device: torch.device) -> dict[str, Any] | None:
 
 
 def compare(rt: Runtime, timer: StepTimer, factor: float, step: int) -> list[dict[str, Any]]:
-    """Every rank calls this at the same step (one all_gather of a small dict); returns one
-    straggler record per rank slower than `factor` x the (lower) median of all ranks."""
+    """Every rank calls this at the same step; returns one straggler record per rank slower
+    than `factor` x the (lower) median of all ranks. One all-gather of three numbers and one
+    host read of them; only when some rank is slow (every rank sees the same times, so all
+    agree) a second gathers the slow ranks' host, device and NVML state."""
     compute_s, data_s = timer.window_s()
-    mine = {
-        "s": compute_s + data_s,
-        "compute_s": compute_s,
-        "data_wait_s": data_s,
-        "host": socket.gethostname(),
+    mine = torch.tensor([compute_s + data_s, compute_s, data_s], dtype=torch.float64)
+    rows = all_gather_rows(rt, mine.to(rt.device)).tolist()
+    if rt.world_size < 2:
+        return []
+    times = [row[0] for row in rows]
+    # median_low: with two ranks the reference is the faster one, not their mean.
+    ref = statistics.median_low(times)
+    slow = [rank for rank, t in enumerate(times) if ref > 0 and t > factor * ref]
+    if not slow:
+        return []
+    where = all_gather_object(rt, _where(rt) if rt.rank in slow else None)
+    out = []
+    for rank in slow:
+        t, rec = times[rank], where[rank]
+        event = {
+            "event": "straggler",
+            "step": step,
+            "rank": rank,
+            "host": rec["host"],
+            "node": rec["node"],
+            "device": rec["device"],
+            "local_step_s": t,
+            "compute_s": rows[rank][1],
+            "data_wait_s": rows[rank][2],
+            "median_s": ref,
+            "ratio": t / ref,
+        }
+        if rec["nvml"] is not None:
+            event["nvml"] = rec["nvml"]
+        out.append(event)
+    return out
+
+
+class Persistence:
+    """Counts, per rank, the straggler checks in a row that named it; `update` returns the
+    nodes of the ranks that reach `after` (once each run of checks)."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.in_a_row: dict[int, int] = {}
+
+    def update(self, events: list[dict[str, Any]], world_size: int) -> list[str]:
+        slow = {e["rank"]: e for e in events}
+        nodes = []
+        for rank in range(world_size):
+            self.in_a_row[rank] = self.in_a_row.get(rank, 0) + 1 if rank in slow else 0
+            if self.after and self.in_a_row[rank] == self.after:
+                nodes.append(str(slow[rank]["node"]))
+        return nodes
+
+
+def _where(rt: Runtime) -> dict[str, Any]:
+    """Where this rank runs: host, SLURM node name (what `--exclude` takes; the host name
+    outside SLURM), device and its NVML state."""
+    host = socket.gethostname()
+    return {
+        "host": host,
+        "node": os.environ.get("SLURMD_NODENAME") or host,
         "device": device_name(rt.device),
         "nvml": nvml_state(rt.device),
     }
-    everyone = all_gather_object(rt, mine)
-    if rt.world_size < 2:
-        return []
-    times = [float(r["s"]) for r in everyone]
-    # median_low: with two ranks the reference is the faster one, not their mean.
-    ref = statistics.median_low(times)
-    if ref <= 0:
-        return []
-    out = []
-    for rank, rec in enumerate(everyone):
-        t = float(rec["s"])
-        if t > factor * ref:
-            event = {
-                "event": "straggler",
-                "step": step,
-                "rank": rank,
-                "host": rec["host"],
-                "device": rec["device"],
-                "local_step_s": t,
-                "compute_s": rec["compute_s"],
-                "data_wait_s": rec["data_wait_s"],
-                "median_s": ref,
-                "ratio": t / ref,
-            }
-            if rec["nvml"] is not None:
-                event["nvml"] = rec["nvml"]
-            out.append(event)
-    return out

@@ -1,7 +1,7 @@
 """Which phase of a checkpoint save each thread of this process is in, and since when.
 
 A save goes write -> hash -> (wait) -> fsync -> manifest -> rename -> prune; a background save runs its
-later phases in a writer thread. The watchdog (hpcml.train.fault) reads `longest()` to end a
+later phases in a writer thread. The watchdog (hpcml.train.fault.guard) reads `longest()` to end a
 save stalled in one phase (a hung filesystem) with a sentence naming the rank and the phase,
 instead of pausing while the save never returns. Fault drills stall a phase through `hook`.
 """

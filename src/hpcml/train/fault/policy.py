@@ -1,6 +1,6 @@
 """Fault-tolerance decisions made outside the training loop (launchers, the CLI): refusing
 restarts without checkpoints, reading how workers ended, and checkpoint-interval advice.
-Split from hpcml.train.fault; that module re-exports these names."""
+Split from hpcml.train.fault.guard; that module re-exports these names."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from hpcml.config import RunConfig
 from hpcml.errors import ConfigError
-from hpcml.train import checkpoint as ckpt
+from hpcml.train.checkpoint import store as ckpt
 
 
 def require_checkpoints_for_restarts(cfg: RunConfig, max_restarts: int) -> None:

@@ -1,4 +1,4 @@
-"""Fault injection for tests and chaos drills (HPCML_FAULT_INJECT), split from hpcml.train.fault."""
+"""Fault injection for tests and chaos drills (HPCML_FAULT_INJECT), split from hpcml.train.fault.guard."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fault guard (`hpcml.train.fault.FaultGuard`) as a behaviour hook of the Trainer.
+"""The fault guard (`hpcml.train.fault.guard.FaultGuard`) as a behaviour hook of the Trainer.
 
 Two paths:
 - on the device (the default guards: NaN/Inf skip, no spike detection): no host sync and no
@@ -27,9 +27,9 @@ import torch
 
 from hpcml.distributed.runtime import all_reduce_sum
 from hpcml.errors import WorkFailed
-from hpcml.train.fault import FaultGuard
+from hpcml.train.fault.guard import FaultGuard
+from hpcml.train.fault.stop_signals import agreed
 from hpcml.train.hooks import Hook, StepDecision
-from hpcml.train.stop_signals import agreed
 
 
 def needs_host_check(guard: FaultGuard) -> bool:

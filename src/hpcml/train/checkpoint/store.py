@@ -6,7 +6,7 @@ Layout of `checkpoints/step-N/`:
   rank-R.pt       per-rank state: RNG states (python, numpy, torch, CUDA) and data-loader position
   manifest.json   every file with its size, sha256 and writing rank, written last
 
-All ranks write into `.step-N.tmp/` and hash the files they wrote (hpcml.train.ckpt_manifest);
+All ranks write into `.step-N.tmp/` and hash the files they wrote (hpcml.train.checkpoint.manifest);
 rank 0 fsyncs, merges the hashes into the manifest and renames the folder
 to `step-N` (an atomic rename), so a crash mid-write leaves only a `.tmp` folder that resume
 ignores and the next save removes.
@@ -41,9 +41,9 @@ from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state
 from hpcml.distributed.runtime import Runtime, barrier
 from hpcml.distributed.sidechannel import checkpoint_group
 from hpcml.errors import CheckpointError, WorkFailed
-from hpcml.train import ckpt_manifest as manifest
-from hpcml.train import ckpt_phase
-from hpcml.train.ckpt_manifest import (  # re-exported: the checkpoint API in one place
+from hpcml.train.checkpoint import manifest
+from hpcml.train.checkpoint import phase as ckpt_phase
+from hpcml.train.checkpoint.manifest import (  # re-exported: the checkpoint API in one place
     CORRUPT_DIR,
     MANIFEST,
     find_latest,
@@ -54,7 +54,7 @@ from hpcml.train.ckpt_manifest import (  # re-exported: the checkpoint API in on
     step_of,
     verify,
 )
-from hpcml.train.ckpt_phase import phase
+from hpcml.train.checkpoint.phase import phase
 
 __all__ = [
     "CORRUPT_DIR",

@@ -40,20 +40,21 @@ from hpcml.distributed.runtime import (
 )
 from hpcml.distributed.sidechannel import HeartBoard
 from hpcml.errors import REQUEUE_EXIT_CODE, Preempted, WorkFailed
-from hpcml.records import RunLog, write_json_atomic
-from hpcml.train import checkpoint as ckpt
-from hpcml.train import ckpt_phase, straggler
-from hpcml.train.fault_inject import INJECT_ENV, FaultInjector
-from hpcml.train.fault_policy import (
+from hpcml.records import EXCLUDE_NODES, RunLog, add_excluded_nodes, write_json_atomic
+from hpcml.train.checkpoint import phase as ckpt_phase
+from hpcml.train.checkpoint import store as ckpt
+from hpcml.train.fault import straggler
+from hpcml.train.fault.inject import INJECT_ENV, FaultInjector
+from hpcml.train.fault.notice import NoticeWatcher
+from hpcml.train.fault.policy import (
     CKPT_TIMEOUT_FLOOR_S,
     checkpoint_advice,
     checkpoint_timeout,
     require_checkpoints_for_restarts,
     worker_outcome,
 )
-from hpcml.train.fault_watchdog import Watchdog
-from hpcml.train.preempt_notice import NoticeWatcher
-from hpcml.train.stop_signals import PreemptionFlag, agreed
+from hpcml.train.fault.stop_signals import PreemptionFlag, agreed
+from hpcml.train.fault.watchdog import Watchdog
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
@@ -123,7 +124,7 @@ class FaultGuard:
         self.cfg = cfg
         self.fc = cfg.fault
         self.rt = rt
-        # Ctrl-C stops at a step boundary, on several ranks the same (hpcml.train.stop_signals).
+        # Ctrl-C stops at a step boundary, on several ranks the same (hpcml.train.fault.stop_signals).
         self.preemption = PreemptionFlag(
             self.fc.preempt_signals, interrupt=True, escalate=rt.world_size == 1
         )
@@ -145,6 +146,7 @@ class FaultGuard:
         self._bad_in_a_row = 0
         self._drop_at: dict[int, int] = {}
         self.timer = straggler.StepTimer(rt.device)
+        self.persistent = straggler.Persistence(self.fc.straggler_exclude_after)
         self._handles: list[Any] = []
         self._timings_from = len(ckpt.timings)
         self._save_bytes: list[int] = []
@@ -372,8 +374,10 @@ class FaultGuard:
         return {r: self.stragglers.get(r, 0) for r in range(self.rt.world_size)}
 
     def _check_stragglers(self, n: int) -> None:
-        """Every rank at the same step: compare compute times (see hpcml.train.straggler)."""
-        for event in straggler.compare(self.rt, self.timer, self.fc.straggler_factor, n):
+        """Every rank at the same step: compare compute times (see hpcml.train.fault.straggler)."""
+        events = straggler.compare(self.rt, self.timer, self.fc.straggler_factor, n)
+        self._exclude(self.persistent.update(events, self.rt.world_size), n)
+        for event in events:
             rank, t, ref = event["rank"], event["local_step_s"], event["median_s"]
             self.stragglers[rank] = self.stragglers.get(rank, 0) + 1
             self._event(event)
@@ -389,6 +393,16 @@ class FaultGuard:
                 f"{t * 1000:.1f} ms of local work per step, {t / ref:.1f}x the median "
                 f"{ref * 1000:.1f} ms (fault.straggler_factor={self.fc.straggler_factor:g})"
                 f"{clocks}."
+            )
+
+    def _exclude(self, nodes: list[str], n: int) -> None:
+        """Persistent stragglers' nodes into the run folder's exclusion list (rank 0)."""
+        if nodes and self.rt.is_main and self.run_dir is not None:
+            listed = add_excluded_nodes(self.run_dir, nodes)
+            self.warn(
+                f"step {n}: node(s) {', '.join(nodes)} straggled at "
+                f"{self.fc.straggler_exclude_after} checks in a row; a requeued SLURM "
+                f"job leaves out {', '.join(listed)} ({self.run_dir / EXCLUDE_NODES})."
             )
 
     # -- checkpoints, preemption, hangs ----------------------------------------------------

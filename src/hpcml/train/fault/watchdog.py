@@ -1,4 +1,4 @@
-"""The hang watchdog of the training loop (one thread per rank), split from hpcml.train.fault.
+"""The hang watchdog of the training loop (one thread per rank), split from hpcml.train.fault.guard.
 
 It names the rank that stopped making progress, or the rank and checkpoint phase that stalled,
 through the rendezvous store (HeartBoard), and ends the job with one sentence.
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from hpcml.distributed.runtime import Runtime
 from hpcml.distributed.sidechannel import HeartBoard
-from hpcml.train import ckpt_phase
+from hpcml.train.checkpoint import phase as ckpt_phase
 
 if TYPE_CHECKING:
-    from hpcml.train.stop_signals import PreemptionFlag
+    from hpcml.train.fault.stop_signals import PreemptionFlag
 
 __all__ = ["Watchdog"]
 
