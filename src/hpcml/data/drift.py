@@ -287,6 +287,32 @@ REFERENCE_SAMPLES = 10_000
 reference's own sampling noise a tenth of a 1,000-row live window's."""
 
 
+REFERENCE_ROWS_PER_SAMPLE = 4
+"""A shard set's reference is drawn from whole shards chosen at random (seeded) until they hold
+this many rows per reference sample (and at least REFERENCE_MIN_SHARDS shards, or all): reading
+10,000 samples spread over every shard of a remote 10 TB set would fetch up to 10,000 whole
+shards (640 GB at 64 MB) for a few MB of profile; this way it fetches a few dozen."""
+REFERENCE_MIN_SHARDS = 32
+
+
+def reference_indices(dataset: Any, samples: int, rng: np.random.Generator) -> np.ndarray:
+    """Which samples (sorted) the reference reads: `samples` drawn without replacement from the
+    whole dataset, or, for a shard set (`counts`, `starts` per shard), from a seeded random
+    choice of its shards (see REFERENCE_ROWS_PER_SAMPLE)."""
+    n = len(dataset)
+    counts, starts = getattr(dataset, "counts", None), getattr(dataset, "starts", None)
+    if counts is None or starts is None or len(counts) <= REFERENCE_MIN_SHARDS:
+        return np.sort(rng.choice(n, size=min(samples, n), replace=False))
+    chosen, rows = [], 0
+    for k in rng.permutation(len(counts)):
+        if rows >= REFERENCE_ROWS_PER_SAMPLE * samples and len(chosen) >= REFERENCE_MIN_SHARDS:
+            break
+        chosen.append(int(k))
+        rows += int(counts[k])
+    pool = np.concatenate([np.arange(starts[k], starts[k] + counts[k]) for k in sorted(chosen)])
+    return np.sort(rng.choice(pool, size=min(samples, len(pool)), replace=False))
+
+
 def profile_dataset(
     dataset: Any,
     samples: int = REFERENCE_SAMPLES,
@@ -303,7 +329,7 @@ def profile_dataset(
     if n == 0:
         raise DataError("the training set is empty; a drift profile needs at least one sample.")
     rng = np.random.default_rng(seed)
-    idx = np.sort(rng.choice(n, size=min(samples, n), replace=False))
+    idx = reference_indices(dataset, samples, rng)
     first = (lambda v: v) if prepare is None else prepare
     parts: list[list[np.ndarray]] = []
     shape: tuple[int, ...] = ()
