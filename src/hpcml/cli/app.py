@@ -152,9 +152,10 @@ def exit_now(code: int | str | None) -> None:
     if isinstance(code, str):  # sys.exit("text"): printed, exit code 1
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # The interpreter's own first step of shutting down: the threading module's exit hooks
+    # (concurrent.futures tells its pools' workers to stop) and then the join of non-daemon
+    # threads. Joining them without the hooks waits forever on an executor's idle workers.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
