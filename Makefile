@@ -34,8 +34,11 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# Three xdist workers on CI's two cores: the SLURM, kill -9 and watchdog tests spend most of their
+# time waiting (a job's time limit, a requeue, a hang being detected); a third worker runs other
+# tests meanwhile instead of a core idling (CONTRIBUTING.md gives the measured times).
 test: lint docs
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The inner loop while changing code: unit and fuzz tests only (CONTRIBUTING.md gives its time).
 .PHONY: test-fast

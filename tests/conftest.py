@@ -156,7 +156,7 @@ if _CPU_REPORT:
             fh.write(json.dumps(rec) + "\n")
 
 
-# --- Scheduling over xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`, what
+# --- Scheduling over xdist workers (`-n 3 --dist loadfile --no-loadscope-reorder`, what
 # `make test` passes) -----------------------------------------------------------------------------
 # Each test file is one unit of work (one worker runs all of it, so its module fixtures are built
 # once), except the docs pages: each page is a unit of its own, since they are the suite's longest
