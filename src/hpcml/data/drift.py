@@ -303,7 +303,8 @@ def reference_indices(dataset: Any, samples: int, rng: np.random.Generator) -> n
     counts, starts = getattr(dataset, "counts", None), getattr(dataset, "starts", None)
     if counts is None or starts is None or len(counts) <= REFERENCE_MIN_SHARDS:
         return np.sort(rng.choice(n, size=min(samples, n), replace=False))
-    chosen, rows = [], 0
+    chosen: list[int] = []
+    rows = 0
     for k in rng.permutation(len(counts)):
         if rows >= REFERENCE_ROWS_PER_SAMPLE * samples and len(chosen) >= REFERENCE_MIN_SHARDS:
             break
