@@ -117,13 +117,13 @@ def _command(
         t = os.times()
         Path(usage).write_text(repr(t.user + t.system + t.children_user + t.children_system))
 
-    # `main` ends the process itself (hpcml.cli.app.exit_now: threads joined, atexit run,
+    # `run` ends the process itself (hpcml.cli.app.exit_now: threads joined, atexit run,
     # streams flushed, os._exit); the CPU record is written by an atexit handler of its own.
     atexit.register(record_cpu)
     try:
-        from hpcml.cli.app import main
+        from hpcml.cli.app import run
 
-        main()
+        run()
     except BaseException:  # what escaped main: the interpreter prints it and exits 1
         traceback.print_exc()
     finally:

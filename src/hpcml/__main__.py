@@ -1,6 +1,6 @@
 """`python -m hpcml` (also what torchrun runs with `-m hpcml`)."""
 
-from hpcml.cli.app import main
+from hpcml.cli.app import run
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -129,12 +129,18 @@ app.command("tune", help=tune_cli.tune.__doc__)(tune_cli.tune)
 
 
 def main() -> None:
+    """The command line; ends with SystemExit (in-process callers, the tests' CliRunner)."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        fail("interrupted.", 130)
+
+
+def run() -> None:
+    """`hpcml` and `python -m hpcml`: `main`, then the process ends through `exit_now`."""
     code: int | str | None = 0
     try:
-        try:
-            app()
-        except KeyboardInterrupt:
-            fail("interrupted.", 130)
+        main()
     except SystemExit as exc:
         code = exc.code
     exit_now(code)
@@ -164,5 +170,4 @@ def exit_now(code: int | str | None) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    run()

@@ -206,12 +206,10 @@ def run(command: list[str]) -> int:
     except BaseException:
         traceback.print_exc()
         code = 1
-    # End as a forked child does (multiprocessing's too): the run's threads and exit
-    # handlers are done here, then os._exit skips the teardown of every module, seconds of
-    # CPU with torch imported and nothing for the run (measured in benchmarks/tune.py).
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # `python -m hpcml` ends the process itself (hpcml.cli.app.exit_now); what escaped it ends
+    # here the same way: threading's exit hooks and joins (idle thread pools are told to stop
+    # first), the exit handlers, then os._exit without the teardown of every module.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
