@@ -224,7 +224,7 @@ def step_communication(
     reduce-scatter gradients and all-gather parameters (2 Psi); ZeRO-3 also gathers again in
     backward (3 Psi). Calls are counted as the implementations hpcml runs issue them (checked
     against the torch profiler by tests/integration/test_planned_collectives.py): DDP one
-    all-reduce per 25 MiB bucket and one buffer broadcast per dtype per step; torch's
+    all-reduce per 25 MiB bucket (no buffer broadcast in a step); torch's
     ZeroRedundancyOptimizer (hpcml's zero1, `zero1_whole_tensors`) DDP's all-reduce plus one
     parameter broadcast per rank; FSDP2 (zero2, zero3) one all-gather per unit and micro-batch
     in forward, zero3 again for all but the last unit in backward, and one reduce-scatter per
@@ -250,21 +250,12 @@ def step_communication(
     # and keeps a shard, so a gradient reduce-scatter costs an all-reduce there.
     reduce_op = "allreduce" if cluster.accelerator.cores is not None else "reducescatter"
     if layout.zero == 0 or (layout.zero == 1 and layout.zero1_whole_tensors):
-        # DDP: one all-reduce per gradient bucket (bucket_cap_mb), and its buffers (BatchNorm
-        # statistics) broadcast from rank 0 in the first forward after a gradient sync (once
-        # per step when earlier micro-batches skip the sync), one call per dtype.
+        # DDP: one all-reduce per gradient bucket (bucket_cap_mb). hpcml's DDP does not
+        # broadcast its buffers (BatchNorm statistics) before every forward
+        # (`broadcast_buffers=False`): rank 0's are sent before each evaluation and checkpoint,
+        # not in a training step.
         buckets = max(1, math.ceil(grad_size / DDP_BUCKET_BYTES))
         add("DP gradient all-reduce", "allreduce", grad_size / buckets, buckets, dp_g, "backward")
-        groups_ = model.buffer_groups
-        if groups_:
-            add(
-                "DDP buffer broadcast",
-                "broadcast",
-                model.buffer_bytes / groups_,
-                groups_,
-                dp_g,
-                "none",
-            )
         if layout.zero == 1:
             # torch's ZeroRedundancyOptimizer (hpcml's zero1) sits on DDP: each rank steps the
             # tensors it owns, then broadcasts them as one bucket (`parameters_as_bucket_view`).
