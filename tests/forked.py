@@ -113,6 +113,7 @@ def _command(
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.path.insert(0, cwd)
     sys.argv = [str(Path(__file__).resolve().parents[1] / "src" / "hpcml" / "__main__.py"), *argv]
+
     def record_cpu() -> None:
         t = os.times()
         Path(usage).write_text(repr(t.user + t.system + t.children_user + t.children_system))
@@ -124,7 +125,7 @@ def _command(
         from hpcml.cli.app import run
 
         run()
-    except BaseException:  # what escaped main: the interpreter prints it and exits 1
+    except BaseException:  # what escaped run: the interpreter prints it and exits 1
         traceback.print_exc()
     finally:
         threading._shutdown()  # type: ignore[attr-defined]
