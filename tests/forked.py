@@ -100,7 +100,6 @@ def _command(
 ) -> None:
     """Runs in the forked process: `python -m hpcml ARGV` from here on, then exits with its code."""
     import atexit
-    import threading
     import traceback
 
     _attach(stdio)
@@ -121,19 +120,13 @@ def _command(
     # `run` ends the process itself (hpcml.cli.app.exit_now: threads joined, atexit run,
     # streams flushed, os._exit); the CPU record is written by an atexit handler of its own.
     atexit.register(record_cpu)
-    try:
-        from hpcml.cli.app import run
+    from hpcml.cli.app import exit_now, run
 
+    try:
         run()
     except BaseException:  # what escaped run: the interpreter prints it and exits 1
         traceback.print_exc()
-    finally:
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(1)
+    exit_now(1)
 
 
 def run(
