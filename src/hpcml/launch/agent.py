@@ -44,6 +44,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from hpcml.distributed.runtime import AGENT_ENV
 from hpcml.distributed.runtime import WORKER_ERRORS_ENV as ERRORS_ENV
 from hpcml.errors import REQUEUE_EXIT_CODE
+from hpcml.launch.forked_workers import forks_workers
+from hpcml.launch.forked_workers import install as install_forked_workers
 
 
 def exit_code_of(code: int) -> int:
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     launcher_api.LocalElasticAgent = PreemptionAwareAgent  # type: ignore[misc]
+    if forks_workers():
+        install_forked_workers()
     os.environ[AGENT_ENV] = "1"  # the workers know their errors end here as one line
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
