@@ -189,9 +189,12 @@ def _report_failure(exc: ChildFailedError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     if os.environ.get("HPCML_AGENT_LOGS") != "1":
-        quiet = logging.getLogger("torch.distributed.elastic")
-        quiet.propagate = False
-        quiet.addHandler(logging.NullHandler())
+        # torch.multiprocessing.spawn: forked workers (hpcml.launch.forked_workers) are closed
+        # through it, with a warning per worker stopped.
+        for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
+            quiet = logging.getLogger(name)
+            quiet.propagate = False
+            quiet.addHandler(logging.NullHandler())
     from torch.distributed.run import parse_args, run
 
     launcher_api.LocalElasticAgent = PreemptionAwareAgent  # type: ignore[misc]
