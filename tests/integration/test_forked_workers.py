@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
+from tests.conftest import hpcml_env
 
 from hpcml.launch.forked_workers import forked_command, forks_workers
-from tests.conftest import hpcml_env
 
 pytestmark = pytest.mark.skipif(torch.version.cuda is not None, reason="forks on CPU builds only")
 
