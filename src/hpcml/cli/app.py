@@ -143,19 +143,21 @@ def run() -> None:
         main()
     except SystemExit as exc:
         code = exc.code
+    forked = sys.modules.get("hpcml.launch.forked_workers")
+    if forked is not None and forked.in_forked_worker():
+        # A worker forked by torchrun's agent: torchrun's own code ends the process and hands
+        # the agent its exit code (hpcml.launch.forked_workers).
+        raise SystemExit(wind_down(code))
     exit_now(code)
 
 
-def exit_now(code: int | str | None) -> None:
-    """End the process as the interpreter would (wait for non-daemon threads, run the atexit
-    handlers, flush stdout and stderr), without tearing down every imported module first: with
-    torch, torch.distributed and the trainer loaded that teardown costs ~1 CPU s per process,
-    paid by every worker of every run (run files are written line-buffered or closed before
-    this; nothing left to flush lives in a module's globals)."""
+def wind_down(code: int | str | None) -> int:
+    """What the interpreter does before it exits: wait for non-daemon threads, run the atexit
+    handlers, flush stdout and stderr; the exit code (sys.exit("text") prints it, code 1)."""
     import atexit
     import threading
 
-    if isinstance(code, str):  # sys.exit("text"): printed, exit code 1
+    if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
     # The interpreter's own first step of shutting down: the threading module's exit hooks
@@ -166,7 +168,15 @@ def exit_now(code: int | str | None) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
-    os._exit(code or 0)
+    return code or 0
+
+
+def exit_now(code: int | str | None) -> None:
+    """End the process as the interpreter would (`wind_down`), without tearing down every
+    imported module first: with torch, torch.distributed and the trainer loaded that teardown
+    costs ~1 CPU s per process, paid by every worker of every run (run files are written
+    line-buffered or closed before this; nothing left to flush lives in a module's globals)."""
+    os._exit(wind_down(code))
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import runpy
 import signal
 import sys
-import threading
 from typing import Any
 
 import torch
@@ -66,27 +66,21 @@ def forked_worker(*argv: str) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    sys.argv = [sys.argv[0] if sys.argv else WORKER_MODULE, *argv]
+    sys.argv = [WORKER_MODULE, *argv]
+    global _IN_FORKED_WORKER
+    _IN_FORKED_WORKER = True
+    # `python -m hpcml` itself, as an exec'd worker runs it: its `run` sees `in_forked_worker`
+    # and ends with SystemExit (torchrun's fork start method then reports the code and ends the
+    # process) instead of os._exit, which would leave the agent waiting for a return value.
+    runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
 
-    from hpcml.cli.app import main
 
-    code: int | str | None = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code
-    # As `hpcml.cli.app.exit_now` ends a worker; the process itself ends in torchrun's code,
-    # which reports the return (or this SystemExit's code) to the agent.
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    if isinstance(code, str):
-        print(code, file=sys.stderr, flush=True)
-        code = 1
-    if code:
-        raise SystemExit(code)
+_IN_FORKED_WORKER = False
+
+
+def in_forked_worker() -> bool:
+    """True in a worker that `forked_worker` started (read by `hpcml.cli.app.run`)."""
+    return _IN_FORKED_WORKER
 
 
 def install() -> None:
