@@ -13,6 +13,9 @@ what hpcml needs from its agent:
   of a SignalException traceback in every preempted attempt's log; a second Ctrl-C kills the
   workers at once (`SignalGate`).
 
+- on a CPU build of torch the workers of `-m hpcml` are forked from this process instead of
+  started as new interpreters (`hpcml.launch.forked_workers`).
+
 The agent's own log lines are silenced unless HPCML_AGENT_LOGS=1; workers' output passes through.
 Same arguments as torchrun: `python -m hpcml.launch.agent --nproc-per-node 2 -m hpcml train ...`
 (`hpcml train --nproc N` calls `main` in its own process: `hpcml.launch.local.run_torchrun`).
