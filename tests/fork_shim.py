@@ -111,7 +111,7 @@ class ShimServer:
             request = json.loads(_recv_exact(conn, struct.unpack("!I", msg)[0]))
             usage = tempfile.mktemp(prefix="hpcml-shim-usage-")
             stdio = tuple(reduction.DupFd(fd) for fd in fds)
-            proc = forked._ctx().Process(
+            proc = forked.server_context().Process(
                 target=forked._command,
                 args=(request["argv"], request["cwd"], request["env"], stdio, usage),
             )

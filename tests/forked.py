@@ -70,12 +70,15 @@ def add_cpu(usage: str) -> None:
             forked_cpu_s += seconds
 
 
-def _ctx() -> mp.context.ForkServerContext:
+def server_context() -> mp.context.ForkServerContext:
+    """multiprocessing's forkserver context with PRELOAD imported in the server (one server
+    per process: `start_method="forkserver"` elsewhere in this process gets the same one)."""
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
     return _context
+
 
 
 Stdio = str | Any
@@ -138,7 +141,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="hpcml-fork-") as tmp:
         out, err, usage = (os.path.join(tmp, n) for n in ("out", "err", "usage"))
         stdio = (None, out, err)
-        proc = _ctx().Process(target=_command, args=(argv, str(cwd), env, stdio, usage))
+        proc = server_context().Process(target=_command, args=(argv, str(cwd), env, stdio, usage))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None

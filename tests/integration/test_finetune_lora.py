@@ -9,14 +9,13 @@ import hashlib
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.conftest import hpcml_env, hpcml_proc, step_losses, summary
+from tests.conftest import hpcml_proc, step_losses, summary
 from tests.integration.gpt_export import save_gpt_export
 
 from hpcml.config import load_config
@@ -51,12 +50,10 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 
 def train(config: Path, run_dir: Path, nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *(launch if nproc > 1 else []), "-m", "hpcml", "train", str(config)]
-    cmd += [*args, "--run-dir", str(run_dir), "--quiet"]
-    if nproc > 1:
-        return subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=280)
-    return hpcml_proc(cmd[3:], timeout=280)  # forked from the pre-imported server (conftest)
+    # Forked from the pre-imported server (conftest); with --nproc, torchrun's agent runs in
+    # that process and forks the workers (hpcml.launch.forked_workers): no new interpreter.
+    cmd = ["train", str(config), *args, "--run-dir", str(run_dir), "--quiet"]
+    return hpcml_proc(cmd + (["--nproc", str(nproc)] if nproc > 1 else []), timeout=280)
 
 
 def ok(out: subprocess.CompletedProcess[str]) -> None:

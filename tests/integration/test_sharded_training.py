@@ -15,14 +15,12 @@ One module fixture runs each training once; the tests read their run folders.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.conftest import hpcml_env, hpcml_proc, summary
+from tests.conftest import hpcml_proc, summary
 from tests.conftest import step_losses as losses
 
 from hpcml.data.sources.tokens import prepare_pystdlib
@@ -46,18 +44,16 @@ precision: fp32
 def train(
     config: Path, run_dir: Path, nproc: int, *overrides: str, resume: str | None = None
 ) -> None:
-    # torchrun directly (what `hpcml train --nproc` starts), one Python start-up less per run.
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *(launch if nproc > 1 else []), "-m", "hpcml", "train", str(config)]
-    cmd += [*overrides, "--run-dir", str(run_dir), "--quiet"]
-    if resume:
-        cmd += ["--resume", resume]
+    # Forked from the pre-imported server (conftest); with --nproc, torchrun's agent runs in
+    # that process and forks the workers (hpcml.launch.forked_workers): no new interpreter.
+    args = ["train", str(config), *overrides, "--run-dir", str(run_dir), "--quiet"]
     if nproc > 1:
-        out = subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=600)
-    else:
-        out = hpcml_proc(cmd[3:], timeout=600)  # forked from the pre-imported server (conftest)
+        args += ["--nproc", str(nproc)]
+    if resume:
+        args += ["--resume", resume]
+    out = hpcml_proc(args, timeout=600)
     assert out.returncode == 0, (
-        f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        f"hpcml {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tests import forked
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +53,11 @@ def _count(counts: dict[str, int], key: str, fn: Any) -> Any:
 
 
 def _worker(
-    rank: int, world: int, port: int, run_dir: str, queue: Any, overrides: list[str]
+    rank: int, world: int, port: int, run_dir: str, queue: Any, overrides: list[str],
+    env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the test's, not the forkserver's (started by an earlier test)
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -119,13 +123,13 @@ def _worker(
 
 
 def _run(run_dir: Path, overrides: list[str]) -> dict[int, dict[str, int]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    # Forked from tests/forked.py's server, which imported torch and the trainer once.
+    queue = forked.server_context().SimpleQueue()
     mp.start_processes(
         _worker,
-        args=(2, _free_port(), str(run_dir), queue, overrides),
+        args=(2, _free_port(), str(run_dir), queue, overrides, dict(os.environ)),
         nprocs=2,
-        start_method="spawn",
+        start_method="forkserver",
     )
     return dict(queue.get() for _ in range(2))
 

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tests import forked
 from tests.conftest import summary
 
 pytestmark = pytest.mark.slow
@@ -77,7 +78,11 @@ def _count(counts: dict[str, int], key: str, fn: Any) -> Any:
     return wrapper
 
 
-def _worker(rank: int, port: int, run_dir: str, queue: Any, overrides: list[str]) -> None:
+def _worker(
+    rank: int, port: int, run_dir: str, queue: Any, overrides: list[str], env: dict[str, str]
+) -> None:
+    os.environ.clear()  # the test's, not the forkserver's (started by an earlier test)
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE="2",
@@ -129,10 +134,10 @@ def _worker(rank: int, port: int, run_dir: str, queue: Any, overrides: list[str]
 
 
 def _run(run_dir: Path, overrides: list[str]) -> dict[int, dict[str, int]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    args = (_free_port(), str(run_dir), queue, overrides)
-    mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn")
+    # Forked from tests/forked.py's server, which imported torch and the trainer once.
+    queue = forked.server_context().SimpleQueue()
+    args = (_free_port(), str(run_dir), queue, overrides, dict(os.environ))
+    mp.start_processes(_worker, args=args, nprocs=2, start_method="forkserver")
     return dict(queue.get() for _ in range(2))
 
 
