@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import ROOT, hpcml_env, hpcml_proc, summary
+from tests.conftest import hpcml_proc, summary
 from tests.conftest import step_losses as losses
 from tests.integration.worker_models import INF_STEP
 
@@ -42,16 +41,11 @@ precision: fp32
 def train(
     config: Path, run_dir: Path, nproc: int, *overrides: str, code: int = 0
 ) -> subprocess.CompletedProcess[str]:
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *(launch if nproc > 1 else []), "-m", "hpcml", "train", str(config)]
-    cmd += [*overrides, "--run-dir", str(run_dir), "--quiet"]
-    if nproc > 1:
-        out = subprocess.run(
-            cmd, cwd=ROOT, env=hpcml_env(), capture_output=True, text=True, timeout=300
-        )
-    else:
-        out = hpcml_proc(cmd[3:], timeout=300)  # forked from the pre-imported server (conftest)
-    assert out.returncode == code, f"{' '.join(cmd)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    # Forked from the pre-imported server (conftest); with --nproc, torchrun's agent runs in
+    # that process and forks the workers (hpcml.launch.forked_workers): no new interpreter.
+    args = ["train", str(config), *overrides, "--run-dir", str(run_dir), "--quiet"]
+    out = hpcml_proc(args + (["--nproc", str(nproc)] if nproc > 1 else []), timeout=300)
+    assert out.returncode == code, f"{' '.join(args)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return out
 
 
