@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tests import forked
 
 from hpcml.plan.comm import step_communication
 from hpcml.plan.hardware import load_catalog, resolve_cluster
@@ -54,7 +55,9 @@ def _args(name: str) -> dict[str, int]:
     return {"max_seq_len": SEQ} if name.startswith("gpt") else {}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, env: dict[str, str]) -> None:
+    os.environ.clear()  # the test's, not the forkserver's (started by an earlier test)
+    os.environ.update(env)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -121,7 +124,10 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, int]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    # Forked from tests/forked.py's server, which imported torch and the trainer once.
+    forked.server_context()
+    args = (2, port, str(out), dict(os.environ))
+    mp.start_processes(_worker, args=args, nprocs=2, join=True, start_method="forkserver")
     return list(json.loads(out.read_text()))
 
 
