@@ -3,7 +3,8 @@ in `--out` by default; hpcml.tune.storage), shared by every worker, on this mach
 elsewhere.
 
 Each worker loops: under a lock on `OUT/.tune.lock` it counts the study's trials and, while
-fewer than `--trials` are done or running, starts one (`study.optimize` with one trial, so
+fewer than `--trials` are done or running (and a full trial fits in what is left of
+`tune.step_budget`: hpcml.tune.budget), starts one (`study.optimize` with one trial, so
 Optuna's heartbeat and stale-trial handling run as usual). A trial is a real `hpcml train` in
 `OUT/trials/trial-NNNN` (hpcml.tune.trial), forked from the worker's warm launcher
 (hpcml.tune.launcher: torch imported once per worker, not once per trial); one the planner
@@ -34,7 +35,7 @@ from optuna.trial import TrialState
 
 from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, load_yaml
 from hpcml.errors import ConfigError, HpcmlError, WorkFailed
-from hpcml.tune import feasible, guard, space, tracking
+from hpcml.tune import budget, feasible, guard, space, tracking
 from hpcml.tune import trial as trial_run
 from hpcml.tune.launcher import OnDemand, preload_for
 from hpcml.tune.report import counts, summary, write_report
@@ -65,6 +66,10 @@ class TuneJob:
     first_worker: int = 0
     """The number of this tune's first worker (SLURM array tasks: the task id), which seeds
     its sampler."""
+    step_budget: int | None = None
+    """tune.step_budget: training steps the study's trials may take in all."""
+    trial_steps: int = 0
+    """The most steps one trial can train (what a running trial counts against the budget)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ def prepare(config: Path, overrides: tuple[str, ...]) -> Prepared:
     dists = space.distributions(cfg.tune, base)
     if cfg.tune.sampler == "grid":
         space.grid(dists)
+    budget.check(cfg.tune, cfg, dists)
     feasible.check_device(cfg.tune)
     return Prepared(cfg, cfg.tune, base, dists)
 
@@ -107,32 +113,36 @@ def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: in
     points it already tried)."""
     seed = tune.seed + worker + 1000 * known
     s = optuna.samplers
+    startup = {} if tune.startup_trials is None else {"n_startup_trials": tune.startup_trials}
     if tune.sampler == "tpe":
         # constant_liar: a running trial counts as a bad result, so parallel workers spread out.
-        return s.TPESampler(seed=seed, constant_liar=True)
+        return s.TPESampler(seed=seed, constant_liar=True, **startup)
     if tune.sampler == "random":
         return s.RandomSampler(seed=seed)
     if tune.sampler == "grid":
         return s.GridSampler(space.grid(dists), seed=seed)
     if tune.sampler == "cmaes":
-        return s.CmaEsSampler(seed=seed)
+        return s.CmaEsSampler(seed=seed, **startup)
     return s.QMCSampler(seed=seed)
 
 
-def make_pruner(tune: TuneConfig, cfg: RunConfig) -> optuna.pruners.BasePruner:
-    """Rungs start at the first evaluation; hyperband's largest budget is train.max_steps."""
-    first: Any = cfg.train.eval_every or "auto"
+def make_pruner(
+    tune: TuneConfig, cfg: RunConfig, dists: dict[str, Any] | None = None
+) -> optuna.pruners.BasePruner:
+    """Rungs start at budget.first_rung (by default the first evaluation after the warmup);
+    hyperband's largest budget is the longest trial."""
+    first = budget.first_rung(tune, cfg, dists or {})
     p = optuna.pruners
     if tune.pruner == "asha":
         return p.SuccessiveHalvingPruner(min_resource=first, reduction_factor=3)
     if tune.pruner == "hyperband":
         return p.HyperbandPruner(
-            min_resource=first if first != "auto" else 1,
-            max_resource=cfg.train.max_steps,
+            min_resource=first,
+            max_resource=budget.trial_steps(cfg, dists or {}),
             reduction_factor=3,
         )
     if tune.pruner == "median":
-        return p.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+        return p.MedianPruner(n_startup_trials=2, n_warmup_steps=first)
     return p.NopPruner()
 
 
@@ -140,7 +150,7 @@ def load_study(job: TuneJob, prep: Prepared, worker: int = 0) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # hpcml prints its own lines
     storage = open_storage(job.storage)
     sampler = make_sampler(prep.tune, prep.dists, job.first_worker + worker, job.known)
-    pruner = make_pruner(prep.tune, prep.cfg)
+    pruner = make_pruner(prep.tune, prep.cfg, prep.dists)
     try:  # load first: the journal's create_study appends to the file even for a known name
         study = optuna.load_study(
             study_name=job.study, storage=storage, sampler=sampler, pruner=pruner
@@ -181,10 +191,15 @@ class StudyLock:
 def next_action(study: optuna.Study, job: TuneJob, sampler: Any) -> str:
     """'run' a trial, 'wait' for the others' running trials, or 'done'."""
     fail_dead_trials(study)
-    n = counts(study.get_trials(deepcopy=False))
+    trials = study.get_trials(deepcopy=False)
+    n = counts(trials)
     done = n["complete"] + n["pruned"] + n["failed"] + n["infeasible"]
     if done >= job.trials:
         return "done"
+    if job.step_budget is not None:
+        if budget.left(trials, job.step_budget, job.trial_steps) < job.trial_steps:
+            # a running trial pruned early gives steps back: another may fit then
+            return "wait" if n["running"] else "done"
     if job.timeout_s is not None and time.time() - job.started >= job.timeout_s:
         return "done"
     if isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study):
@@ -279,10 +294,11 @@ def objective_body(
     except BaseException:
         trial_run.write_trial_file(run_dir, {**info, "status": "failed", "error": "stopped"})
         raise
+    t.set_user_attr(budget.STEPS_ATTR, outcome.steps)
     trial_run.write_trial_file(
         run_dir,
         {**info, "status": outcome.state, "value": outcome.value, "step": outcome.step,
-         "error": outcome.error},
+         "steps": outcome.steps, "error": outcome.error},
     )  # fmt: skip
     say(_describe(t.number, outcome, prep.tune.metric, run_dir))
     _track(prep, t, outcome.state, run_dir, params, say)
