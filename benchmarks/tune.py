@@ -103,8 +103,8 @@ def study_trials(out: Path, name: str) -> list[dict[str, Any]]:
         run = Path(t.user_attrs["run_dir"])
         row = phases(run, start, end)
         rows.append({"trial": t.number, "state": t.state.name.lower(), "value": t.value,
-                     "params": t.params, "end": end, **row})  # fmt: skip
-    return sorted(rows, key=lambda r: r["end"])
+                     "params": t.params, "ended_at": end, **row})  # fmt: skip
+    return sorted(rows, key=lambda r: r["ended_at"])
 
 
 def val_samples(out: Path) -> int:
@@ -123,7 +123,7 @@ def trace(trials: list[dict[str, Any]], started: float) -> list[dict[str, Any]]:
         steps += t["n"]
         if t["state"] == "complete" and (best is None or t["value"] > best):
             best = t["value"]
-        out.append({"t_s": round(t["end"] - started, 2), "steps": steps, "best": best})
+        out.append({"t_s": round(t["ended_at"] - started, 2), "steps": steps, "best": best})
     return out
 
 
@@ -166,7 +166,7 @@ def tune(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             k: round(sum(t[k] for t in trials), 2) for k in ("start", "steps", "between", "end")
         },  # fmt: skip
         "trace": trace(trials, started),
-        "per_trial": [{k: v for k, v in t.items() if k != "end"} for t in trials],
+        "per_trial": [{k: v for k, v in t.items() if k != "ended_at"} for t in trials],
     }
 
 

@@ -345,7 +345,8 @@ class TuneConfig(_Section):
     """`hpcml tune`: an Optuna study whose trials are `hpcml train` runs (hpcml.tune)."""
 
     metric: str = "val_accuracy"
-    """The evaluation metric each trial reports at every evaluation and is judged by."""
+    """The score each trial reports at every evaluation and is judged by: `val_accuracy`,
+    `val_loss`, or a `train.eval_sets` set's `NAME/val_accuracy` or `NAME/val_loss`."""
     direction: Literal["maximize", "minimize"] = "maximize"
     """Whether a larger or a smaller `metric` is better."""
     sampler: Literal["tpe", "random", "grid", "cmaes", "qmc"] = "tpe"

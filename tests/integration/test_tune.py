@@ -313,6 +313,8 @@ def _existing_study(out: Path) -> bytes:
         ({"direction": "maximize"}, [], "set to minimize"),
         ({"first_rung": 101}, [], "tune.first_rung 101 is past"),
         ({"step_budget": 99}, [], "tune.step_budget 99 is smaller than one trial"),
+        ({"metric": "val_f1"}, [], "'val_f1' is not among the metrics an evaluation reports "
+         "(val_loss, val_accuracy)"),
     ],
 )
 def test_bad_input_exits_2_in_one_sentence_and_leaves_the_study_unchanged(
@@ -349,22 +351,6 @@ def test_a_spent_step_budget_starts_no_trial(tmp_path: Path):
     result = json.loads(res.output.splitlines()[-1])
     assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
     assert len(load(out).get_trials()) == 2 and not (out / "trials").exists()
-
-
-def test_a_metric_no_evaluation_reports_exits_2_naming_the_metrics(tmp_path: Path):
-    # Two workers: both meet the error; it is printed once, by the tuner.
-    config = tune_config(
-        tmp_path / "tune.yaml", {"metric": "val_f1", "trials": 2}, max_steps=2, eval_every=1
-    )
-    proc = subprocess.run(
-        tune_cmd(config, tmp_path / "study", "--workers", "2"), cwd=ROOT, env=hpcml_env(),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "val_f1" in lines[0] and "val_loss" in lines[0], proc.stderr
-    states = {t.state for t in load(tmp_path / "study").get_trials()}
-    assert TrialState.COMPLETE not in states and TrialState.PRUNED not in states
 
 
 def test_without_a_tune_section_exits_2(tmp_path: Path):

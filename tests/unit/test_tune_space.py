@@ -370,3 +370,28 @@ def test_storage_urls_open_the_storage_they_name(tmp_path: Path) -> None:
     assert isinstance(st.open_storage(st.default_storage(tmp_path)), JournalStorage)
     with pytest.raises(ConfigError, match="is a folder"):
         st.open_storage(f"journal:{tmp_path}")
+
+
+def test_the_metrics_tune_accepts_are_scores_an_evaluation_reports() -> None:
+    """tune.metric is checked before any trial against hpcml.tune.study.SCORES: each must be
+    in what hpcml.train's evaluation reports, for the validation split and each eval set."""
+    import contextlib
+    import types
+
+    import torch
+
+    from hpcml.distributed.runtime import Runtime
+    from hpcml.train import eval_sets
+    from hpcml.train.evaluation import evaluate_model
+    from hpcml.tune.study import SCORES, check_metric
+
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), None)
+    batch = (torch.zeros(4, 3), torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool))
+    precision = types.SimpleNamespace(autocast=contextlib.nullcontext)
+    scores = evaluate_model(torch.nn.Linear(3, 2), [batch], rt, precision, False)
+    assert set(SCORES) <= set(scores) and set(eval_sets.METRICS) == set(SCORES)
+    cfg = load_config(None, ["tune={metric: old/val_accuracy}", "train.eval_sets={old: d}"])
+    check_metric(cfg)  # an eval set's score
+    cfg.train.eval_sets = None
+    with pytest.raises(ConfigError, match="'old/val_accuracy' is not among"):
+        check_metric(cfg)

@@ -46,6 +46,9 @@ WAIT_S = 0.5
 LOCK_FILE = ".tune.lock"
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+SCORES = ("val_loss", "val_accuracy")
+"""The scores every evaluation reports (hpcml.train.evaluation), and each train.eval_sets set
+as NAME/val_loss and NAME/val_accuracy (hpcml.train.eval_sets): what tune.metric may name."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +101,25 @@ def prepare(config: Path, overrides: tuple[str, ...]) -> Prepared:
             f"{config} has no tune section; add one with a metric and a space "
             "(see examples/tune_digits.yaml)."
         )
+    check_metric(cfg)
     dists = space.distributions(cfg.tune, base)
     if cfg.tune.sampler == "grid":
         space.grid(dists)
     budget.check(cfg.tune, cfg, dists)
     feasible.check_device(cfg.tune)
     return Prepared(cfg, cfg.tune, base, dists)
+
+
+def check_metric(cfg: RunConfig) -> None:
+    """tune.metric must be a score the trials' evaluations report (checked again in each
+    evaluation record: hpcml.tune.trial)."""
+    assert cfg.tune is not None
+    known = [*SCORES, *(f"{name}/{m}" for name in cfg.train.eval_sets or {} for m in SCORES)]
+    if cfg.tune.metric not in known:
+        raise ConfigError(
+            f"tune.metric '{cfg.tune.metric}' is not among the metrics an evaluation reports "
+            f"({', '.join(known)}); set tune.metric to one of them."
+        )
 
 
 def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: int = 0) -> Any:
