@@ -13,7 +13,12 @@ fewer) and each running one at full length.
 
 from __future__ import annotations
 
-from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
 from optuna.trial import FrozenTrial, TrialState
 
 from hpcml.config import RunConfig, TuneConfig
@@ -31,7 +36,8 @@ def largest(dists: dict[str, BaseDistribution], key: str, default: int) -> int:
         return default
     if isinstance(d, CategoricalDistribution):
         return int(max(v for v in d.choices if isinstance(v, int | float)))
-    return int(getattr(d, "high"))
+    assert isinstance(d, FloatDistribution | IntDistribution)
+    return int(d.high)
 
 
 def trial_steps(cfg: RunConfig, dists: dict[str, BaseDistribution]) -> int:

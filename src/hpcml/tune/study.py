@@ -129,7 +129,9 @@ def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: in
     points it already tried)."""
     seed = tune.seed + worker + 1000 * known
     s = optuna.samplers
-    startup = {} if tune.startup_trials is None else {"n_startup_trials": tune.startup_trials}
+    startup: dict[str, Any] = (
+        {} if tune.startup_trials is None else {"n_startup_trials": tune.startup_trials}
+    )
     if tune.sampler == "tpe":
         # constant_liar: a running trial counts as a bad result, so parallel workers spread out.
         return s.TPESampler(seed=seed, constant_liar=True, **startup)
@@ -212,10 +214,12 @@ def next_action(study: optuna.Study, job: TuneJob, sampler: Any) -> str:
     done = n["complete"] + n["pruned"] + n["failed"] + n["infeasible"]
     if done >= job.trials:
         return "done"
-    if job.step_budget is not None:
-        if budget.left(trials, job.step_budget, job.trial_steps) < job.trial_steps:
-            # a running trial pruned early gives steps back: another may fit then
-            return "wait" if n["running"] else "done"
+    if (
+        job.step_budget is not None
+        and budget.left(trials, job.step_budget, job.trial_steps) < job.trial_steps
+    ):
+        # a running trial pruned early gives steps back: another may fit then
+        return "wait" if n["running"] else "done"
     if job.timeout_s is not None and time.time() - job.started >= job.timeout_s:
         return "done"
     if isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study):
