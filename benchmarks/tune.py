@@ -1,12 +1,26 @@
 """ASHA + TPE against random search without pruning, on the digits demo
-(examples/tune_digits.yaml): the same number of trials of the same length each (an equal
-budget of training steps offered), through the real `hpcml tune`, one worker. Per arm and seed:
-the best validation accuracy reached, the wall time and CPU seconds of the whole tune, the
-training steps the trials actually ran (a pruned trial stops early), and where the trials' wall
-time went; then the median and the spread (min to max) over the seeds. The arms alternate
-within each seed, so a change in the machine's load hits both.
+(examples/tune_digits.yaml), through the real `hpcml tune`, one worker per tune, at an equal
+budget of training steps.
 
-    python benchmarks/tune.py [--trials 9] [--steps 60] [--seeds 0 1 2] [--startup 3]
+The budget: both arms get the same `tune.step_budget`, B = `--budget-trials` full trials of
+`--steps` steps (540 = 9 x 60 by default). Random search spends it on exactly B / steps
+trials, each evaluated once, at its end (it needs no evaluation before). ASHA + TPE spends it
+on as many trials as fit (a pruned trial gives back the steps it did not run; a trial starts
+only if a full run still fits, so it never spends more than B), evaluated every 10 steps for
+its pruner.
+
+Per seed it records each arm's best validation accuracy, wall time, CPU seconds and steps,
+and the anytime trace (after each trial: time since the tune started, steps so far, best so
+far). The goal's question: does ASHA + TPE reach the same best accuracy as random search
+(within one binomial standard error of random's best on the validation set: a smaller
+difference is below what that set can resolve) in <= 0.5x random search's time? Answered
+per seed from the trace: ASHA + TPE's time to reach it over random's time to finish its
+search (its last trial's end), and ASHA + TPE's best after half of random's time and after
+half the budget's steps (the latter free of the machine's load). Then the median and the
+spread (min to max) over the seeds. With --side-by-side every tune (both arms of every seed)
+runs at once, so a change in the machine's load hits both arms alike.
+
+    python benchmarks/tune.py [--budget-trials 9] [--steps 60] [--seeds 0 1 2] [--side-by-side]
 
 `--startup N` first measures what starting one trial costs, N alternating rounds of a 1-step
 trial started both ways hpcml.tune can: a fresh interpreter under the guard (`cold`) and forked
@@ -19,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -26,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +50,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = ROOT / "examples" / "tune_digits.yaml"
-ARMS = {"asha+tpe": ("tpe", "asha"), "random, no pruning": ("random", "none")}
+ASHA, RANDOM = "asha+tpe", "random, no pruning"
+ARMS = (ASHA, RANDOM)
+
+
+def arm_overrides(arm: str, steps: int) -> list[str]:
+    """What each arm changes in the example (whose tune section is the ASHA + TPE search)."""
+    if arm == ASHA:
+        return ["tune.sampler=tpe", "tune.pruner=asha"]
+    return ["tune.sampler=random", "tune.pruner=none", f"train.eval_every={steps}"]
 
 
 def children_cpu_s() -> float:
@@ -63,7 +87,8 @@ def phases(run: Path, start: float, end: float) -> dict[str, float]:
             "end": end - steps[-1][0], "n": steps[-1][2]}  # fmt: skip
 
 
-def study_phases(out: Path, name: str) -> list[dict[str, Any]]:
+def study_trials(out: Path, name: str) -> list[dict[str, Any]]:
+    """Each trial in the order it ended: state, value, end time, steps and phases."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -75,25 +100,48 @@ def study_phases(out: Path, name: str) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         assert t.datetime_start is not None and t.datetime_complete is not None
         start, end = t.datetime_start.timestamp(), t.datetime_complete.timestamp()
-        row = phases(Path(t.user_attrs["run_dir"]), start, end)
-        rows.append({"trial": t.number, "state": t.state.name.lower(), **row})
-    return rows
+        run = Path(t.user_attrs["run_dir"])
+        row = phases(run, start, end)
+        rows.append({"trial": t.number, "state": t.state.name.lower(), "value": t.value,
+                     "params": t.params, "ended_at": end, **row})  # fmt: skip
+    return sorted(rows, key=lambda r: r["ended_at"])
 
 
-def tune(sampler: str, pruner: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def val_samples(out: Path) -> int:
+    """The validation set's size, from a complete trial's summary."""
+    for summary in sorted(out.glob("trials/*/summary.json")):
+        data = json.loads(summary.read_text())
+        if data.get("status") == "finished":
+            return int(data["data"]["val_samples"])
+    raise SystemExit(f"no trial in {out} finished")
+
+
+def trace(trials: list[dict[str, Any]], started: float) -> list[dict[str, Any]]:
+    """After each trial: seconds since the tune started, steps so far, best value so far."""
+    out, steps, best = [], 0, None
+    for t in trials:
+        steps += t["n"]
+        if t["state"] == "complete" and (best is None or t["value"] > best):
+            best = t["value"]
+        out.append({"t_s": round(t["ended_at"] - started, 2), "steps": steps, "best": best})
+    return out
+
+
+def tune(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    budget = args.budget_trials * args.steps
     with tempfile.TemporaryDirectory(prefix="hpcml-bench-tune-") as tmp:
         out = Path(tmp) / "study"
         cmd = [
-            sys.executable, "-m", "hpcml", "tune", str(CONFIG), f"tune.sampler={sampler}",
-            f"tune.pruner={pruner}", f"tune.seed={seed}", f"train.max_steps={args.steps}",
-            "--trials", str(args.trials), "--out", str(out), "--json",
+            sys.executable, "-m", "hpcml", "tune", str(CONFIG), *arm_overrides(arm, args.steps),
+            f"tune.seed={seed}", f"train.max_steps={args.steps}", f"tune.step_budget={budget}",
+            "--trials", str(budget), "--out", str(out), "--json",  # the budget ends it first
         ]  # fmt: skip
         load = os.getloadavg()[0]
         with open(Path(tmp) / "out", "w+") as so, open(Path(tmp) / "err", "w+") as se:
-            start = time.perf_counter()
+            started, start = time.time(), time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=so, stderr=se, cwd=ROOT, env=env(args))
             # wait4: this tune's own CPU (its launcher, guards and runs are waited for in
-            # turn), also when seeds run side by side in threads of this process
+            # turn), also when tunes run side by side in threads of this process
             _, status, usage = os.wait4(proc.pid, 0)
             wall, cpu = time.perf_counter() - start, usage.ru_utime + usage.ru_stime
             so.seek(0)
@@ -102,10 +150,13 @@ def tune(sampler: str, pruner: str, seed: int, args: argparse.Namespace) -> dict
         if os.waitstatus_to_exitcode(status) != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
         result = json.loads(stdout.splitlines()[-1])
-        trials = study_phases(out, result["study"])
+        trials = study_trials(out, result["study"])
+        n_val = val_samples(out)
     return {
         "seed": seed,
         "best_val_accuracy": result["best_value"],
+        "best_params": result["best_params"],
+        "val_samples": n_val,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),
         "steps_trained": sum(t["n"] for t in trials),
@@ -114,7 +165,50 @@ def tune(sampler: str, pruner: str, seed: int, args: argparse.Namespace) -> dict
         "trial_phases_s": {
             k: round(sum(t[k] for t in trials), 2) for k in ("start", "steps", "between", "end")
         },  # fmt: skip
-        "per_trial": trials,
+        "trace": trace(trials, started),
+        "per_trial": [{k: v for k, v in t.items() if k != "ended_at"} for t in trials],
+    }
+
+
+def same_within(best: float, n: int) -> float:
+    """One binomial standard error of an accuracy `best` measured on `n` samples."""
+    return math.sqrt(best * (1 - best) / n)
+
+
+def compare(asha: dict[str, Any], rnd: dict[str, Any], budget: int) -> dict[str, Any]:
+    """One seed: is random search's best reached by ASHA + TPE, and how soon."""
+    target = rnd["best_val_accuracy"]
+    tol = same_within(target, rnd["val_samples"])
+    random_end = rnd["trace"][-1]["t_s"]  # its search's end: its last trial's
+
+    def reached(tolerance: float) -> dict[str, Any] | None:
+        points = (p for p in asha["trace"] if p["best"] is not None)
+        return next((p for p in points if p["best"] >= target - tolerance), None)
+
+    hit, strict = reached(tol), reached(0.0)
+
+    def best_by(key: str, limit: float) -> float | None:
+        values = [p["best"] for p in asha["trace"] if p[key] <= limit and p["best"] is not None]
+        return max(values) if values else None
+
+    half_time, half_steps = best_by("t_s", random_end / 2), best_by("steps", budget / 2)
+    return {
+        "seed": rnd["seed"],
+        "random_best": target,
+        "asha_best_at_budget": asha["best_val_accuracy"],
+        "same_within": round(tol, 4),
+        "same_at_budget": asha["best_val_accuracy"] >= target - tol,
+        "difference_in_samples": round(
+            (asha["best_val_accuracy"] - target) * rnd["val_samples"]
+        ),  # fmt: skip
+        "random_search_s": random_end,
+        "asha_to_random_best_s": hit["t_s"] if hit else None,
+        "time_ratio": round(hit["t_s"] / random_end, 4) if hit else None,
+        "steps_ratio": round(hit["steps"] / budget, 4) if hit else None,
+        "asha_best_at_half_time": half_time,
+        "asha_best_at_half_steps": half_steps,
+        "goal_met": hit is not None and hit["t_s"] <= random_end / 2,
+        "goal_met_without_tolerance": strict is not None and strict["t_s"] <= random_end / 2,
     }
 
 
@@ -182,59 +276,91 @@ if launcher is not None:
     return {"rounds": rows, "summary": summary}
 
 
+def ratio_spread(values: list[float | None]) -> dict[str, Any]:
+    """The spread of per-seed ratios; with a seed that never got there (None), the values as
+    they are (a median over the others would flatter)."""
+    if any(v is None for v in values):
+        return {"per_seed": values}
+    return spread([float(v) for v in values if v is not None])
+
+
+def cell_or_list(s: dict[str, Any]) -> str:
+    if "per_seed" in s:
+        return ", ".join("not reached" if v is None else f"{v:.4g}" for v in s["per_seed"])
+    return cell(s)
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=int, default=9)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--budget-trials", type=int, default=9, help="B = this many full trials")
+    p.add_argument("--steps", type=int, default=60, help="train.max_steps of a trial")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--side-by-side", action="store_true", help="run the seeds at the same time")
+    p.add_argument("--side-by-side", action="store_true", help="run every tune at once")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     p.add_argument("--startup", type=int, default=0, help="rounds of the start-up measurement")
     p.add_argument("--name", default="tune", help="results file name (without extension)")
     args = p.parse_args()
+    budget = args.budget_trials * args.steps
     out: dict[str, Any] = {
         "what": "hpcml tune on examples/tune_digits.yaml: ASHA + TPE vs random search without "
-        "pruning, equal trials and steps per trial, one worker",
+        "pruning at an equal budget of training steps, one worker per tune",
         "command": "python benchmarks/tune.py " + " ".join(sys.argv[1:]),
-        "trials": args.trials, "max_steps": args.steps, "omp_num_threads": args.threads,
+        "step_budget": budget, "max_steps": args.steps, "omp_num_threads": args.threads,
+        "arm_overrides": {arm: arm_overrides(arm, args.steps) for arm in ARMS},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
     }  # fmt: skip
     if args.startup:
         out["startup"] = startup(args.startup, args)
     if not args.seeds:
         return write(out, args.name)
-    runs = run_seeds(args)
+    loads: list[float] = []
+    runs = run_seeds(args, loads)
     keys = ("best_val_accuracy", "wall_s", "cpu_s", "steps_trained", "load_average_before")
-    summary = {
+    summary: dict[str, Any] = {
         arm: {key: spread([float(r[key]) for r in rs]) for key in keys} for arm, rs in runs.items()
     }
-    ratios = {
-        key: spread([a[key] / r[key] for a, r in zip(*runs.values(), strict=True)])
-        for key in ("wall_s", "cpu_s", "steps_trained")
-    }
-    out.update(runs=runs, summary=summary, ratio_per_seed=ratios,
-               load_average_at_end=os.getloadavg())  # fmt: skip
+    for arm, rs in runs.items():
+        summary[arm]["trials_run"] = spread([float(sum(r["trials"].values())) for r in rs])
+    seeds = [compare(a, r, budget) for a, r in zip(runs[ASHA], runs[RANDOM], strict=True)]
+    ratios = {key: ratio_spread([s[key] for s in seeds]) for key in ("time_ratio", "steps_ratio")}
+    out.update(
+        per_seed=seeds, ratio=ratios, summary=summary, runs=runs,
+        load_average_during=spread(loads) if loads else None,
+        goal_met_seeds=sum(s["goal_met"] for s in seeds),
+        goal_met_seeds_without_tolerance=sum(s["goal_met_without_tolerance"] for s in seeds),
+    )  # fmt: skip
     write(out, args.name)
 
 
-def run_seeds(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """Each seed's two tunes, one after the other, the first arm alternating between seeds
-    (a change in the machine's load hits both arms); with --side-by-side the seeds run at
-    the same time, so about as many tunes of each arm run at any moment."""
+def run_seeds(args: argparse.Namespace, loads: list[float]) -> dict[str, list[dict[str, Any]]]:
+    """Every seed's two tunes: with --side-by-side all at once (both arms of a seed see the
+    same load), else one after the other, the first arm alternating between seeds. `loads`
+    gets the 1-minute load average every 30 s while they run."""
     runs: dict[str, list[dict[str, Any]]] = {arm: [{}] * len(args.seeds) for arm in ARMS}
+    jobs = [(i, arm) for i in range(len(args.seeds)) for arm in ARMS[:: 1 if i % 2 == 0 else -1]]
+    stop = threading.Event()
 
-    def one_seed(i: int) -> None:
-        arms = list(ARMS.items())
-        for arm, (sampler, pruner) in arms if i % 2 == 0 else arms[::-1]:
-            runs[arm][i] = tune(sampler, pruner, args.seeds[i], args)
-            print(arm, {k: v for k, v in runs[arm][i].items() if k != "per_trial"}, flush=True)
+    def sample() -> None:
+        while not stop.wait(30.0):
+            loads.append(os.getloadavg()[0])
 
-    with ThreadPoolExecutor(len(args.seeds) if args.side_by_side else 1) as pool:
-        list(pool.map(one_seed, range(len(args.seeds))))
+    def one(job: tuple[int, str]) -> None:
+        i, arm = job
+        runs[arm][i] = tune(arm, args.seeds[i], args)
+        print(arm, {k: v for k, v in runs[arm][i].items() if k not in ("per_trial", "trace")},
+              flush=True)  # fmt: skip
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(len(jobs) if args.side_by_side else 1) as pool:
+            list(pool.map(one, jobs))
+    finally:
+        stop.set()
     return runs
 
 
@@ -259,23 +385,52 @@ def markdown(out: dict[str, Any]) -> str:
 
 
 def tune_lines(out: dict[str, Any]) -> list[str]:
+    during = out["load_average_during"]
     lines = [
-        f"`{out['command']}`: {out['trials']} trials of at most {out['max_steps']} steps per arm "
-        f"and seed, one worker, OMP_NUM_THREADS={out['omp_num_threads']}; median (min to max) "
-        f"over the seeds. Machine: {out['machine']['cpu_count']} cores; load average (1 min) "
-        "before each tune in the last column.",
+        f"`{out['command']}`: both arms get a budget of {out['step_budget']} training steps "
+        f"(`tune.step_budget`), trials of at most {out['max_steps']} steps, one worker, "
+        f"OMP_NUM_THREADS={out['omp_num_threads']}; random search evaluates each trial once, "
+        "at its end. Median (min to max) over the seeds. Machine: "
+        f"{out['machine']['cpu_count']} cores; load average (1 min) before each tune in the "
+        "last column" + (f", {cell(during)} while they ran." if during else "."),
         "",
-        "| arm | best val_accuracy | wall time (s) | CPU (s) | steps trained | load average |",
-        "|---|---|---|---|---|---|",
+        "| arm | best val_accuracy | wall time (s) | CPU (s) | steps trained | trials | load |",
+        "|---|---|---|---|---|---|---|",
     ]
-    keys = ("best_val_accuracy", "wall_s", "cpu_s", "steps_trained", "load_average_before")
+    keys = ("best_val_accuracy", "wall_s", "cpu_s", "steps_trained", "trials_run",
+            "load_average_before")  # fmt: skip
     for arm, s in out["summary"].items():
         lines.append(f"| {arm} | " + " | ".join(cell(s[k]) for k in keys) + " |")
-    r = out["ratio_per_seed"]
     lines += [
         "",
-        f"ASHA + TPE / random, per seed: wall time {cell(r['wall_s'])}, CPU {cell(r['cpu_s'])}, "
-        f"steps trained {cell(r['steps_trained'])}.",
+        "Per seed: random search's best, and whether ASHA + TPE reached it (the same: within "
+        "one binomial standard error of random's best on the validation set), when (time since "
+        "its tune started over random search's time to its last trial's end; steps over the "
+        "budget), and ASHA + TPE's best after half random's time and after half the budget.",
+        "",
+        "| seed | random best | ASHA+TPE best at budget | same within | difference (samples) "
+        "| time to random's best | ratio | steps ratio | ASHA best at 0.5x time "
+        "| at 0.5x steps | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in out["per_seed"]:
+        hit = s["asha_to_random_best_s"]
+        cells = [
+            s["seed"], f"{s['random_best']:.4f}", f"{s['asha_best_at_budget']:.4f}",
+            f"{s['same_within']:.4f}", f"{s['difference_in_samples']:+d}",
+            f"{hit:.0f} of {s['random_search_s']:.0f} s" if hit is not None else "not reached",
+            s["time_ratio"], s["steps_ratio"], _acc(s["asha_best_at_half_time"]),
+            _acc(s["asha_best_at_half_steps"]), "met" if s["goal_met"] else "not met",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    r = out["ratio"]
+    lines += [
+        "",
+        f"Time to random search's best, ASHA + TPE / random: {cell_or_list(r['time_ratio'])}; "
+        f"in steps, over the budget: {cell_or_list(r['steps_ratio'])}. Goal (the same best "
+        f"accuracy in <= 0.5x the wall time) met for {out['goal_met_seeds']} of {len(out['per_seed'])} seeds; with "
+        "'the same' read as at least random's best (no tolerance): for "
+        f"{out['goal_met_seeds_without_tolerance']}.",
         "",
         "Where the trials' wall time went (s, summed over a tune's trials, median over seeds): "
         "start = trial start to its first step; steps = the steps' own time; between = "
@@ -290,6 +445,10 @@ def tune_lines(out: dict[str, Any]) -> list[str]:
                for k in ("start", "steps", "between", "end")}  # fmt: skip
         lines.append(f"| {arm} | " + " | ".join(f"{v:.1f}" for v in med.values()) + " |")
     return lines
+
+
+def _acc(value: float | None) -> str:
+    return "none yet" if value is None else f"{value:.4f}"
 
 
 def startup_lines(out: dict[str, Any]) -> list[str]:

@@ -345,7 +345,8 @@ class TuneConfig(_Section):
     """`hpcml tune`: an Optuna study whose trials are `hpcml train` runs (hpcml.tune)."""
 
     metric: str = "val_accuracy"
-    """The evaluation metric each trial reports at every evaluation and is judged by."""
+    """The score each trial reports at every evaluation and is judged by: `val_accuracy`,
+    `val_loss`, or a `train.eval_sets` set's `NAME/val_accuracy` or `NAME/val_loss`."""
     direction: Literal["maximize", "minimize"] = "maximize"
     """Whether a larger or a smaller `metric` is better."""
     sampler: Literal["tpe", "random", "grid", "cmaes", "qmc"] = "tpe"
@@ -353,13 +354,22 @@ class TuneConfig(_Section):
     `qmc` (Sobol)."""
     pruner: Literal["asha", "hyperband", "median", "none"] = "asha"
     """Stops trials early from their evaluations: `asha` (successive halving), `hyperband`,
-    `median` or `none`; rungs start at the first evaluation (train.eval_every)."""
+    `median` or `none`, from `first_rung` on."""
+    first_rung: int | None = Field(None, gt=0)
+    """First step at which a trial may be pruned (`asha`'s and `hyperband`'s first rung); null:
+    the first evaluation after the longest `optim.warmup_steps` the space allows (a trial still
+    warming up looks worse than it is)."""
+    startup_trials: int | None = Field(None, ge=0)
+    """`tpe`, `cmaes`: random trials before the sampler models the space; null: Optuna's."""
     space: dict[str, TuneParam] = Field(default_factory=dict)
     """Dotted config key (e.g. `optim.lr`) -> its distribution."""
     trials: int = Field(20, gt=0)
     """Trials the study holds when done; `--trials` overrides it."""
     timeout_s: float | None = Field(None, gt=0)
     """Start no trial after this many seconds of this invocation; null: no limit."""
+    step_budget: int | None = Field(None, gt=0)
+    """Training steps the study's trials may take in all: a trial starts only if a full run fits
+    in what is left (a pruned trial gives back the steps it did not run); null: no limit."""
     seed: int = 0
     """Seed of the sampler."""
     device: str | None = None

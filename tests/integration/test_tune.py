@@ -121,6 +121,8 @@ def test_two_workers_share_a_tracked_study_prune_register_and_a_rerun_adds_only_
         assert used["optim"]["lr"] == t.params["optim.lr"]
         record = json.loads((run / "trial.json").read_text())
         assert record["status"] == t.state.name.lower() and record["trial"] == t.number
+        # The steps it took, as tune.step_budget counts them (a pruned run's after its stop).
+        assert t.user_attrs["steps"] == record["steps"] == steps_run(run)
         status = json.loads((run / "summary.json").read_text())["status"]
         if t.state == TrialState.COMPLETE:
             assert status == "finished" and steps_run(run) == 300
@@ -309,6 +311,10 @@ def _existing_study(out: Path) -> bytes:
         ({}, ["--storage", "sqlite:////nonexistent-dir/x/study.db"], "cannot be opened"),
         ({}, ["--storage", "journal:/nonexistent-dir/x/study.journal"], "does not exist"),
         ({"direction": "maximize"}, [], "set to minimize"),
+        ({"first_rung": 101}, [], "tune.first_rung 101 is past"),
+        ({"step_budget": 99}, [], "tune.step_budget 99 is smaller than one trial"),
+        ({"metric": "val_f1"}, [], "'val_f1' is not among the metrics an evaluation reports "
+         "(val_loss, val_accuracy)"),
     ],
 )
 def test_bad_input_exits_2_in_one_sentence_and_leaves_the_study_unchanged(
@@ -326,20 +332,25 @@ def test_bad_input_exits_2_in_one_sentence_and_leaves_the_study_unchanged(
     assert not (out / "trials").exists()
 
 
-def test_a_metric_no_evaluation_reports_exits_2_naming_the_metrics(tmp_path: Path):
-    # Two workers: both meet the error; it is printed once, by the tuner.
-    config = tune_config(
-        tmp_path / "tune.yaml", {"metric": "val_f1", "trials": 2}, max_steps=2, eval_every=1
-    )
-    proc = subprocess.run(
-        tune_cmd(config, tmp_path / "study", "--workers", "2"), cwd=ROOT, env=hpcml_env(),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "val_f1" in lines[0] and "val_loss" in lines[0], proc.stderr
-    states = {t.state for t in load(tmp_path / "study").get_trials()}
-    assert TrialState.COMPLETE not in states and TrialState.PRUNED not in states
+def test_a_spent_step_budget_starts_no_trial(tmp_path: Path):
+    # The study holds a complete trial (100 steps) and a pruned one (30): 130 of a budget of
+    # 229 are taken, and a trial of 100 steps no longer fits, whatever --trials says.
+    out = tmp_path / "study"
+    out.mkdir()
+    study = optuna.create_study(study_name="tune", storage=journal(out), direction="minimize")
+    dist = {"optim.lr": optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)}
+    for state, value, steps in ((TrialState.COMPLETE, 1.0, 100), (TrialState.PRUNED, None, 30)):
+        study.add_trial(
+            optuna.create_trial(state=state, value=value, params={"optim.lr": 0.01},
+                                distributions=dist, intermediate_values={5: 2.0},
+                                user_attrs={"steps": steps})
+        )  # fmt: skip
+    config = tune_config(tmp_path / "tune.yaml", {"step_budget": 229, "trials": 5})
+    res = _cli(str(config), "--out", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.output.splitlines()[-1])
+    assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
+    assert len(load(out).get_trials()) == 2 and not (out / "trials").exists()
 
 
 def test_without_a_tune_section_exits_2(tmp_path: Path):

@@ -4,6 +4,7 @@ the planner's verdict on a made-up small device."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,11 @@ def test_each_sampler_is_optunas_and_proposes_within_the_space(name: str, cls: s
     assert type(sampler).__name__ == cls
     if name == "tpe":  # parallel workers: a running trial counts as a bad one (constant liar)
         assert sampler._constant_liar
+    if name in ("tpe", "cmaes"):  # Optuna's own number of random trials first, or tune's
+        assert sampler._n_startup_trials == (10 if name == "tpe" else 1)
+        tune.startup_trials = 3
+        assert make_sampler(tune, dists, worker=1)._n_startup_trials == 3
+        tune.startup_trials = None
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(sampler=sampler)
     for i in range(4):
@@ -148,24 +154,58 @@ def test_each_sampler_is_optunas_and_proposes_within_the_space(name: str, cls: s
         study.tell(trial, float(i))
 
 
-def test_pruners_start_at_the_first_evaluation() -> None:
+def test_pruners_first_rung_is_the_first_evaluation_after_the_longest_warmup() -> None:
     import optuna
 
     from hpcml.tune.study import make_pruner
 
     cfg = load_config(None, ["train.eval_every=25", "train.max_steps=400"])
     tune = TuneConfig(pruner="asha")
-    asha = make_pruner(tune, cfg)
+    asha = make_pruner(tune, cfg)  # no warmup: the first evaluation
     assert isinstance(asha, optuna.pruners.SuccessiveHalvingPruner)
-    assert asha._min_resource == 25
+    assert (asha._min_resource, asha._reduction_factor) == (25, 3)
+    # A warmup of up to 50 steps in the space: judged first at 75, after every trial's warmup
+    # (at 50 the longest has just reached its learning rate).
+    warm = {"optim.warmup_steps": IntDistribution(0, 50, step=10)}
+    assert make_pruner(tune, cfg, warm)._min_resource == 75
+    assert make_pruner(tune, cfg, {"optim.warmup_steps": CategoricalDistribution([0, 30])}) \
+        ._min_resource == 50  # fmt: skip
+    warm_cfg = load_config(None, ["train.eval_every=25", "train.max_steps=400",
+                                  "optim.warmup_steps=60"])  # fmt: skip
+    assert make_pruner(tune, warm_cfg)._min_resource == 75  # the config's own warmup
+    # A warmup as long as the run leaves nothing to prune before the end.
+    assert make_pruner(tune, cfg, {"optim.warmup_steps": IntDistribution(0, 400)}) \
+        ._min_resource == 400  # fmt: skip
+    tune.first_rung = 10  # set: as given, warmup or not
+    assert make_pruner(tune, warm_cfg)._min_resource == 10
+    tune.first_rung = None
     tune.pruner = "hyperband"
-    band = make_pruner(tune, cfg)
+    longest = {**warm, "train.max_steps": CategoricalDistribution([200, 800])}
+    band = make_pruner(tune, cfg, longest)
     assert isinstance(band, optuna.pruners.HyperbandPruner)
-    assert (band._min_resource, band._max_resource) == (25, 400)
+    assert (band._min_resource, band._max_resource) == (75, 800)
     tune.pruner = "median"
-    assert isinstance(make_pruner(tune, cfg), optuna.pruners.MedianPruner)
+    median = make_pruner(tune, cfg, warm)
+    assert isinstance(median, optuna.pruners.MedianPruner) and median._n_warmup_steps == 75
     tune.pruner = "none"
     assert isinstance(make_pruner(tune, cfg), optuna.pruners.NopPruner)
+
+
+def test_a_first_rung_past_the_end_or_a_budget_below_one_trial_is_refused() -> None:
+    from hpcml.tune import budget
+
+    cfg = load_config(None, ["train.max_steps=60"])
+    budget.check(TuneConfig(first_rung=60, step_budget=60), cfg, {})  # the edges are fine
+    for tune, words in (
+        (TuneConfig(first_rung=61), "tune.first_rung 61 is past the trials' last step (60)"),
+        (TuneConfig(step_budget=59), "tune.step_budget 59 is smaller than one trial (60"),
+    ):
+        with pytest.raises(ConfigError) as exc:
+            budget.check(tune, cfg, {})
+        assert exc.value.message.startswith(words) and "\n" not in exc.value.message
+    # The longest trial is the space's largest train.max_steps.
+    with pytest.raises(ConfigError, match="smaller than one trial \\(90 steps\\)"):
+        budget.check(TuneConfig(step_budget=80), cfg, {"train.max_steps": IntDistribution(30, 90)})
 
 
 def _study_with(trials: int, pruned: bool) -> object:
@@ -249,6 +289,43 @@ def test_a_retried_trial_counts_once_and_the_budget_stops_new_trials() -> None:
     assert next_action(study, _job(5, timeout_s=3600.0), study.sampler) == "run"
 
 
+def test_the_step_budget_starts_a_trial_only_while_a_full_one_fits() -> None:
+    """tune.step_budget: finished trials count the steps their runs took (a pruned one its
+    fewer; a failed one whose worker died up to its last evaluation), running ones a full
+    trial; with too little left the worker waits for running trials (one pruned early gives
+    steps back), or is done."""
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    from hpcml.tune.study import next_action
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    dist = {"optim.lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    study = optuna.create_study(study_name="s")
+
+    def add(state: TrialState, steps: int | None, last: int = 10) -> None:
+        study.add_trial(
+            create_trial(state=state, value=1.0 if state == TrialState.COMPLETE else None,
+                         params={"optim.lr": 0.01}, distributions=dist,
+                         intermediate_values={last: 1.0},
+                         user_attrs={} if steps is None else {"steps": steps})
+        )  # fmt: skip
+
+    def action(budget: int) -> str:
+        job = dataclasses.replace(_job(100), step_budget=budget, trial_steps=60)
+        return next_action(study, job, study.sampler)
+
+    add(TrialState.COMPLETE, 60)
+    add(TrialState.PRUNED, 21)  # pruned at its step-20 rung, stopped at the next step
+    add(TrialState.FAIL, None, last=20)  # its worker died after the evaluation at step 20
+    assert action(161) == "run"  # 60 + 21 + 20 = 101 taken: 60 left, a full trial fits
+    assert action(160) == "done"
+    running = study.ask()  # counts as a full trial while it runs
+    assert action(221) == "run" and action(220) == "wait"
+    study.tell(running, state=TrialState.PRUNED)  # pruned before any step record: 0 steps
+    assert action(220) == "run"
+
+
 def test_a_journal_trial_whose_heartbeat_stopped_is_failed_and_queued_again(tmp_path: Path) -> None:
     """The journal storage has no heartbeat of Optuna's: a trial run on another host whose
     `heartbeat` attribute is older than GRACE_S is failed and queued again; one that beat
@@ -293,3 +370,28 @@ def test_storage_urls_open_the_storage_they_name(tmp_path: Path) -> None:
     assert isinstance(st.open_storage(st.default_storage(tmp_path)), JournalStorage)
     with pytest.raises(ConfigError, match="is a folder"):
         st.open_storage(f"journal:{tmp_path}")
+
+
+def test_the_metrics_tune_accepts_are_scores_an_evaluation_reports() -> None:
+    """tune.metric is checked before any trial against hpcml.tune.study.SCORES: each must be
+    in what hpcml.train's evaluation reports, for the validation split and each eval set."""
+    import contextlib
+    import types
+
+    import torch
+
+    from hpcml.distributed.runtime import Runtime
+    from hpcml.train import eval_sets
+    from hpcml.train.evaluation import evaluate_model
+    from hpcml.tune.study import SCORES, check_metric
+
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), None)
+    batch = (torch.zeros(4, 3), torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool))
+    precision = types.SimpleNamespace(autocast=contextlib.nullcontext)
+    scores = evaluate_model(torch.nn.Linear(3, 2), [batch], rt, precision, False)
+    assert set(SCORES) <= set(scores) and set(eval_sets.METRICS) == set(SCORES)
+    cfg = load_config(None, ["tune={metric: old/val_accuracy}", "train.eval_sets={old: d}"])
+    check_metric(cfg)  # an eval set's score
+    cfg.train.eval_sets = None
+    with pytest.raises(ConfigError, match="'old/val_accuracy' is not among"):
+        check_metric(cfg)

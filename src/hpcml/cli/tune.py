@@ -70,6 +70,7 @@ def tune(
 
         check_name(register)  # before any trial
     try:
+        from hpcml.tune import budget
         from hpcml.tune import storage as storage_mod
         from hpcml.tune import study as st
     except ImportError:
@@ -95,6 +96,8 @@ def tune(
         trials=trials or prep.tune.trials,
         nproc=nproc,
         timeout_s=prep.tune.timeout_s,
+        step_budget=prep.tune.step_budget,
+        trial_steps=budget.trial_steps(prep.cfg, prep.dists),
         known=storage_mod.known_trials(url, name),
         first_worker=first_worker,
     )

@@ -3,7 +3,8 @@ in `--out` by default; hpcml.tune.storage), shared by every worker, on this mach
 elsewhere.
 
 Each worker loops: under a lock on `OUT/.tune.lock` it counts the study's trials and, while
-fewer than `--trials` are done or running, starts one (`study.optimize` with one trial, so
+fewer than `--trials` are done or running (and a full trial fits in what is left of
+`tune.step_budget`: hpcml.tune.budget), starts one (`study.optimize` with one trial, so
 Optuna's heartbeat and stale-trial handling run as usual). A trial is a real `hpcml train` in
 `OUT/trials/trial-NNNN` (hpcml.tune.trial), forked from the worker's warm launcher
 (hpcml.tune.launcher: torch imported once per worker, not once per trial); one the planner
@@ -34,7 +35,7 @@ from optuna.trial import TrialState
 
 from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, load_yaml
 from hpcml.errors import ConfigError, HpcmlError, WorkFailed
-from hpcml.tune import feasible, guard, space, tracking
+from hpcml.tune import budget, feasible, guard, space, tracking
 from hpcml.tune import trial as trial_run
 from hpcml.tune.launcher import OnDemand, preload_for
 from hpcml.tune.report import counts, summary, write_report
@@ -45,6 +46,9 @@ WAIT_S = 0.5
 LOCK_FILE = ".tune.lock"
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+SCORES = ("val_loss", "val_accuracy")
+"""The scores every evaluation reports (hpcml.train.evaluation), and each train.eval_sets set
+as NAME/val_loss and NAME/val_accuracy (hpcml.train.eval_sets): what tune.metric may name."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ class TuneJob:
     first_worker: int = 0
     """The number of this tune's first worker (SLURM array tasks: the task id), which seeds
     its sampler."""
+    step_budget: int | None = None
+    """tune.step_budget: training steps the study's trials may take in all."""
+    trial_steps: int = 0
+    """The most steps one trial can train (what a running trial counts against the budget)."""
 
 
 @dataclass(frozen=True)
@@ -93,11 +101,25 @@ def prepare(config: Path, overrides: tuple[str, ...]) -> Prepared:
             f"{config} has no tune section; add one with a metric and a space "
             "(see examples/tune_digits.yaml)."
         )
+    check_metric(cfg)
     dists = space.distributions(cfg.tune, base)
     if cfg.tune.sampler == "grid":
         space.grid(dists)
+    budget.check(cfg.tune, cfg, dists)
     feasible.check_device(cfg.tune)
     return Prepared(cfg, cfg.tune, base, dists)
+
+
+def check_metric(cfg: RunConfig) -> None:
+    """tune.metric must be a score the trials' evaluations report (checked again in each
+    evaluation record: hpcml.tune.trial)."""
+    assert cfg.tune is not None
+    known = [*SCORES, *(f"{name}/{m}" for name in cfg.train.eval_sets or {} for m in SCORES)]
+    if cfg.tune.metric not in known:
+        raise ConfigError(
+            f"tune.metric '{cfg.tune.metric}' is not among the metrics an evaluation reports "
+            f"({', '.join(known)}); set tune.metric to one of them."
+        )
 
 
 def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: int = 0) -> Any:
@@ -107,32 +129,38 @@ def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: in
     points it already tried)."""
     seed = tune.seed + worker + 1000 * known
     s = optuna.samplers
+    startup: dict[str, Any] = (
+        {} if tune.startup_trials is None else {"n_startup_trials": tune.startup_trials}
+    )
     if tune.sampler == "tpe":
         # constant_liar: a running trial counts as a bad result, so parallel workers spread out.
-        return s.TPESampler(seed=seed, constant_liar=True)
+        return s.TPESampler(seed=seed, constant_liar=True, **startup)
     if tune.sampler == "random":
         return s.RandomSampler(seed=seed)
     if tune.sampler == "grid":
         return s.GridSampler(space.grid(dists), seed=seed)
     if tune.sampler == "cmaes":
-        return s.CmaEsSampler(seed=seed)
+        return s.CmaEsSampler(seed=seed, **startup)
     return s.QMCSampler(seed=seed)
 
 
-def make_pruner(tune: TuneConfig, cfg: RunConfig) -> optuna.pruners.BasePruner:
-    """Rungs start at the first evaluation; hyperband's largest budget is train.max_steps."""
-    first: Any = cfg.train.eval_every or "auto"
+def make_pruner(
+    tune: TuneConfig, cfg: RunConfig, dists: dict[str, Any] | None = None
+) -> optuna.pruners.BasePruner:
+    """Rungs start at budget.first_rung (by default the first evaluation after the warmup);
+    hyperband's largest budget is the longest trial."""
+    first = budget.first_rung(tune, cfg, dists or {})
     p = optuna.pruners
     if tune.pruner == "asha":
         return p.SuccessiveHalvingPruner(min_resource=first, reduction_factor=3)
     if tune.pruner == "hyperband":
         return p.HyperbandPruner(
-            min_resource=first if first != "auto" else 1,
-            max_resource=cfg.train.max_steps,
+            min_resource=first,
+            max_resource=budget.trial_steps(cfg, dists or {}),
             reduction_factor=3,
         )
     if tune.pruner == "median":
-        return p.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+        return p.MedianPruner(n_startup_trials=2, n_warmup_steps=first)
     return p.NopPruner()
 
 
@@ -140,7 +168,7 @@ def load_study(job: TuneJob, prep: Prepared, worker: int = 0) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # hpcml prints its own lines
     storage = open_storage(job.storage)
     sampler = make_sampler(prep.tune, prep.dists, job.first_worker + worker, job.known)
-    pruner = make_pruner(prep.tune, prep.cfg)
+    pruner = make_pruner(prep.tune, prep.cfg, prep.dists)
     try:  # load first: the journal's create_study appends to the file even for a known name
         study = optuna.load_study(
             study_name=job.study, storage=storage, sampler=sampler, pruner=pruner
@@ -181,10 +209,17 @@ class StudyLock:
 def next_action(study: optuna.Study, job: TuneJob, sampler: Any) -> str:
     """'run' a trial, 'wait' for the others' running trials, or 'done'."""
     fail_dead_trials(study)
-    n = counts(study.get_trials(deepcopy=False))
+    trials = study.get_trials(deepcopy=False)
+    n = counts(trials)
     done = n["complete"] + n["pruned"] + n["failed"] + n["infeasible"]
     if done >= job.trials:
         return "done"
+    if (
+        job.step_budget is not None
+        and budget.left(trials, job.step_budget, job.trial_steps) < job.trial_steps
+    ):
+        # a running trial pruned early gives steps back: another may fit then
+        return "wait" if n["running"] else "done"
     if job.timeout_s is not None and time.time() - job.started >= job.timeout_s:
         return "done"
     if isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study):
@@ -279,10 +314,11 @@ def objective_body(
     except BaseException:
         trial_run.write_trial_file(run_dir, {**info, "status": "failed", "error": "stopped"})
         raise
+    t.set_user_attr(budget.STEPS_ATTR, outcome.steps)
     trial_run.write_trial_file(
         run_dir,
         {**info, "status": outcome.state, "value": outcome.value, "step": outcome.step,
-         "error": outcome.error},
+         "steps": outcome.steps, "error": outcome.error},
     )  # fmt: skip
     say(_describe(t.number, outcome, prep.tune.metric, run_dir))
     _track(prep, t, outcome.state, run_dir, params, say)

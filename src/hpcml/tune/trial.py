@@ -38,13 +38,15 @@ STOP_WAIT_S = 120.0
 
 @dataclass
 class Outcome:
-    """How a trial ended: `complete` (value), `pruned` (at `step`) or `failed` (`error`)."""
+    """How a trial ended: `complete` (value), `pruned` (at `step`) or `failed` (`error`);
+    `steps`: the training steps the run took (its last step record)."""
 
     state: str
     value: float | None = None
     step: int = 0
     error: str | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)
+    steps: int = 0
 
 
 class RecordTail:
@@ -152,17 +154,27 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     tail = RecordTail(run_dir / RUN_LOG)
     curve: list[tuple[int, float]] = []
+    steps = 0
+
+    def read() -> list[dict[str, Any]]:
+        nonlocal steps
+        records = tail.read()
+        steps = max([steps] + [int(r["step"]) for r in records if r.get("kind") == "step"])
+        return records
+
     proc = _start(command, run_dir, launcher)
     beat = time.monotonic()
     try:
         while True:
             done = proc.poll() is not None
-            points = _eval_points(tail.read(), metric, proc)
+            points = _eval_points(read(), metric, proc)
             curve += points
             if points and report(points) and not done:
                 _stop(proc)
+                curve += _eval_points(read(), metric, proc)  # what it did before it stopped
                 if _status(run_dir) != "finished":  # it may have finished meanwhile
-                    return Outcome("pruned", points[-1][1], points[-1][0], curve=curve)
+                    value, step = points[-1][1], points[-1][0]
+                    return Outcome("pruned", value, step, curve=curve, steps=steps)
                 done = True
             if done:
                 break
@@ -175,7 +187,9 @@ def run(
             _stop(proc)
         raise
     assert proc.returncode is not None
-    return _finished(proc.returncode, run_dir, metric, curve)
+    outcome = _finished(proc.returncode, run_dir, metric, curve)
+    outcome.steps = steps
+    return outcome
 
 
 def _eval_points(
