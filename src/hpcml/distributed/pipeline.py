@@ -42,7 +42,19 @@ def microbatches(cfg: ParallelConfig) -> int:
     return cfg.microbatches if cfg.microbatches is not None else cfg.pp
 
 
-class GPTStage(nn.Module):
+class StagePart(nn.Module):
+    """What a rank holds of a pipelined model; `split_model` fills the pipeline attributes."""
+
+    cfg: Any
+    pipeline_stages: list[int]
+    """The indices of this rank's stages."""
+    pipeline_views: list[nn.Module]
+    """Its stages, in that order: modules over the part's own submodules."""
+    pipeline_group: Any = None
+    """The process group of its pipeline (set once the process group exists)."""
+
+
+class GPTStage(StagePart):
     """A contiguous piece of a `gpt` (hpcml.models.gpt): the embeddings on the first stage,
     some blocks, the final norm and the output head on the last. Submodules are the whole
     model's own (so are parameter names); the first stage takes token ids, the others the
@@ -52,12 +64,12 @@ class GPTStage(nn.Module):
 
     def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool) -> None:
         super().__init__()
-        self.cfg: Any = model.cfg
-        self.emb = model.emb if first else None
-        blocks: Any = model.blocks
-        self.blocks = nn.ModuleDict({str(i): blocks[i] for i in layers})
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
+        whole: Any = model
+        self.cfg = whole.cfg
+        self.emb: nn.Module | None = whole.emb if first else None
+        self.blocks = nn.ModuleDict({str(i): whole.blocks[i] for i in layers})
+        self.norm: nn.Module | None = whole.norm if last else None
+        self.lm_head: nn.Module | None = whole.lm_head if last else None
         # Seeded initialisation by parameter name, as the whole model does it (meta_init).
         self.init_parameter = model.init_parameter
 
@@ -73,7 +85,7 @@ class GPTStage(nn.Module):
         return logits[..., :vocab] if self.cfg.padded_vocab != vocab else logits
 
 
-STAGE_BUILDERS: dict[str, Callable[[nn.Module, Sequence[int], bool, bool], nn.Module]] = {
+STAGE_BUILDERS: dict[str, Callable[[nn.Module, Sequence[int], bool, bool], StagePart]] = {
     "gpt": GPTStage,
 }
 """Model family -> the module holding a contiguous run of its blocks."""
@@ -158,7 +170,7 @@ def stage_layers(n_blocks: int, n_stages: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def split_model(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
+def split_model(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> StagePart:
     """This rank's part of `model` (built on meta, not yet materialised): the union of its
     stages (`pipeline_stages`, their indices; `pipeline_views`, the stages, which share the
     part's submodules). With one stage per rank the part is that stage."""
@@ -167,7 +179,7 @@ def split_model(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module
     n_blocks = _n_blocks(model)
     build = STAGE_BUILDERS[str(getattr(model, "family", None))]
 
-    def stage(stages: list[int]) -> nn.Module:
+    def stage(stages: list[int]) -> StagePart:
         layers = [i for s in stages for i in stage_layers(n_blocks, n_stages, s)]
         return build(model, layers, 0 in stages, n_stages - 1 in stages)
 
@@ -193,7 +205,7 @@ def process_groups(rt: Runtime) -> tuple[dist.ProcessGroup, dist.ProcessGroup | 
 
 
 def build_schedule(
-    part: nn.Module,
+    part: StagePart,
     stage_module: nn.Module,
     rt: Runtime,
     cfg: ParallelConfig,
@@ -206,8 +218,7 @@ def build_schedule(
     (and accumulation) itself."""
     from torch.distributed import pipelining
 
-    mine: list[int] = part.pipeline_stages
-    views: list[nn.Module] = part.pipeline_views
+    mine, views = part.pipeline_stages, part.pipeline_views
     modules = [stage_module] if len(views) == 1 else views
     n_stages = cfg.pp * cfg.virtual_stages
     stages = [
@@ -244,17 +255,17 @@ class StageClock:
         return timed
 
 
-def is_first(part: nn.Module) -> bool:
+def is_first(part: StagePart) -> bool:
     return 0 in part.pipeline_stages
 
 
-def is_last(part: nn.Module, cfg: ParallelConfig) -> bool:
+def is_last(part: StagePart, cfg: ParallelConfig) -> bool:
     return cfg.pp * cfg.virtual_stages - 1 in part.pipeline_stages
 
 
 @torch.no_grad()
 def forward_only(
-    part: nn.Module, x: torch.Tensor, rt: Runtime, cfg: ParallelConfig, group: dist.ProcessGroup
+    part: StagePart, x: torch.Tensor, rt: Runtime, cfg: ParallelConfig, group: dist.ProcessGroup
 ) -> torch.Tensor | None:
     """One forward of the whole batch `x` (token ids, which every rank of the pipeline holds)
     through the pipeline, stage after stage (evaluation: no micro-batches, any batch size).

@@ -66,8 +66,9 @@ def build_training_model(cfg: RunConfig, rt: Runtime, res: Any) -> BuiltModel:
 
     dp_group = None
     if cfg.parallel.pp > 1:  # this rank's stages only, still on meta
-        model = pipeline.split_model(model, rt, cfg.parallel)
-        model.pipeline_group, dp_group = pipeline.process_groups(rt)
+        part = pipeline.split_model(model, rt, cfg.parallel)
+        part.pipeline_group, dp_group = pipeline.process_groups(rt)
+        model = part
     # Our cross-entropy runs loss-parallel under TP; a user's train.loss gets whole logits.
     loss_parallel = cfg.train.loss == "cross_entropy"
     model = parallelize(
