@@ -41,7 +41,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcml.config import ParallelConfig, TrainConfig
 from hpcml.distributed import parallelize_gpt
-from hpcml.distributed.pipeline import whole_param_groups
 from hpcml.distributed.precision import Precision
 from hpcml.distributed.runtime import Runtime
 from hpcml.distributed.wrapping import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
@@ -404,7 +403,7 @@ def checkpoint_state(
     """
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        return _drop_frozen(model, model_sd), whole_param_groups(unwrap(model), optim_sd)
+        return _drop_frozen(model, model_sd), optim_sd
     local = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer.optim))
     owned: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(owned, [g["params"] for g in local["param_groups"]])

@@ -309,20 +309,6 @@ def _gather(obj: Any, part: nn.Module) -> list[Any] | None:
     return out
 
 
-def whole_param_groups(part: nn.Module, optim_sd: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer state dict of a stage with param groups that list every stage's
-    parameters, the same on every rank: a checkpoint keeps one copy of the groups, and a run
-    with another pp (or none) finds each of its parameters in them (as for ZeRO-1)."""
-    names = _gather([g["params"] for g in optim_sd["param_groups"]], part)
-    if names is None:
-        return optim_sd
-    groups = [
-        {**g, "params": [n for stage in names for n in stage[i]]}
-        for i, g in enumerate(optim_sd["param_groups"])
-    ]
-    return {**optim_sd, "param_groups": groups}
-
-
 def keys_of_other_stages(part: nn.Module, keys: list[str]) -> set[str]:
     """The checkpoint keys the other stages of this pipeline expect (empty without one)."""
     every = _gather(keys, part)
