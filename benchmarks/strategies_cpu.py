@@ -1,7 +1,9 @@
 """What does each parallel strategy cost and save? gpt-tiny on byte tokens of the Python
 standard library, 2 CPU processes (gloo), every strategy side by side in one invocation:
 throughput (tokens/s, median step time) and per-rank model-state bytes (parameters +
-gradients + optimizer state, summed over local shards), as ratios against ddp.
+gradients + optimizer state, summed over local shards), as ratios against ddp. Pipeline rows
+(`parallel.pp=2`, untied embeddings; pp x ddp on 4 processes) add each rank's measured idle
+share of the schedule (the bubble) beside the planner's (p - 1) / (m + p - 1).
 
 Variants run round-robin (`--repeats` rounds) so that load from other jobs on a shared
 machine spreads over all of them; each variant's figure is the median over rounds of the
@@ -33,20 +35,27 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "src"))
 
-# name -> (processes, overrides, whether the batch per process is the global batch)
-VARIANTS: dict[str, tuple[int, list[str], bool]] = {
-    "1 process": (1, [], True),
-    "ddp": (2, ["parallel.strategy=ddp"], False),
-    "zero1": (2, ["parallel.strategy=zero1"], False),
-    "zero2": (2, ["parallel.strategy=zero2"], False),
-    "zero3": (2, ["parallel.strategy=zero3"], False),
+# Pipeline stages cannot share the embedding with the output head: untied (16k more
+# parameters for gpt-tiny than the tied rows above them).
+PP = ["parallel.pp=2", "model.args.tie_embeddings=false"]
+# name -> (processes, overrides, data-parallel replicas: the global batch is split over them)
+VARIANTS: dict[str, tuple[int, list[str], int]] = {
+    "1 process": (1, [], 1),
+    "ddp": (2, ["parallel.strategy=ddp"], 2),
+    "zero1": (2, ["parallel.strategy=zero1"], 2),
+    "zero2": (2, ["parallel.strategy=zero2"], 2),
+    "zero3": (2, ["parallel.strategy=zero3"], 2),
     "zero3 + full AC": (
         2,
         ["parallel.strategy=zero3", "train.activation_checkpointing=full"],
-        False,
+        2,
     ),
-    "tp=2": (2, ["parallel.tp=2"], True),
-    "tp=2 + SP": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], True),
+    "tp=2": (2, ["parallel.tp=2"], 1),
+    "tp=2 + SP": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], 1),
+    "pp=2 gpipe m=4": (2, [*PP, "parallel.pp_schedule=gpipe", "parallel.microbatches=4"], 1),
+    "pp=2 1f1b m=4": (2, [*PP, "parallel.pp_schedule=1f1b", "parallel.microbatches=4"], 1),
+    "pp=2 1f1b m=8": (2, [*PP, "parallel.pp_schedule=1f1b", "parallel.microbatches=8"], 1),
+    "pp=2 x ddp=2": (4, [*PP, "parallel.microbatches=4"], 2),
 }
 
 CONFIG = """
@@ -59,8 +68,8 @@ precision: fp32
 
 
 def run_variant(config: Path, workdir: Path, name: str, batch: int) -> dict[str, Any]:
-    nproc, overrides, whole_batch = VARIANTS[name]
-    per_proc = batch if whole_batch else batch // nproc
+    nproc, overrides, replicas = VARIANTS[name]
+    per_proc = batch // replicas
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = [sys.executable, *(launch if nproc > 1 else []), "-m", "hpcml", "train", str(config)]
@@ -89,6 +98,8 @@ def run_variant(config: Path, workdir: Path, name: str, batch: int) -> dict[str,
         "grads_bytes_per_rank": max(r["grads_bytes"] for r in per_rank),
         "optimizer_bytes_per_rank": max(r["optimizer_bytes"] for r in per_rank),
         "peak_rss_bytes_per_rank": max(r["peak_rss_bytes"] for r in per_rank),
+        # parallel.pp: each rank's idle share of the schedule, beside the planner's
+        "bubble": summary.get("pipeline"),
     }
 
 
@@ -135,6 +146,11 @@ def main() -> None:
             "final_train_loss": runs[0]["final_train_loss"],
             "runs": runs,
         }
+        if runs[0]["bubble"] is not None:
+            rows[name]["predicted_bubble"] = runs[0]["bubble"]["predicted_bubble"]
+            rows[name]["measured_bubble"] = statistics.median(
+                x["bubble"]["measured_bubble"] for x in runs
+            )
     base = rows.get("ddp") or next(iter(rows.values()))
     for row in rows.values():
         row["throughput_vs_ddp"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -188,6 +204,7 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         "optim B/rank",
         "states vs ddp",
         "loss@end",
+        "bubble meas/pred",
     ):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for name, r in rows.items():
@@ -202,6 +219,9 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
             f"{r['optimizer_bytes_per_rank']:,}",
             f"{r['model_states_vs_ddp']:.2f}x",
             f"{r['final_train_loss']:.4f}",
+            f"{r['measured_bubble']:.2f} / {r['predicted_bubble']:.2f}"
+            if "measured_bubble" in r
+            else "",
         )
     Console(width=160).print(table)
 

@@ -274,6 +274,20 @@ class ParallelConfig(_Section):
     forward and backward (FSDP2); zero3 = fsdp shards parameters too (FSDP2)."""
     tp: int = Field(1, gt=0)
     """Tensor-parallel degree (gpt models); the data-parallel degree is world_size / tp."""
+    pp: int = Field(1, gt=0)
+    """Pipeline-parallel degree (gpt models): the blocks are split into pp stages, one per group
+    of world_size / pp processes (`torch.distributed.pipelining`); the data-parallel degree is
+    world_size / (pp x tp)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    """With pp > 1: the order in which a stage runs its micro-batches' forwards and backwards
+    (GPipe: all forwards, then all backwards; 1F1B: one forward, one backward once the pipeline
+    is full, holding at most pp micro-batches' activations)."""
+    microbatches: int | None = Field(None, gt=0)
+    """With pp > 1: the micro-batches each data.batch_size batch is split into (at least pp;
+    null: pp). More micro-batches leave stages idle for a smaller share of the step, a bubble
+    of (pp - 1) / (microbatches + pp - 1) for gpipe and 1f1b."""
+    virtual_stages: int = Field(1, gt=0)
+    """With pp > 1: stages per process (interleaved schedules)."""
     sequence_parallel: bool = False
     """With tp > 1, also split norms and dropout along the sequence (Korthikanti et al. 2022)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -60,7 +60,9 @@ def _is_quantized(t: torch.Tensor) -> bool:
     return hasattr(t, "qdata") or hasattr(t, "quantized_data")
 
 
-def apply_ddp(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, rt: Runtime, cfg: ParallelConfig, group: dist.ProcessGroup | None = None
+) -> nn.Module:
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # DDP broadcasts rank 0's parameters at wrap time by copying into flat buffers, which
@@ -80,6 +82,7 @@ def apply_ddp(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> nn.Module:
         # statistics, so the running ones are needed only by evaluation and checkpoints,
         # which `sync_buffers` serves (rank 0's, as DDP's broadcast would give them).
         broadcast_buffers=False,
+        process_group=group,  # the replicas of one pipeline stage under parallel.pp
     )
 
 
@@ -94,7 +97,7 @@ def sync_buffers(model: nn.Module) -> None:
         by_dtype.setdefault(b.dtype, []).append(b)
     for group in by_dtype.values():
         flat = torch._utils._flatten_dense_tensors(group)
-        dist.broadcast(flat, src=0, group=model.process_group)
+        dist.broadcast(flat, group=model.process_group, group_src=0)
         for b, synced in zip(
             group, torch._utils._unflatten_dense_tensors(flat, group), strict=True
         ):
@@ -151,6 +154,7 @@ def parallelize(
     precision: str = "fp32",
     materialize: Callable[[nn.Module], None] | None = None,
     loss_parallel: bool = False,
+    dp_group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
     the data-parallel strategy. A single process gets AC and compile only.
@@ -178,7 +182,7 @@ def parallelize(
     if materialize is not None:
         materialize(model)
     if rt.dp_size > 1 and cfg.strategy in ("ddp", "zero1"):
-        return apply_ddp(model, rt, cfg)
+        return apply_ddp(model, rt, cfg, dp_group)
     return model
 
 
@@ -330,16 +334,19 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     FSDP, both), the same value on every rank and on the device (no host sync): a sharded
     group's norm is reduced across its mesh first (one all-reduce of a scalar per group).
     Replicated gradients (DDP, ZeRO-1, a TP model's norms) count once, as every rank holds
-    them whole. A NaN/Inf in any rank's shard makes it non-finite on every rank."""
+    them whole. A NaN/Inf in any rank's shard makes it non-finite on every rank. Under
+    pipeline parallelism the stages' squares are summed over the pipeline's ranks."""
     squares = []
     for group in _grad_groups(model):
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    if not squares:
-        return torch.zeros(())
-    return torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    pipeline = getattr(unwrap(model), "pipeline_group", None)
+    if pipeline is not None:  # every stage joins, with or without gradients
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pipeline)
+    return total.sqrt()
 
 
 @torch.no_grad()

@@ -28,6 +28,9 @@ class Runtime:
     backend: str | None
     tp: int = 1
     """Tensor-parallel degree: ranks r and r+1 .. r+tp-1 share one model replica and one batch."""
+    pp: int = 1
+    """Pipeline-parallel degree: the mesh is (pp, dp, tp), pp outermost; the ranks of one
+    pipeline (one per stage) share one batch."""
 
     @property
     def distributed(self) -> bool:
@@ -35,12 +38,17 @@ class Runtime:
 
     @property
     def dp_rank(self) -> int:
-        """Index of this rank's data-parallel replica (the mesh is (dp, tp), tp innermost)."""
-        return self.rank // self.tp
+        """Index of this rank's data-parallel replica (the mesh is (pp, dp, tp), tp innermost)."""
+        return (self.rank // self.tp) % self.dp_size
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline (its stage, or its first stage)."""
+        return self.rank // (self.world_size // self.pp)
 
     @property
     def is_main(self) -> bool:
@@ -192,6 +200,7 @@ def init_runtime(
     backend: str = "auto",
     timeout_s: float = 600.0,
     tp: int = 1,
+    pp: int = 1,
 ) -> Runtime:
     """Devices and the process group. Under NCCL the flight recorder is on
     (`FLIGHT_RECORDER_ENV`; values the user set win)."""
@@ -205,6 +214,13 @@ def init_runtime(
         raise ConfigError(
             f"parallel.tp {tp} does not divide the {world} processes; start a multiple of "
             f"{tp} processes (--nproc) or lower parallel.tp."
+        )
+    if world % (tp * pp):
+        from hpcml.errors import ConfigError
+
+        raise ConfigError(
+            f"parallel.pp {pp} x parallel.tp {tp} does not divide the {world} processes; start "
+            f"a multiple of {tp * pp} processes (--nproc) or lower parallel.pp."
         )
     dev = choose_device(device, local_rank)
     chosen: str | None = None
@@ -225,7 +241,7 @@ def init_runtime(
     if dev.type == "cpu" and local_world > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Several ranks on one CPU: split the cores instead of letting each grab all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    return Runtime(rank, local_rank, world, local_world, dev, chosen, tp)
+    return Runtime(rank, local_rank, world, local_world, dev, chosen, tp, pp)
 
 
 def shutdown(rt: Runtime, clean: bool = True) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hpcml.config import RunConfig
-from hpcml.distributed import meta_init
+from hpcml.distributed import meta_init, pipeline
 from hpcml.distributed.parallel import parallelize
 from hpcml.distributed.runtime import Runtime
 from hpcml.models.zoo import build_model, count_parameters, forward_flops_per_sample
@@ -64,10 +64,15 @@ def build_training_model(cfg: RunConfig, rt: Runtime, res: Any) -> BuiltModel:
         elif init_from is not None:
             meta_init.load_full_export(m, init_from)
 
+    dp_group = None
+    if cfg.parallel.pp > 1:  # this rank's stages only, still on meta
+        part = pipeline.split_model(model, rt, cfg.parallel)
+        part.pipeline_group, dp_group = pipeline.process_groups(rt)
+        model = part
     # Our cross-entropy runs loss-parallel under TP; a user's train.loss gets whole logits.
     loss_parallel = cfg.train.loss == "cross_entropy"
     model = parallelize(
-        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel
+        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel, dp_group
     )
     return BuiltModel(model, n_params, flops, on_meta)
 

@@ -27,8 +27,11 @@ def evaluate_model(
     precision: Any,
     channels_last: bool,
     normalize: Any = None,
+    forward: Any = None,
 ) -> dict[str, float]:
-    """`normalize`: the source's normalization left to the device (uint8 pixels in)."""
+    """`normalize`: the source's normalization left to the device (uint8 pixels in).
+    `forward`: the logits of a batch instead of `model(x)`; under pipeline parallelism they
+    exist on the last stage only (None elsewhere: those ranks add nothing to the sums)."""
     was_training = model.training
     model.eval()
     # loss, correct, positions (a token model scores each position), samples, batches
@@ -42,7 +45,9 @@ def evaluate_model(
         if channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         with precision.autocast():
-            logits = model(x)
+            logits = model(x) if forward is None else forward(x)
+        if logits is None:
+            continue
         if isinstance(logits, DTensor) and vocab_sharded(logits):  # loss-parallel TP
             per_pos, correct = vocab_parallel_scores(logits, y)  # no gather
         else:

@@ -103,6 +103,14 @@ def prediction_block(summary: dict[str, Any]) -> dict[str, Any]:
     from hpcml.plan.hardware import load_catalog
     from hpcml.plan.predict import predict_summary
 
+    pipeline = summary.get("pipeline")
+    if pipeline is not None:  # parallel.pp
+        keys = ("schedule", "microbatches", "predicted_bubble", "measured_bubble")
+        return {
+            "note": "the planner's run check does not read parallel.pp yet (it would take the "
+            "pipeline's stages for data-parallel replicas): only the bubble is compared",
+            "pipeline": {k: pipeline[k] for k in keys},
+        }
     try:
         return predict_summary(summary, load_catalog())
     except Exception as exc:  # a prediction must never fail a finished run

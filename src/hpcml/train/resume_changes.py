@@ -119,9 +119,10 @@ def apply_hyperparameters(
         group["lr"] = settings["initial_lr"] * fn(at)
 
 
-def global_batch(cfg: dict[str, Any], world_size: int, tp: int) -> int:
+def global_batch(cfg: dict[str, Any], world_size: int, tp: int, pp: int = 1) -> int:
     """Samples per optimizer step of a (dumped) config on `world_size` processes."""
-    return int(cfg["data"]["batch_size"]) * int(cfg["train"]["grad_accum"]) * (world_size // tp)
+    dp = world_size // (tp * pp)
+    return int(cfg["data"]["batch_size"]) * int(cfg["train"]["grad_accum"]) * dp
 
 
 def global_batch_note(
@@ -130,7 +131,8 @@ def global_batch_note(
     """One line when the global batch differs from the checkpoint's, or None."""
     if not isinstance(saved, dict) or "world_size" not in trainer:
         return None
-    before = global_batch(saved, int(trainer["world_size"]), int(trainer.get("tp", 1)))
+    layout = int(trainer["world_size"]), int(trainer.get("tp", 1)), int(trainer.get("pp", 1))
+    before = global_batch(saved, *layout)
     if before == now:
         return None
     how = (

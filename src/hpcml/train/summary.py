@@ -16,6 +16,7 @@ import torch
 from hpcml import __version__
 from hpcml.data.drift import REFERENCE_FILE, profile_dataset
 from hpcml.distributed.parallel import full_state_dict, local_state_bytes, unwrap
+from hpcml.distributed.pipeline import gather_state_dict
 from hpcml.distributed.runtime import all_gather_object, device_info
 from hpcml.errors import Preempted
 from hpcml.models.export import save_export
@@ -50,7 +51,12 @@ def build_summary(t: Any) -> dict[str, Any]:
     memory.update(getattr(t, "setup_rss", {}))  # setup_peak_rss_bytes, setup_rss_growth_bytes
     memory.update(t.probe.result(rt.device))  # saved activations of the sampled forward
     per_rank = all_gather_object(rt, memory)
-    weights = full_state_dict(t.model)  # a collective: every rank gathers its shards
+    pipe = getattr(t, "pipeline", None)  # parallel.pp: the bubble, measured (a collective)
+    pipeline = pipe.summary_block() if pipe is not None else None
+    if cfg.parallel.pp > 1:  # every stage's part, sent to rank 0
+        weights = gather_state_dict(unwrap(t.model), rt)
+    else:  # a collective: every rank gathers its shards
+        weights = full_state_dict(t.model)
     if not rt.is_main:
         return {}
     tuned, weights = weights, finetune.export_weights(cfg, res, weights)  # LoRA: merged
@@ -96,6 +102,8 @@ def build_summary(t: Any) -> dict[str, Any]:
         "finetune": finetune.summary_block(cfg, unwrap(t.model), res),
         "eval_sets": t.eval_sets.summary_block(t.last_eval, t.step),
     }
+    if pipeline is not None:
+        summary["pipeline"] = pipeline
     export = save_export(
         t.out_dir / "export",
         unwrap(t.model),
@@ -128,7 +136,7 @@ def build_summary(t: Any) -> dict[str, Any]:
 
 
 def failure_kind(exc: BaseException) -> str:
-    """"preempted" only with the checkpoint saved for it; Ctrl-C is "interrupted" (exit 130)."""
+    """ "preempted" only with the checkpoint saved for it; Ctrl-C is "interrupted" (exit 130)."""
     if isinstance(exc, Preempted):
         return "preempted"
     return "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"

@@ -54,6 +54,7 @@ from hpcml.train.fault.hook import FaultHook
 from hpcml.train.hooks import Hooks, StepDecision
 from hpcml.train.losses import resolve_loss
 from hpcml.train.metrics import LiveView, StepMeter
+from hpcml.train.pipeline import PipelineStep
 from hpcml.train.schedule import build_optimizer, build_scheduler, lr_horizon, param_groups
 from hpcml.train.summary import build_summary, failure_kind, failure_summary, seed_everything
 from hpcml.train.update import optimizer_step
@@ -106,9 +107,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
-        self.rt = init_runtime(
-            cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.tp
-        )
+        p = cfg.parallel
+        self.rt = init_runtime(cfg.train.device, p.backend, p.timeout_s, p.tp, p.pp)
         self.hooks.is_main = self.rt.is_main
         self.guard = FaultGuard(cfg, self.rt)  # first: a preemption during set-up counts too
         clean = False
@@ -200,6 +200,7 @@ class Trainer:
         self.optimizer = shard_optimizer(optimizer, self.model, rt, cfg.parallel)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.scaler = grad_scaler(self.precision, cfg.parallel, rt)
+        self.pipeline = PipelineStep(self) if cfg.parallel.pp > 1 else None
 
     def _build_data(self) -> None:
         cfg, rt, splits = self.cfg, self.rt, self.resolved.splits
@@ -344,6 +345,8 @@ class Trainer:
         return decision
 
     def forward_backward(self) -> tuple[torch.Tensor, float]:
+        if self.pipeline is not None:  # parallel.pp: the schedule runs the micro-batches
+            return self.pipeline.forward_backward(self)
         accum, dev = self.cfg.train.grad_accum, self.rt.device
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=dev)
@@ -421,6 +424,7 @@ class Trainer:
                 self.precision,
                 self.cfg.train.channels_last,
                 self.device_normalize,
+                self.pipeline.eval_forward if self.pipeline is not None else None,
             )
             self.last_eval.update(self.eval_sets.evaluate(self))  # train.eval_sets
         if self.rt.is_main:

@@ -23,9 +23,10 @@ from hpcml.config import RunConfig
 from hpcml.data.sources import Splits, load_source
 from hpcml.distributed import meta_init
 from hpcml.distributed.parallel import check_parallel
+from hpcml.distributed.pipeline import check_pipeline
 from hpcml.errors import ConfigError, DataError, ModelError
 from hpcml.models.zoo import build_model, complete_args, forward_flops_per_sample, get_spec
-from hpcml.train import eval_sets, finetune
+from hpcml.train import eval_sets, finetune, pipeline
 
 
 @dataclass
@@ -59,8 +60,10 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
         model = build_model(cfg.model.name, model_args)
     # The layout first: a model that cannot be split over tp ranks is the more specific sentence.
     check_parallel(model, world_size, cfg.parallel.tp, cfg.parallel, cfg.precision)
+    check_pipeline(model, world_size, cfg.parallel, cfg.data.batch_size)
+    pipeline.check_run(cfg)
     check_forward(cfg, model, splits)
-    dp_size = world_size // cfg.parallel.tp
+    dp_size = world_size // (cfg.parallel.tp * cfg.parallel.pp)
     check_batch(cfg, splits, dp_size)
     check_loss(cfg)
     check_augment(cfg)

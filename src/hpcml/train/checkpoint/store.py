@@ -37,7 +37,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcml.distributed import dcp_safe
-from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state
+from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state, unwrap
+from hpcml.distributed.pipeline import keys_of_other_stages
 from hpcml.distributed.runtime import Runtime, barrier
 from hpcml.distributed.sidechannel import checkpoint_group
 from hpcml.errors import CheckpointError, WorkFailed
@@ -236,6 +237,11 @@ def interrupted_inside(exc: BaseException) -> bool:
     return any(isinstance(e, KeyboardInterrupt) for e in inner)
 
 
+def layout_of(rt: Runtime) -> dict[str, int]:
+    """What a rank's own state (RNG, data position) is only valid for."""
+    return {"world_size": rt.world_size, "tp": rt.tp, "pp": rt.pp}
+
+
 def save(
     root: Path,
     step: int,
@@ -271,7 +277,7 @@ def save(
         torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
         if rt.is_main:
             torch.save(
-                {**trainer_state, "step": step, "world_size": rt.world_size, "tp": rt.tp},
+                {**trainer_state, "step": step, **layout_of(rt)},
                 tmp / "trainer.pt",
             )
         if background:
@@ -374,7 +380,9 @@ def _load(
     trainer = load_state_file(path / "trainer.pt")
     model_sd, optim_sd = checkpoint_state(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    mismatch = first_mismatch(path, state)
+    # Under parallel.pp each stage expects its own keys; the others' are not extra.
+    elsewhere = keys_of_other_stages(unwrap(model), list(_flat_expected(state)))
+    mismatch = first_mismatch(path, state, elsewhere)
     if mismatch is not None:
         raise CheckpointError(
             f"checkpoint {path} does not fit this run: {mismatch}"
@@ -398,7 +406,7 @@ def _load(
     load_checkpoint_state(model, optimizer, state["model"], state["optim"])
     rank_file = path / f"rank-{rt.rank}.pt"
     rank_state = None
-    same_layout = trainer.get("world_size") == rt.world_size and trainer.get("tp", 1) == rt.tp
+    same_layout = all(trainer.get(k, 1) == v for k, v in layout_of(rt).items())
     if same_layout and rank_file.exists():
         rank_state = load_state_file(rank_file)
     return Loaded(path, int(trainer["step"]), trainer, rank_state)
@@ -412,7 +420,9 @@ def _flat_expected(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
 
 
-def first_mismatch(path: Path, state: dict[str, Any]) -> str | None:
+def first_mismatch(
+    path: Path, state: dict[str, Any], elsewhere: set[str] | frozenset[str] = frozenset()
+) -> str | None:
     """The first key this run expects that the checkpoint lacks or holds in another shape, or
     the first tensor the checkpoint holds that this run has no place for."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -434,7 +444,7 @@ def first_mismatch(path: Path, state: dict[str, Any]) -> str | None:
         if sized and tuple(meta.size) != shape:  # type: ignore[union-attr]
             return f"'{key}' has shape {list(meta.size)} there and {list(shape or ())} here"  # type: ignore[union-attr]
     for key, meta in saved.items():
-        if isinstance(meta, TensorStorageMetadata) and key not in expected:
+        if isinstance(meta, TensorStorageMetadata) and key not in expected.keys() | elsewhere:
             return f"it holds '{key}', which this run has no place for"
     return None
 
