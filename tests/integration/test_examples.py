@@ -140,6 +140,8 @@ EXAMPLES: dict[str, Train | Serve | Tune] = {
         needs=TOKENS_HOW,
     ),
     "gpt_tiny_ddp.yaml": Train(2, TOKENS_SHORT, 1, 1, needs=TOKENS_HOW),
+    # Each of the 2 stages holds half of the blocks (and the embedding or the head) and its AdamW state.
+    "gpt_tiny_pp.yaml": Train(2, TOKENS_SHORT, 2, 2, needs=TOKENS_HOW),
     "gpt_tiny_tp.yaml": Train(2, TOKENS_SHORT, 2, 2, needs=TOKENS_HOW),
     "gpt_tiny_zero1.yaml": Train(2, TOKENS_SHORT, 1, 2, needs=TOKENS_HOW),
     "gpt_tiny_zero2.yaml": Train(2, TOKENS_SHORT, 2, 2, needs=TOKENS_HOW),

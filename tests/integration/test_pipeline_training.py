@@ -61,12 +61,9 @@ def grad_norms(run_dir: Path) -> dict[int, float]:
 def train(config: Path, run_dir: Path, nproc: int, *overrides: str, resume: str = "") -> None:
     args = ["train", str(config), *overrides, "--run-dir", str(run_dir), "--quiet"]
     args += ["--resume", resume] if resume else []
-    if nproc == 1:
-        out = hpcml_proc(args, timeout=600)  # forked from the pre-imported server (conftest)
-    else:  # torchrun itself (what `hpcml train --nproc 2` starts), one start-up less
-        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        cmd = [sys.executable, *launch, "-m", "hpcml", *args]
-        out = subprocess.run(cmd, env=hpcml_env(), capture_output=True, text=True, timeout=600)
+    # Forked from the pre-imported server (conftest); with --nproc, torchrun's agent runs in
+    # that process and forks the workers (hpcml.launch.forked_workers): no new interpreter.
+    out = hpcml_proc(args + (["--nproc", str(nproc)] if nproc > 1 else []), timeout=600)
     assert out.returncode == 0, f"{args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
 
 
