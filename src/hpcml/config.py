@@ -264,7 +264,12 @@ class TrainConfig(_Section):
     breakdown of step time per rank; null: off."""
     checkpoint_async: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint.async_save): training
-    stalls only for the copy to host memory."""
+    stalls only for the copy to host memory, but the write then shares the host's cores with
+    training (the fault-tolerance guide: when it pays)."""
+    checkpoint_writer_nice: int = Field(19, ge=0, le=19)
+    """With checkpoint_async: the background writer thread's nice value is raised by this
+    much (Linux; capped at 19), so it runs on the cycles training leaves; 0 runs it at
+    training's priority."""
 
 
 class ParallelConfig(_Section):
