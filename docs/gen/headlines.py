@@ -35,19 +35,17 @@ def ckpt_spread(d: Doc) -> str:
 
 
 def ckpt_readme(d: Doc) -> str:
-    m = d["modes"]
-
-    def cell(mode: str) -> str:
-        return f"{m[mode]['added_s_per_checkpoint']['median']:.2f} s"
-
-    q = d["over_sync"]
+    m, q = d["modes"], d["over_sync"]
+    low, normal = q["async_nice19"], q["async_nice0"]
+    added = {k: f"{m[k]['added_s_per_checkpoint']['median']:.2f} s" for k in m}
+    per_round = low.get("added_per_round")
+    rounds = f"per round {span(per_round)}; " if per_round else ""
     return (
-        f"loop time added per checkpoint: background writer at nice 19 "
-        f"{x(q['async_nice19']['added_s_per_checkpoint'])} sync ({cell('async_nice19')} vs "
-        f"{cell('sync')}; at training's priority {x(q['async_nice0']['added_s_per_checkpoint'])}); "
-        f"loop blocked {x(q['async_nice19']['stall_s'])}; durable after "
-        f"{x(q['async_nice19']['durable_s'])} the time. 2 shared cores, load "
-        f"{d['load_1m']['min']:.0f}-{d['load_1m']['max']:.0f}"
+        f"loop time added per checkpoint, async (writer thread at nice 19) / sync: "
+        f"{x(low['added_s_per_checkpoint'])} ({rounds}{added['async_nice19']} vs "
+        f"{added['sync']}), {x(normal['added_s_per_checkpoint'])} with the writer at training's "
+        f"priority; loop blocked {x(low['stall_s'])}; durable after {x(low['durable_s'])} the "
+        f"time (2 shared cores, load {d['load_1m']['min']:.0f}-{d['load_1m']['max']:.0f})"
     )
 
 

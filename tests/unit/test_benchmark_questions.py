@@ -50,7 +50,7 @@ def test_a_changed_ratio_changes_the_readme_table_and_only_the_table(tmp_path):
     (results / f"{CKPT}.json").write_text(json.dumps(doc))
     table = questions.readme_table(results)
     row = next(line for line in table if "benchmarks/checkpoint_stall.py" in line)
-    assert "at nice 19 0.12x sync" in row
+    assert "at nice 19) / sync: 0.12x (" in row
 
     assert questions.write_readme(readme, results)
     after = readme.read_text(encoding="utf-8")

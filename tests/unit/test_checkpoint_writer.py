@@ -38,11 +38,12 @@ def model_opt():
 @pytest.fixture
 def hook():
     """Installs a phase hook for the test and removes it after (background saves drained)."""
+    before = ckpt_phase.hook
     yield lambda fn: setattr(ckpt_phase, "hook", fn)
     try:
         ckpt.wait_pending()
     finally:
-        ckpt_phase.hook = None
+        ckpt_phase.hook = before
 
 
 def _save(root, step, model_opt, nice=0):
@@ -91,16 +92,23 @@ def test_background_writer_thread_runs_below_training_and_training_keeps_its_pri
 def test_stall_counts_the_wait_for_the_previous_background_save(
     tmp_path, model_opt, hook, monkeypatch
 ):
-    """Save 2 must wait for save 1, whose writer holds its hash phase 0.3 s from the moment
-    save 2 starts waiting: save 2's stall is at least that (it was the copy alone before)."""
+    """Save 2 must wait for save 1, whose writer holds its hash phase 1 s from the moment
+    save 2 starts waiting. Save 2's stall contains that wait (before, it began after it: a
+    tiny model's copy alone, unless its work after the wait took longer than the wait)."""
     waiting = threading.Event()
-    held_s = 0.3
+    waited: list[float] = []
+    held_s = 1.0  # a sleep, not CPU
     original = ckpt.wait_pending
 
     def wait_pending():
-        if ckpt._pending is not None:
-            waiting.set()
-        return original()
+        if ckpt._pending is None:
+            return original()
+        start = time.perf_counter()
+        waiting.set()
+        try:
+            return original()
+        finally:
+            waited.append(time.perf_counter() - start)
 
     def hold(name: str, step: int) -> None:
         if name == "hash" and step == 1:
@@ -113,5 +121,6 @@ def test_stall_counts_the_wait_for_the_previous_background_save(
     _save(tmp_path, 2, model_opt)
     original()
     stall = {t.step: t for t in ckpt.timings[-2:]}
-    assert stall[2].stall_s >= held_s
-    assert stall[1].total_s is not None and stall[2].total_s is not None
+    assert len(waited) == 1 and waited[0] >= held_s
+    assert stall[2].stall_s >= waited[0]  # the wait is inside the stall
+    assert [p.name for p in ckpt.list_complete(tmp_path)] == ["step-2", "step-1"]
