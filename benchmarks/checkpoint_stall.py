@@ -10,6 +10,9 @@ checkpoint it reports
               background save included)
   added_s     (loop time of the run - loop time of the same round's baseline) / checkpoints:
               what each checkpoint added to the run, background interference included
+  added_within_run_s  the same measured inside each run: its loop time beyond (steps x its own
+              median step), less the baseline's, per checkpoint; load that changes between
+              runs cancels, so on a shared machine it is the steadier of the two
   durable_s   the time until the checkpoint was complete on disk (renamed into place)
 with medians and spread (min - max) and each mode's ratios to sync, and the load average
 beside every run.
@@ -61,9 +64,14 @@ def one_run(overrides: list[str], every: int) -> dict[str, Any]:
         ckpt_bytes = sum(f.stat().st_size for d in folders for f in d.rglob("*") if f.is_file())
     # The final checkpoint (at the last step) is outside the loop time: leave it out.
     saves = [t for t in ckpt.timings[start:] if t.step < cfg.train.max_steps]
+    times = [r["time"] for r in steps]
+    step_s = [b - a for a, b in zip(times, times[1:], strict=False)]
     return {
         # From the end of step 1 (warm-up) to the end of the last step.
-        "loop_s": steps[-1]["time"] - steps[0]["time"],
+        "loop_s": times[-1] - times[0],
+        # The loop time beyond its own median step: what the checkpoints (and noise) added,
+        # measured within the run, so load that changes between runs cancels.
+        "excess_s": times[-1] - times[0] - len(step_s) * statistics.median(step_s),
         "checkpoints": len(saves),
         "stall_s": [t.stall_s for t in saves],
         "durable_s": [t.total_s for t in saves if t.total_s is not None],
@@ -88,10 +96,16 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], modes: list[str]) -> dict
         added[mode] = [
             (r[mode]["loop_s"] - r["baseline"]["loop_s"]) / r[mode]["checkpoints"] for r in rounds
         ]
+        within = [
+            (r[mode]["excess_s"] - r["baseline"]["excess_s"]) / r[mode]["checkpoints"]
+            for r in rounds
+            if "excess_s" in r[mode]
+        ]
         rows[mode] = {
             "checkpoints_per_run": statistics.median(x["checkpoints"] for x in runs),
             "stall_s": spread([s for x in runs for s in x["stall_s"]]),
             "added_s_per_checkpoint": spread(added[mode]),
+            **({"added_within_run_s_per_checkpoint": spread(within)} if within else {}),
             "durable_s": spread([d for x in runs for d in x["durable_s"]]),
             "loop_s": spread([x["loop_s"] for x in runs]),
         }
@@ -99,9 +113,16 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], modes: list[str]) -> dict
     for mode in modes:
         if mode == "sync" or "sync" not in rows:
             continue
+        keys = (
+            "stall_s",
+            "added_s_per_checkpoint",
+            "added_within_run_s_per_checkpoint",
+            "durable_s",
+        )
         ratios[mode] = {
             key: rows[mode][key]["median"] / rows["sync"][key]["median"]
-            for key in ("stall_s", "added_s_per_checkpoint", "durable_s")
+            for key in keys
+            if key in rows[mode] and rows["sync"][key]["median"] > 0
         }
         per_round = [a / s for a, s in zip(added[mode], added["sync"], strict=True) if s > 0]
         if per_round:
@@ -205,16 +226,20 @@ def report(result: dict[str, Any]) -> None:
         f"rounds ({result['device']}, load {result['load_1m']['min']}-"
         f"{result['load_1m']['max']}); seconds, median (min-max)"
     )
-    print(f"{'mode':<14}{'stall':>20}{'added to the loop':>20}{'durable after':>20}")
+    print(
+        f"{'mode':<14}{'stall':>20}{'added to the loop':>20}{'added, in-run':>20}"
+        f"{'durable after':>20}"
+    )
     for mode, r in result["modes"].items():
+        within = r.get("added_within_run_s_per_checkpoint")
         print(
             f"{mode:<14}{_cell(r['stall_s']):>20}{_cell(r['added_s_per_checkpoint']):>20}"
-            f"{_cell(r['durable_s']):>20}"
+            f"{_cell(within) if within else '-':>20}{_cell(r['durable_s']):>20}"
         )
     for mode, q in result["over_sync"].items():
         print(
-            f"{mode} / sync: stall {q['stall_s']:.2f}x, added {q['added_s_per_checkpoint']:.2f}x"
-            f", durable {q['durable_s']:.2f}x"
+            f"{mode} / sync: "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in q.items() if k != "added_per_round")
         )
     print(f"baseline loop {_cell(result['baseline_loop_s'])} s")
 
@@ -229,13 +254,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     rows = result["modes"]
     keys = [
         ("stall_s", "loop blocked in the save"),
-        ("added_s_per_checkpoint", "loop time added"),
+        ("added_s_per_checkpoint", "loop time added (vs baseline run)"),
+        ("added_within_run_s_per_checkpoint", "loop time added (in-run)"),
         ("durable_s", "until durable"),
     ]
+    keys = [(k, label) for k, label in keys if k in rows[modes[0]]]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     width = 0.8 / len(keys)
     for k, (key, label) in enumerate(keys):
-        xs = [i + (k - 1) * width for i in range(len(modes))]
+        xs = [i + (k - (len(keys) - 1) / 2) * width for i in range(len(modes))]
         med = [rows[m][key]["median"] for m in modes]
         err = [
             [med[i] - rows[m][key]["min"] for i, m in enumerate(modes)],

@@ -20,32 +20,39 @@ def span(s: dict[str, float], digits: int = 2, unit: str = "x") -> str:
     return f"{s['min']:.{digits}f}{unit}–{s['max']:.{digits}f}{unit}"
 
 
+ADDED = ("added_within_run_s_per_checkpoint", "added_s_per_checkpoint")
+
+
+def _added(d: Doc) -> str:
+    """The key of the loop time added per checkpoint: the in-run estimate where recorded."""
+    return next(k for k in ADDED if k in d["modes"]["sync"])
+
+
 def ckpt(d: Doc) -> str:
+    k, m = _added(d), d["modes"]
     q = d["over_sync"]["async_nice19"]
+    ratio = f" ({x(q[k])} sync's)" if k in q else ""
+    how = " (in-run estimate)" if k != "added_s_per_checkpoint" else ""
     return (
-        f"background writer (nice 19) / sync: loop time added per checkpoint "
-        f"{x(q['added_s_per_checkpoint'])}, stall {x(q['stall_s'])}, time until durable "
-        f"{x(q['durable_s'])}"
+        f"loop time added per checkpoint{how}: sync {m['sync'][k]['median']:.2f} s, async "
+        f"with the writer at nice 19 {m['async_nice19'][k]['median']:.2f} s{ratio}, at "
+        f"training's priority {m['async_nice0'][k]['median']:.2f} s; loop blocked "
+        f"{x(q['stall_s'])} sync's; durable after {x(q['durable_s'])} sync's time"
     )
 
 
 def ckpt_spread(d: Doc) -> str:
-    s = d["over_sync"]["async_nice19"].get("added_per_round")
-    return f"added per round {span(s)} ({d['rounds']} rounds)" if s else NONE
+    k, m = _added(d), d["modes"]
+    return (
+        f"added per checkpoint over {d['rounds']} rounds: sync {span(m['sync'][k], 2, ' s')}, "
+        f"nice 19 {span(m['async_nice19'][k], 2, ' s')}"
+    )
 
 
 def ckpt_readme(d: Doc) -> str:
-    m, q = d["modes"], d["over_sync"]
-    low, normal = q["async_nice19"], q["async_nice0"]
-    added = {k: f"{m[k]['added_s_per_checkpoint']['median']:.2f} s" for k in m}
-    per_round = low.get("added_per_round")
-    rounds = f"per round {span(per_round)}; " if per_round else ""
     return (
-        f"loop time added per checkpoint, async (writer thread at nice 19) / sync: "
-        f"{x(low['added_s_per_checkpoint'])} ({rounds}{added['async_nice19']} vs "
-        f"{added['sync']}), {x(normal['added_s_per_checkpoint'])} with the writer at training's "
-        f"priority; loop blocked {x(low['stall_s'])}; durable after {x(low['durable_s'])} the "
-        f"time (2 shared cores, load {d['load_1m']['min']:.0f}-{d['load_1m']['max']:.0f})"
+        f"{ckpt(d)} ({ckpt_spread(d)}; 2 shared cores, load "
+        f"{d['load_1m']['min']:.0f}-{d['load_1m']['max']:.0f})"
     )
 
 

@@ -77,6 +77,6 @@ def async_save(state: dict[str, Any], path: str, process_group: Any, nice: int) 
         stager.close()
         raise
     # Newer torch returns an AsyncSaveResponse (staging + upload futures), older a Future.
-    upload: Future[Any] = getattr(response, "upload_completion", response)
+    upload: Future[Any] = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
     upload.add_done_callback(lambda _: stager.close())  # a caller-made stager is ours to close
     return upload
