@@ -3,7 +3,7 @@
 Real runs of the engine in one invocation, in rounds: each round trains the same model with no
 checkpoints (baseline), with checkpoints every K steps written synchronously, and with the same
 written in the background (train.checkpoint_async) by a writer thread at training's priority
-(`async_nice0`) and below it (`async_nice19`, train.checkpoint_writer_nice=19, the default).
+(`async_nice0`) and below it (`async_nice19`, train.checkpoint_writer_nice=19; the default is 0).
 The order of the modes rotates from round to round so that machine noise hits all alike. Per
 checkpoint it reports
   stall_s     the time the loop was blocked inside the save (waiting for the previous

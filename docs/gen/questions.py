@@ -79,7 +79,7 @@ QUESTIONS: tuple[Question, ...] = (
         h.ckpt,
         h.ckpt_spread,
         Readme(
-            "`python benchmarks/checkpoint_stall.py`",
+            "`python benchmarks/checkpoint_stall.py --hidden 1024 --steps 40 --every 10`",
             h.ckpt_readme,
             ("fault tolerance", "guides/fault-tolerance.md"),
         ),

@@ -46,11 +46,11 @@ def test_a_changed_ratio_changes_the_readme_table_and_only_the_table(tmp_path):
     assert not questions.write_readme(readme, results)  # current: nothing to rewrite
 
     doc = json.loads((results / f"{CKPT}.json").read_text())
-    doc["over_sync"]["async_nice19"]["stall_s"] = 0.123
+    doc["over_sync"]["async_nice0"]["stall_s"] = 0.123
     (results / f"{CKPT}.json").write_text(json.dumps(doc))
     table = questions.readme_table(results)
     row = next(line for line in table if "benchmarks/checkpoint_stall.py" in line)
-    assert "loop blocked 0.12x sync's" in row
+    assert "async blocks the loop 0.12x sync's time" in row
 
     assert questions.write_readme(readme, results)
     after = readme.read_text(encoding="utf-8")
