@@ -1,4 +1,11 @@
-"""Benchmarks page: every `benchmarks/results/*.json` rendered as one Markdown section.
+"""Benchmarks page: one current answer per question, its raw numbers folded below it.
+
+The questions and their canonical result files are listed in questions.py: the page opens with
+a table of them (headline ratio, spread, machine, date, command), then gives each a section:
+its plot, its headline, its command and its files, then its JSON rendered as tables in a
+collapsed block. Results in `archive/` are listed at the end, linked, never headlined. A result
+file that no question names gets a plain section of its own (the unit tests keep none such in
+`benchmarks/results/`).
 
 The result files have no common schema (each benchmark script writes what its question needs),
 so the layout is read from the shape of the JSON alone, never from the `.md` notes beside them:
@@ -14,7 +21,7 @@ so the layout is read from the shape of the JSON alone, never from the `.md` not
   named in a note and left to the raw JSON, which the page links beside each heading.
 
 A PNG with the same stem as a JSON is shown under its heading; the hook adds the PNG and JSON
-files to the site (`result_assets`).
+files to the site (`result_assets`), archive/ included.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import questions
 from mdtext import code, escape, prose, slug, table
 
 MAX_COLUMNS = 8  # value columns per table; a wider one is split
@@ -36,6 +44,7 @@ MAX_FLATTEN = 2  # dict levels flattened into dotted column names
 TEXT_KEYS = ("question", "note", "encoding", "description")
 LONG_TEXT = 80  # a top-level string this long is a paragraph, not a table cell
 STAT_KEYS = frozenset({"median", "min", "max"})
+ARCHIVE_DIR = "archive"  # superseded and exploratory results, under results/
 
 
 def fmt_number(x: float | int) -> str:
@@ -287,10 +296,15 @@ def result_files(results_dir: Path) -> list[Path]:
     return sorted(results_dir.glob("*.json"))
 
 
+def archive_files(results_dir: Path) -> list[Path]:
+    return sorted((results_dir / ARCHIVE_DIR).glob("*.json"))
+
+
 def result_assets(results_dir: Path) -> list[Path]:
-    """Files the page links to: each JSON and each PNG that has a JSON of the same stem."""
+    """Files the page links to: each JSON (archived ones included) and each PNG that has a
+    JSON of the same stem."""
     out = []
-    for path in result_files(results_dir):
+    for path in [*result_files(results_dir), *archive_files(results_dir)]:
         out.append(path)
         png = path.with_suffix(".png")
         if png.exists():
@@ -300,20 +314,127 @@ def result_assets(results_dir: Path) -> list[Path]:
 
 def legend() -> str:
     return (
-        f"Each section is one file of `benchmarks/results/`, rendered from its JSON when the "
-        f"site is built. Fractional numbers show 4 significant digits; a cell `m (lo – hi)` is "
-        f"a median with the minimum and maximum over repeats. Tables wider than {MAX_COLUMNS} "
-        f"columns are split; long lists and deeper nesting are left to the raw JSON linked under "
-        f"each heading."
+        "Each question has one current answer: one file of `benchmarks/results/` per question "
+        "(the GPU's are in `benchmarks/results/gpu/`, with a README of their own), rendered "
+        "from its JSON when the site is built. The table below gives each one's headline, its "
+        "spread over repetitions, the machine (with the load average where the run recorded "
+        "it), the date and the command that reproduces it; each section then shows the plot "
+        "and folds the raw numbers below it. Superseded and exploratory runs are kept in "
+        "`benchmarks/results/archive/`, linked at the end and never headlined. In the raw "
+        "numbers, fractional numbers show 4 significant digits and a cell `m (lo – hi)` is a "
+        f"median with the minimum and maximum over repeats; tables wider than {MAX_COLUMNS} "
+        "columns are split."
     )
+
+
+def _link(asset_base: str | None, rel: str) -> str:
+    name = rel.rsplit("/", 1)[-1]
+    return f"[{name}]({asset_base}/{rel})" if asset_base is not None else code(name)
+
+
+def _fold(title: str, blocks: list[str]) -> str:
+    text = "\n\n".join(blocks)
+    indented = "\n".join(("    " + line) if line else "" for line in text.splitlines())
+    return f'??? note "{title}"\n\n{indented}'
+
+
+def summary_table(rows: list[tuple[questions.Question, dict[str, Any], Path]]) -> str:
+    out = []
+    for q, doc, path in rows:
+        out.append(
+            [
+                f"[{prose(q.title)}](#{slug(q.stem)})",
+                prose(q.headline(doc)),
+                prose(q.spread(doc)),
+                escape(questions.machine(doc)),
+                escape(questions.date(doc, path)),
+                code(questions.command(doc, q)),
+            ]
+        )
+    return table(["question", "headline", "spread", "machine", "date", "command"], out)
+
+
+def render_question(
+    q: questions.Question, doc: dict[str, Any], results_dir: Path, asset_base: str | None
+) -> str:
+    """One question's section: plot, headline, command, files; the raw numbers folded."""
+    path = results_dir / f"{q.stem}.json"
+    out = [f"## {prose(q.title)} {{#{slug(q.stem)}}}"]
+    if path.with_suffix(".png").exists() and asset_base is not None:
+        out.append(f"![{q.stem}]({asset_base}/{q.stem}.png)")
+    out.append(
+        f"**{prose(q.headline(doc))}** (spread: {prose(q.spread(doc))}; "
+        f"{escape(questions.machine(doc))}; {escape(questions.date(doc, path))})"
+    )
+    out.append("```text\n" + questions.command(doc, q) + "\n```")
+    files = f"Result: {_link(asset_base, f'{q.stem}.json')}"
+    if q.sources:
+        files += ", computed from " + ", ".join(_link(asset_base, f"{s}.json") for s in q.sources)
+    older = [a for a, of in questions.ARCHIVE.items() if of == q.stem]
+    older = [a for a in older if (results_dir / ARCHIVE_DIR / f"{a}.json").exists()]
+    if older:
+        links = ", ".join(_link(asset_base, f"{ARCHIVE_DIR}/{a}.json") for a in older)
+        files += f"; earlier or exploratory runs (archive): {links}"
+    out.append(files + ".")
+    raw = render_mapping(doc if isinstance(doc, dict) else {"data": doc}, slug(q.stem), 0, "")
+    out.append(_fold(f"Raw numbers: {q.stem}.json", raw))
+    return "\n\n".join(out) + "\n"
+
+
+def _archive_note(doc: Any) -> str:
+    if not isinstance(doc, dict):
+        return ""
+    for key in ("note", "title", "question", "what"):
+        text = doc.get(key)
+        if isinstance(text, str) and text.strip():
+            text = " ".join(text.split())
+            return text if len(text) <= 200 else text[:199] + "…"
+    return ""
+
+
+def render_archive(results_dir: Path, asset_base: str | None) -> str:
+    rows = []
+    for path in archive_files(results_dir):
+        of = questions.ARCHIVE.get(path.stem)
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        rows.append(
+            [
+                _link(asset_base, f"{ARCHIVE_DIR}/{path.name}"),
+                f"[{slug(of)}](#{slug(of)})" if of else "–",
+                prose(_archive_note(doc)),
+            ]
+        )
+    intro = (
+        "Superseded and exploratory runs, kept for the record (guides may cite them); the "
+        "sections above give the current answers."
+    )
+    return "\n\n".join(["## Archive {#archive}", intro, table(["file", "run of", "note"], rows)])
 
 
 def render_benchmarks(results_dir: Path, asset_base: str | None = None) -> str:
     """The whole generated part of the benchmarks page. `asset_base` is the link from the
-    page to the folder where the site holds the JSON and PNG files (None: no links)."""
+    page to the folder where the site holds the JSON and PNG files (None: no links).
+
+    The questions of `questions.QUESTIONS` whose file is present come first, as a table and
+    a section each; a result file no question names gets a plain section after them."""
     parts = [legend(), ""]
+    rows = []
+    for q in questions.QUESTIONS:
+        path = results_dir / f"{q.stem}.json"
+        if path.exists():
+            rows.append((q, json.loads(path.read_text(encoding="utf-8")), path))
+    if rows:
+        parts += [summary_table(rows), ""]
+        parts += [render_question(q, doc, results_dir, asset_base) for q, doc, _ in rows]
+    named = {q.stem for q in questions.QUESTIONS} | {
+        s for q in questions.QUESTIONS for s in q.sources
+    }
     for path in result_files(results_dir):
+        if path.stem in named:
+            continue
         doc = json.loads(path.read_text(encoding="utf-8"))
         has_png = path.with_suffix(".png").exists()
         parts.append(render_result(path.stem, doc, asset_base, has_png))
+    if archive_files(results_dir):
+        parts.append(render_archive(results_dir, asset_base))
     return "\n".join(parts)

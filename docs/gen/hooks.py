@@ -4,9 +4,9 @@ A page holds a marker line `<!-- hpcml:generated NAME -->`; at build time the ho
 
 - `config`: every key of the pydantic `RunConfig` and `ServeConfig` trees (config_ref.py);
 - `cli`: every visible command of the typer app `hpcml.cli.app:app` (cli_ref.py);
-- `benchmarks`: every `benchmarks/results/*.json` (benchmarks_page.py); `on_files` adds the
-  JSON files and their PNG plots to the site under `benchmarks/results/`, without copies in
-  docs/.
+- `benchmarks`: the questions of questions.py and their result files under
+  `benchmarks/results/` (benchmarks_page.py); `on_files` adds the JSON files and their PNG
+  plots (archive/ included) to the site under `benchmarks/results/`, without copies in docs/.
 
 The generators are small hand-written modules beside this file rather than plugins:
 mkdocstrings, mkdocs-click or mkdocs-typer are not installed here (nor is anything that reads
@@ -76,8 +76,10 @@ def generate_benchmarks(root: Path, page_src_uri: str) -> str:
 def on_files(files, config):
     from mkdocs.structure.files import File
 
-    for path in benchmarks_page.result_assets(_root(config) / RESULTS):
-        files.append(File.generated(config, f"{RESULTS}/{path.name}", abs_src_path=str(path)))
+    results = _root(config) / RESULTS
+    for path in benchmarks_page.result_assets(results):
+        name = path.relative_to(results).as_posix()  # archive/ files keep their folder
+        files.append(File.generated(config, f"{RESULTS}/{name}", abs_src_path=str(path)))
     return files
 
 

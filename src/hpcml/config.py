@@ -264,7 +264,13 @@ class TrainConfig(_Section):
     breakdown of step time per rank; null: off."""
     checkpoint_async: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint.async_save): training
-    stalls only for the copy to host memory."""
+    stalls only for the copy to host memory, but the write then shares the host's cores with
+    training (the fault-tolerance guide: when it pays)."""
+    checkpoint_writer_nice: int = Field(0, ge=0, le=19)
+    """With checkpoint_async: raise the background writer thread's nice value by this much
+    (Linux; capped at 19) so that it runs on the cycles training leaves. 0 runs it at
+    training's priority: on 2 CPU cores a lowered writer added more loop time, not less, and
+    took about 10x longer to make a checkpoint durable (benchmarks/checkpoint_stall.py)."""
 
 
 class ParallelConfig(_Section):

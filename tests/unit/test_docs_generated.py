@@ -33,6 +33,7 @@ if str(GEN) not in sys.path:
 import benchmarks_page  # noqa: E402
 import cli_ref  # noqa: E402
 import config_ref  # noqa: E402
+import questions  # noqa: E402
 
 from hpcml.cli.app import app  # noqa: E402
 from hpcml.config import RunConfig  # noqa: E402
@@ -251,14 +252,17 @@ def test_cli_page_leaves_out_hidden_commands_and_options():
 
 
 def test_benchmarks_page_has_a_section_and_plot_per_result():
+    """Each result is linked (a question's answer under its own heading; the files it was
+    computed from beside it); each plot is shown (tests/unit/test_benchmark_questions.py)."""
     page = benchmarks_page.render_benchmarks(RESULTS, asset_base="benchmarks/results")
     stems = [p.stem for p in RESULTS.glob("*.json")]
     assert len(stems) >= 20
     for stem in stems:
-        assert re.search(rf"^## {re.escape(stem)} \{{#", page, re.M), stem
         assert f"[{stem}.json](benchmarks/results/{stem}.json)" in page
         if (RESULTS / f"{stem}.png").exists():
             assert f"![{stem}](benchmarks/results/{stem}.png)" in page
+    for q in questions.QUESTIONS:
+        assert re.search(rf"^## .+ \{{#{re.escape(q.stem.replace('_', '-'))}\}}$", page, re.M)
 
 
 def test_benchmark_tables_come_from_the_json(tmp_path):
@@ -333,9 +337,11 @@ def test_strict_site_build(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for png in RESULTS.glob("*.png"):
+    for png in [*RESULTS.glob("*.png"), *RESULTS.glob("archive/*.png")]:
         if png.with_suffix(".json").exists():
-            assert (site / "benchmarks" / "results" / png.name).is_file(), png.name
+            name = png.relative_to(RESULTS)
+            assert (site / "benchmarks" / "results" / name).is_file(), name
+    assert (site / "benchmarks" / "results" / "archive" / "serving.json").is_file()
     cli = (site / "reference" / "cli" / "index.html").read_text()
     assert 'id="hpcml-plan-memory"' in cli and "hpcml:generated" not in cli
     config = (site / "reference" / "configuration" / "index.html").read_text()

@@ -461,6 +461,7 @@ class Trainer:
                 self.rt,
                 cfg.train.keep_last,
                 background=cfg.train.checkpoint_async,
+                writer_nice=cfg.train.checkpoint_writer_nice,
                 verify=cfg.fault.checkpoint_verify,
             )
         if self.rt.is_main:

@@ -14,6 +14,7 @@ ignores and the next save removes.
 With `background=True` (train.checkpoint_async) the state is copied to host memory, DCP writes
 it from a thread (torch.distributed.checkpoint.async_save, on a gloo group of its own) and rank 0
 renames the folder when every rank's write is done; one background save is in flight at a time.
+The writer thread runs below training's priority (hpcml.train.checkpoint.writer).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from hpcml.distributed.pipeline import keys_of_other_stages
 from hpcml.distributed.runtime import Runtime, barrier
 from hpcml.distributed.sidechannel import checkpoint_group
 from hpcml.errors import CheckpointError, WorkFailed
-from hpcml.train.checkpoint import manifest
+from hpcml.train.checkpoint import manifest, writer
 from hpcml.train.checkpoint import phase as ckpt_phase
 from hpcml.train.checkpoint.manifest import (  # re-exported: the checkpoint API in one place
     CORRUPT_DIR,
@@ -107,9 +108,11 @@ class SaveTiming:
     step: int
     background: bool
     stall_s: float
-    """Time the training loop was blocked by this save."""
+    """Time the training loop was blocked by this save, waiting for the previous background
+    save included."""
     total_s: float | None = None
-    """Time until the checkpoint was complete on disk (renamed into place); rank 0 only."""
+    """Time from the start of this save's own work until the checkpoint was complete on disk
+    (renamed into place); rank 0 only."""
 
 
 timings: list[SaveTiming] = []
@@ -191,14 +194,13 @@ def _save_in_background(
     writing: int,
     state: dict[str, Any],
     mode: str,
+    writer_nice: int,
 ) -> None:
     """Rank-R files are on disk before this rank joins DCP's collectives, and rank 0's DCP
     future completes only after every rank's write: then rank 0 can finalize alone (in the
     writer's callback thread; the phases it goes through are watched like the loop's)."""
     global _pending
-    upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=checkpoint_group(rt))
-    # Newer torch returns an AsyncSaveResponse (staging + upload futures), older a Future.
-    upload_done: Future[Any] = getattr(upload, "upload_completion", upload)  # type: ignore[arg-type]
+    upload_done = writer.async_save(state, str(tmp), checkpoint_group(rt), writer_nice)
     done: Future[None] = Future()
 
     def finish(f: Future[Any]) -> None:
@@ -224,7 +226,6 @@ def _save_in_background(
     upload_done.add_done_callback(finish)
     with _lock:
         _pending = _Pending(final, done)
-    timing.stall_s = time.perf_counter() - t0
 
 
 def interrupted_inside(exc: BaseException) -> bool:
@@ -253,10 +254,16 @@ def save(
     keep_last: int,
     background: bool = False,
     verify: str = "full",
+    writer_nice: int = 0,
 ) -> Path:
     """Save step `step`; the returned path exists once the save is complete (at return, unless
     `background`: then after `wait_pending()` or the next save). Each rank hashes the files it
-    wrote (`verify`: fault.checkpoint_verify; `none` records sizes only)."""
+    wrote (`verify`: fault.checkpoint_verify; `none` records sizes only). A background save's
+    writer thread runs `writer_nice` nice levels below training (hpcml.train.checkpoint.writer).
+
+    The stall counts from the call: waiting for the previous background save is part of it;
+    the time until durable counts from the start of this save's own work."""
+    called = time.perf_counter()
     wait_pending()
     t0 = time.perf_counter()
     final = root / f"step-{step}"
@@ -293,7 +300,9 @@ def save(
                 writing,
                 {"model": model_sd, "optim": optim_sd},
                 verify,
+                writer_nice,
             )
+            timing.stall_s = time.perf_counter() - called
             return final
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     except BaseException as exc:
@@ -308,8 +317,8 @@ def save(
     if rt.is_main:
         _finalize(root, tmp, final, step, keep_last, rt.world_size, verify)
     _barrier(rt, step)
-    timing.stall_s = time.perf_counter() - t0
-    timing.total_s = timing.stall_s if rt.is_main else None
+    timing.stall_s = time.perf_counter() - called
+    timing.total_s = time.perf_counter() - t0 if rt.is_main else None
     return final
 
 
