@@ -317,9 +317,15 @@ def tracking(d: Doc) -> str:
 def tune(d: Doc) -> str:
     s = d["summary"]
     a, r = s["asha+tpe"], s["random, no pruning"]
+    seeds = len(d["per_seed"])
+    times = ", ".join(
+        "not reached" if t is None else x(t) for t in d["ratio"]["time_ratio"]["per_seed"]
+    )
     return (
-        f"ASHA+TPE / random: wall {x(d['ratio_per_seed']['wall_s']['median'])}; best val "
-        f"accuracy {a['best_val_accuracy']['median']:.3f} vs {r['best_val_accuracy']['median']:.3f}"
+        f"ASHA+TPE's time to random search's best / random's time, per seed: {times} "
+        f"(goal <= 0.5x met for {d['goal_met_seeds']} of {seeds}); best val accuracy "
+        f"{a['best_val_accuracy']['median']:.3f} vs {r['best_val_accuracy']['median']:.3f} "
+        f"at an equal budget of {d['step_budget']} steps"
     )
 
 

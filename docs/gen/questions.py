@@ -220,7 +220,12 @@ QUESTIONS: tuple[Question, ...] = (
         "tune",
         "tuning: ASHA + TPE vs random search",
         h.tune,
-        lambda d: f"wall ratio per seed {span(d['ratio_per_seed']['wall_s'])}",
+        lambda d: (
+            "best val accuracy per arm "
+            + ", ".join(
+                f"{arm} {span(v['best_val_accuracy'], 3, '')}" for arm, v in d["summary"].items()
+            )
+        ),
     ),
     Question(
         "tune_startup",
