@@ -122,11 +122,13 @@ class ObserveConfig(_Section):
     """Address the `/metrics` endpoints bind to (127.0.0.1 keeps them on this machine)."""
     tracing: bool = False
     """OpenTelemetry spans for every step and its phases, evaluation and checkpoints, exported
-    by OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (pip install opentelemetry-exporter-otlp-proto-http)."""
+    by OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (pip install opentelemetry-exporter-otlp-proto-http);
+    with no endpoint set, tracing stays off and one line says so."""
     job: str | None = None
     """The `job` label of the series; null: $SLURM_JOB_ID, else $HPCML_JOB, else the run
     folder's name."""
     strict_health: bool = False
     """Refuse to train on a GPU whose NVML pre-flight finds a problem (uncorrected ECC errors,
     pending memory repairs, slowdown at rest, a narrowed PCIe link, other processes on it);
-    without it the problems are printed and the run goes on. No effect on CPU runs."""
+    without it the problems are printed and the run goes on. On a run without a GPU, one line
+    says there is nothing to check."""

@@ -4,9 +4,9 @@ the run's series with the job/run/rank/host labels and values the run's own reco
 every panel query of the shipped Grafana dashboards returns data (except the GPU panels: the
 run is gpt-tiny on byte tokens with a peak FLOP rate given, so tokens/s and MFU have data). The server runs with a shadow version
 (the same weights), so the shadow panel has data at 0 disagreements; the error-ratio and
-straggler panels show 0 when nothing failed or was slow, not "No data". After Ctrl-C the
-training targets stay and `up` drops to 0 for both ranks: what HpcmlTrainingDown reads; the
-server's target goes when it stops cleanly."""
+straggler panels show 0 when nothing failed or was slow, not "No data". A preemption (SIGTERM,
+exit 75) removes both ranks' targets and Prometheus drops them (HpcmlTrainingDown stays
+silent); the server's target goes when it stops."""
 
 from __future__ import annotations
 
@@ -26,15 +26,18 @@ import pytest
 import torch
 from fault_util import env, finish, records, start_train, wait_for, write_config
 from tests.conftest import run_hpcml, system_binary
+from tests.fake_nvml import FakeNvml
 
 from hpcml.data.sources.tokens import prepare_pystdlib
+from hpcml.errors import REQUEUE_EXIT_CODE
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
+from hpcml.observe.train_metrics import TrainExporter
 
 pytestmark = pytest.mark.slow
 DASHBOARDS = Path(__file__).resolve().parents[2] / "src" / "hpcml" / "observe" / "dashboards"
-# Panels with no series in this test: its CPU run has no GPU (the GPU panels are checked by
-# nothing here: no GPU was lent to this work).
+# Panels the CPU run cannot feed: they are checked against an exporter reading a fake NVML
+# module instead (job "itest-gpu"), as no GPU was lent to this work.
 NO_DATA_HERE = {"GPU utilization", "GPU memory used", "GPU temperature", "GPU power"}
 
 
@@ -125,14 +128,26 @@ def concrete(expr: str) -> str:
     return expr
 
 
-def assert_panels_have_data(url: str, name: str) -> None:
-    """Every panel has data within 30 s (rate() needs two scrapes of a new series)."""
+def label_values(url: str, definition: str) -> set[str]:
+    """Grafana's `label_values(SELECTOR, LABEL)` template query, through Prometheus' series API."""
+    selector, label = definition.removeprefix("label_values(").removesuffix(")").rsplit(",", 1)
+    q = urllib.parse.urlencode({"match[]": concrete(selector.strip())})
+    with urllib.request.urlopen(f"{url}/api/v1/series?{q}", timeout=10) as resp:
+        series = json.load(resp)["data"]
+    return {s[label.strip()] for s in series if label.strip() in s}
+
+
+def assert_panels_have_data(url: str, name: str, only: set[str] | None = None,
+                            job: str = "itest") -> None:  # fmt: skip
+    """Every panel (or those in `only`) has data within 30 s (rate() needs two scrapes of a new
+    series)."""
 
     def empty() -> list[str]:
         return [
             title
             for title, expr in panel_queries(name)
-            if title not in NO_DATA_HERE and not query(url, concrete(expr))
+            if (title in only if only else title not in NO_DATA_HERE)
+            and not query(url, concrete(expr).replace('job="itest"', f'job="{job}"'))
         ]
 
     left: list[str] = []
@@ -155,9 +170,13 @@ def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path)
     # One folder of target files for the run and the server, as a cluster would share.
     run, targets = tmp_path / "run", tmp_path / "targets"
     prom, url = start_prometheus(tmp_path, targets)
+    # A rank whose GPU readings come from a fake NVML module, for the GPU panels.
+    gpu_rank = TrainExporter(0, "127.0.0.1", tmp_path / "gpu" / "run", 0, 1, job="itest-gpu",
+                             targets_dir=targets, gpu_index=0, nvml=FakeNvml(), gpu_uuid="GPU-fake")
+    gpu_rank.update([{"step": 1, "loss": 1.0, "step_time_s": 0.1, "data_wait_s": 0.0}], {})
     with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as resp:
         loaded = [r["name"] for g in json.load(resp)["data"]["groups"] for r in g["rules"]]
-    assert len(loaded) == 13 and "HpcmlTrainingDown" in loaded
+    assert len(loaded) == 14 and "HpcmlTrainingDown" in loaded
     server, server_url = start_server(tmp_path, targets)
     try:
         # A token model (gpt-tiny on standard-library bytes), so the tokens/s panel has data.
@@ -216,6 +235,14 @@ def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path)
                 every=0.5,
             )
             assert_panels_have_data(url, "training.json")
+            assert_panels_have_data(url, "training.json", only=NO_DATA_HERE, job="itest-gpu")
+            # The dashboard's template variables list this run and the GPU rank's.
+            board = json.loads((DASHBOARDS / "training.json").read_text())
+            variables = {v["name"]: v["definition"] for v in board["templating"]["list"]
+                         if v["type"] == "query"}  # fmt: skip
+            assert {"itest", "itest-gpu"} <= label_values(url, variables["job"])
+            assert label_values(url, variables["run"]) == {"run"}
+            gpu_rank.close()
 
             # The server, found through its own target file: 20 requests answered, then seen.
             x = torch.randn(2 * 3 * 32 * 32, generator=torch.Generator().manual_seed(0)).tolist()
@@ -234,25 +261,27 @@ def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path)
             )
             assert_panels_have_data(url, "serving.json")
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
+            # A preemption (SLURM's SIGTERM): the run saves, exits 75, and its ranks' targets go
+            # with them, so HpcmlTrainingDown does not fire on an orderly stop.
+            proc.send_signal(signal.SIGTERM)
             out, _ = finish(proc, 120)
-        assert proc.returncode == 130, out
-        # A run that did not finish leaves its targets: Prometheus sees both ranks down.
-        left = sorted(p.name for p in targets.iterdir() if p.name.startswith("itest-"))
-        assert left == ["itest-run-rank-0.json", "itest-run-rank-1.json"]
-        down = wait_for(
-            "up == 0 for both ranks",
-            lambda: (d := by_rank(query(url, 'up{job="itest",role="train"} == 0'))) and len(d) == 2 and d,
+        assert proc.returncode == REQUEUE_EXIT_CODE, out
+        assert not [p.name for p in targets.iterdir() if p.name.startswith("itest-")]
+        wait_for(
+            "Prometheus dropping both ranks' targets",
+            lambda: not query(url, 'up{job="itest",role="train"}'),
             timeout=60,
             every=0.5,
         )
-        assert sorted(down) == ["0", "1"]
+        left = sorted(p.name for p in targets.iterdir())
+        assert len(left) == 1 and left[0].startswith("serve-")
         server.send_signal(signal.SIGTERM)
         finish(server, 60)
-        # A clean stop removes the server's target; the dead ranks' stay.
-        assert sorted(p.name for p in targets.iterdir()) == left
+        # A clean stop removes the server's target.
+        assert list(targets.iterdir()) == []
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
+        gpu_rank.close()
         prom.terminate()
         prom.wait(30)

@@ -23,7 +23,7 @@ import tritonclient.grpc as tgrpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import SpanKind, StatusCode
 
 from hpcml.models.export import save_export
 from hpcml.models.zoo import build_model
@@ -78,9 +78,11 @@ async def _burst(url: str, n: int) -> list[int]:
 
 
 def _traces(exporter: InMemorySpanExporter) -> dict[int, dict[str, Any]]:
+    """The requests' traces (batch spans, traces of their own, left out)."""
     by_trace: dict[int, dict[str, Any]] = defaultdict(dict)
     for span in exporter.get_finished_spans():
-        by_trace[span.context.trace_id][span.name] = span
+        if span.name != "hpcml.batch":
+            by_trace[span.context.trace_id][span.name] = span
     return by_trace
 
 
@@ -120,6 +122,16 @@ def test_each_request_is_a_trace_and_batches_show(traced: tuple[str, int, Any]) 
         assert [s.attributes["hpcml.batch_size"] for s in spans] == [len(spans)] * len(spans)
         assert len({(s.start_time, s.end_time) for s in spans}) == 1
     assert len(batches) < 8, "eight requests sent at once were never batched"
+    # One span per batch, linking the root spans of exactly the requests it served.
+    roots_of: dict[int, set[int]] = defaultdict(set)
+    for trace in traces.values():
+        roots_of[trace["compute"].attributes["hpcml.batch"]].add(trace["hpcml.infer"].context.span_id)
+    batch_spans = [s for s in exporter.get_finished_spans() if s.name == "hpcml.batch"]
+    assert sorted(s.attributes["hpcml.batch"] for s in batch_spans) == sorted(roots_of)
+    for span in batch_spans:
+        assert {link.context.span_id for link in span.links} == roots_of[span.attributes["hpcml.batch"]]
+        compute = batches[span.attributes["hpcml.batch"]][0]
+        assert (span.start_time, span.end_time) == (compute.start_time, compute.end_time)
 
 
 def test_grpc_and_a_malformed_request(traced: tuple[str, int, Any]) -> None:
@@ -141,3 +153,41 @@ def test_grpc_and_a_malformed_request(traced: tuple[str, int, Any]) -> None:
     assert root.attributes["hpcml.code"] == "400"
     assert root.status.status_code == StatusCode.ERROR
     assert set(failed) == {"hpcml.infer"}, "a request that was never parsed has no children"
+
+
+def test_a_client_traceparent_continues_its_trace_over_http_and_grpc(
+    traced: tuple[str, int, Any],
+) -> None:
+    """The root span of a request is a SERVER span under the client's span when the request
+    carries a W3C traceparent (header or gRPC metadata), not the root of a trace of its own."""
+    url, grpc_port, exporter = traced
+    exporter.clear()
+    # (trace id, parent span id) the client's tracer would have made; fixed, not random.
+    http_ids = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")
+    grpc_ids = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")
+    reply = httpx.post(
+        f"{url}/v2/models/digits/infer",
+        json=_body(0),
+        headers={"traceparent": f"00-{http_ids[0]}-{http_ids[1]}-01"},
+        timeout=30,
+    )
+    assert reply.status_code == 200
+    client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    inp = tgrpc.InferInput("input", [1, 3, 32, 32], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 3, 32, 32), dtype=np.float32))
+    client.infer("digits", [inp], headers={"traceparent": f"00-{grpc_ids[0]}-{grpc_ids[1]}-01"})
+    roots = {
+        span.attributes["hpcml.protocol"]: span
+        for span in exporter.get_finished_spans()
+        if span.name == "hpcml.infer"
+    }
+    assert sorted(roots) == ["grpc", "http"]
+    for protocol, (trace_id, span_id) in (("http", http_ids), ("grpc", grpc_ids)):
+        root = roots[protocol]
+        assert root.kind == SpanKind.SERVER
+        assert root.context.trace_id == int(trace_id, 16), protocol
+        assert root.parent is not None and root.parent.is_remote
+        assert root.parent.span_id == int(span_id, 16), protocol
+    # Its children stay in the client's trace too.
+    children = [s for s in exporter.get_finished_spans() if s.name in CHILDREN]
+    assert {s.context.trace_id for s in children} == {int(http_ids[0], 16), int(grpc_ids[0], 16)}

@@ -26,7 +26,10 @@ def test_observe_up_writes_a_stack_promtool_accepts(tmp_path: Path) -> None:
     assert job["honor_labels"] is True
     assert job["file_sd_configs"][0]["files"] == [f"{runs}/*.json", f"{served}/*.json"]
     assert config["global"]["scrape_interval"] == "2s"
-    assert len(shown["alert_rules"]) == 13
+    assert len(shown["alert_rules"]) == 14
+    # Alerts go to the Alertmanager the compose file runs, configured from alertmanager.yml.
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["localhost:9093"]
+    assert (out / "alertmanager.yml").is_file()
     for board in DASHBOARDS.glob("*.json"):
         assert (out / "grafana" / "dashboards" / board.name).read_bytes() == board.read_bytes()
     compose = yaml.safe_load((out / "docker-compose.yml").read_text())
@@ -39,7 +42,7 @@ def test_observe_up_writes_a_stack_promtool_accepts(tmp_path: Path) -> None:
     check = subprocess.run([promtool, "check", "config", str(out / "prometheus.yml")],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "13 rules found" in check.stdout
+    assert "14 rules found" in check.stdout
 
 
 def test_observe_up_without_targets_is_one_sentence(tmp_path: Path) -> None:

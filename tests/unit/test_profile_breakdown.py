@@ -52,4 +52,7 @@ def test_no_collective_on_one_process_and_names() -> None:
     assert b["communication_in_flight_s"] == 0 and b["other_share"] == pytest.approx(0.4)
     assert all(is_comm(n) for n in ("nccl:all_reduce", "gloo:broadcast", "c10d::reduce_scatter_"))
     assert not any(is_comm(n) for n in ("aten::mm", "Optimizer.step#AdamW.step", "hpcml.data"))
+    # An ATen op named like a collective is not one (it counted as communication before).
+    assert not any(is_comm(n) for n in ("aten::broadcast_tensors", "aten::broadcast_to"))
+    assert is_comm("_c10d_functional::all_reduce")
     assert breakdown([ev("aten::mm", 0, 1)]) == {"steps": 0}

@@ -141,3 +141,34 @@ def test_scaling_efficiency_is_relative_to_the_baseline_processes(tmp_path: Path
                        load_run(fake_run(tmp_path / "eight", world=8, sps=340.0))])
     assert round(rows[1]["speedup"], 6) == 3.4
     assert round(rows[1]["scaling_efficiency"], 6) == 0.85
+
+
+def test_a_preempted_baseline_compares_by_its_step_records(tmp_path: Path) -> None:
+    """A preempted run's summary has samples_per_s None: every speedup was None although
+    run.jsonl holds the throughput of each step."""
+    base = fake_run(tmp_path / "base", world=1, sps=100.0)
+    summary = json.loads((base / "summary.json").read_text())
+    summary["status"], summary["throughput"] = "preempted", {"samples_per_s": None}
+    (base / "summary.json").write_text(json.dumps(summary))
+    rows = comparison([load_run(base), load_run(fake_run(tmp_path / "four", world=4, sps=340.0))])
+    assert rows[0]["samples_per_s"] == 100.0  # the median of its step records
+    assert round(rows[1]["speedup"], 6) == 3.4 and round(rows[1]["scaling_efficiency"], 6) == 0.85
+
+
+def test_efficiency_above_one_is_flagged_and_same_named_runs_are_told_apart(
+    tmp_path: Path,
+) -> None:
+    # 531% efficiency (a slowed baseline): printed with a note, on the page and the terminal.
+    base = fake_run(tmp_path / "exp1" / "run", world=1, sps=10.0)
+    fast = fake_run(tmp_path / "exp2" / "run", world=2, sps=106.2)
+    out = tmp_path / "r.html"
+    proc = run_hpcml("report", str(base), str(fast), "--out", str(out))
+    assert "note: exp2/run: scaling efficiency above 1" in " ".join(proc.stdout.split())
+    parsed = Tables()
+    parsed.feed(out.read_text())
+    table = parsed.tables["runs"]
+    header = table[0]
+    assert [r[header.index("run")] for r in table[1:]] == ["exp1/run", "exp2/run"]
+    assert table[2][header.index("scaling_efficiency")] == "5.31"
+    assert table[2][header.index("notes")].startswith("scaling efficiency above 1")
+    assert table[1][header.index("notes")] == "–"

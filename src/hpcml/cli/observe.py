@@ -22,13 +22,20 @@ def up(
     out: Path = typer.Option(Path("observe-stack"), "--out", help="Folder for the files."),
     scrape_s: int = typer.Option(5, "--scrape-s", min=1, help="Scrape interval in seconds."),
     port: int = typer.Option(9090, "--port", min=1, max=65535, help="Prometheus port."),
+    docs_url: str | None = typer.Option(
+        None,
+        "--docs-url",
+        help="Root of a published copy of the docs site: the alerts' runbook_url links point "
+        "into its runbooks page (default: the page's path in the hpcml sources).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
-    """Write prometheus.yml (file_sd over the targets, the alerting rules), Grafana provisioning
-    with the dashboards, and a docker-compose.yml; print the commands that start them."""
+    """Write prometheus.yml (file_sd over the targets, the alerting rules), alertmanager.yml,
+    Grafana provisioning with the dashboards, and a docker-compose.yml; print the commands
+    that start them. Prunes target files of processes on this host killed with SIGKILL."""
     from hpcml.observe.stack import write_stack
 
-    result = write_stack(out, targets, scrape_s, port)
+    result = write_stack(out, targets, scrape_s, port, docs_url)
     if json_out:
         print_json(result)
         return

@@ -23,3 +23,6 @@ def report(
         print_json(result)
         return
     console.print(f"wrote {result['report']} ({len(result['figures'])} figures beside it)")
+    for row in result["runs"]:
+        if row["notes"]:
+            console.print(f"note: {row['run']}: {row['notes']}", highlight=False)

@@ -76,7 +76,8 @@ def serve(
         None,
         "--prometheus-targets",
         help="Folder a Prometheus reads file_sd targets from: the server writes its /metrics "
-        "target there while it runs (removed on a clean stop; left if it dies, so up == 0).",
+        "target there while it runs (removed when it stops; a server killed with SIGKILL leaves it "
+        "until the next server or hpcml observe up on this host prunes it).",
     ),
 ) -> None:
     """Serve models over the Open Inference Protocol v2 (REST, and gRPC with --grpc-port) with dynamic batching."""
@@ -143,7 +144,7 @@ def _write_prometheus_target(folder: Path, cfg: Any) -> Path:
     import os
     import socket
 
-    from hpcml.observe.targets import write_target
+    from hpcml.observe.targets import prune_dead, write_target
 
     if cfg.port == 0:
         raise ConfigError("--prometheus-targets needs a fixed --port (not 0); pass --port.")
@@ -151,6 +152,7 @@ def _write_prometheus_target(folder: Path, cfg: Any) -> Path:
         raise ConfigError(f"--prometheus-targets {str(folder)!r} is a file; pass a folder.")
     host = socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
     labels = {"job": os.environ.get("HPCML_JOB", "hpcml-serve"), "role": "serve"}
+    prune_dead(folder)  # targets of servers killed with SIGKILL on this host
     return write_target(folder / f"serve-{host}-{cfg.port}.json", host, cfg.port, labels)
 
 

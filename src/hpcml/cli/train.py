@@ -209,5 +209,9 @@ def report(summary: dict[str, Any], json_out: bool) -> None:
             f"{prof['compute_share']:.0%}, other {prof['other_share']:.0%}; a collective in "
             f"flight {prof['communication_in_flight_share']:.0%}",
         )
+        for op in prof.get("top_ops") or []:  # the costliest, by device then self CPU time
+            cost = op["device_s"] or op["self_cpu_s"]
+            where = "device" if op["device_s"] else "self CPU"
+            table.add_row(f"  op {op['op'][:48]}", f"{cost * 1000:.2f} ms {where}, {op['calls']} calls")
         table.add_row("profile (trace, breakdown, top ops)", f"{summary['run_dir']}/profile/")
     console.print(table)

@@ -37,8 +37,14 @@ class Run:
 
     @property
     def samples_per_s(self) -> float | None:
+        """The summary's, else (a preempted or failed run has none) the median of the step
+        records' past warm-up, as the summary computes it."""
         value = (self.summary.get("throughput") or {}).get("samples_per_s")
-        return float(value) if value else None
+        if value:
+            return float(value)
+        rates = [float(r["samples_per_s"]) for r in self.steps[3:] or self.steps
+                 if isinstance(r.get("samples_per_s"), int | float) and r["samples_per_s"] > 0]
+        return statistics.median(rates) if rates else None
 
     def data_wait_share(self) -> float | None:
         shares = [
@@ -68,7 +74,7 @@ def load_run(path: Path) -> Run:
         if not isinstance(summary, dict):
             raise ConfigError(f"{str(summary_path)!r} is not a run summary (not a JSON object).")
     records = read_run_log(log_path)
-    run = Run(path.resolve().name, path, summary)
+    run = Run(path.resolve().name, path.resolve(), summary)
     for rec in records:
         kind = rec.get("kind", "step")
         if kind == "step" and isinstance(rec.get("step"), int) and "loss" in rec:
@@ -83,8 +89,28 @@ def load_run(path: Path) -> Run:
     return run
 
 
+EFFICIENCY_NOTE = (
+    "scaling efficiency above 1: more than linear, usually a slowed baseline (a contended, "
+    "preempted or cold run); check it before trusting the speedup"
+)
+
+
+def unique_names(runs: list[Run]) -> None:
+    """Runs whose folders share a name (exp1/run, exp2/run) are named by as many parent
+    folders as tell them apart."""
+    depth = 1
+    while True:
+        names = ["/".join(run.path.parts[-depth:]) for run in runs]
+        if len(set(names)) == len(names) or depth >= max(len(r.path.parts) for r in runs):
+            break
+        depth += 1
+    for run, name in zip(runs, names, strict=True):
+        run.name = name
+
+
 def comparison(runs: list[Run]) -> list[dict[str, Any]]:
-    """One row per run; speedup and scaling efficiency against the first run."""
+    """One row per run; speedup and scaling efficiency against the first run, and notes on
+    numbers that need a second look."""
     base = runs[0]
     rows = []
     for run in runs:
@@ -113,6 +139,7 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
                 "peak_rss_mib": _mib((s.get("memory") or {}).get("peak_rss_bytes")),
                 "fault_events": len(run.faults),
                 "skipped_steps": fault.get("skipped_steps"),
+                "notes": EFFICIENCY_NOTE if efficiency is not None and efficiency > 1 else None,
             }
         )
     return rows
@@ -150,6 +177,8 @@ def figures(runs: list[Run]) -> dict[str, bytes]:
     loss_ax.set(xlabel="step", ylabel="training loss", title="Loss (red lines: fault events)")
     acc_ax.set(xlabel="step", ylabel="validation accuracy", title="Evaluation")
     loss_ax.legend(fontsize=8)
+    if any(run.evals for run in runs):
+        acc_ax.legend(fontsize=8)
     out["curves.png"] = _png(fig)
     plt.close(fig)
 
@@ -248,6 +277,7 @@ def write_report(run_dirs: list[Path], out: Path) -> dict[str, Any]:
     if not run_dirs:
         raise ConfigError("hpcml report needs at least one run folder.")
     runs = [load_run(p) for p in run_dirs]
+    unique_names(runs)
     images = figures(runs)
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = out.with_name(f"{out.stem}_figures")

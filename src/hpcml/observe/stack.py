@@ -2,9 +2,11 @@
 with the shipped alerting rules and dashboards provisioned, and the commands that start them.
 
 Writes, into one folder: `prometheus.yml` (file_sd over the runs' and servers' target files,
-`honor_labels`, the rules), `rules/hpcml.yaml`, `grafana/provisioning/` (a Prometheus data
-source and a dashboard provider), `grafana/dashboards/*.json`, and a `docker-compose.yml` that
-runs both with host networking (the targets name this host's addresses).
+`honor_labels`, the rules, the Alertmanager it sends alerts to), `rules/hpcml.yaml`,
+`alertmanager.yml` (routes by severity, inhibitions, placeholder receivers),
+`grafana/provisioning/` (a Prometheus data source and a dashboard provider),
+`grafana/dashboards/*.json`, and a `docker-compose.yml` that runs the three with host
+networking (the targets name this host's addresses).
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ from typing import Any
 import yaml
 
 from hpcml.errors import ConfigError
+from hpcml.observe.targets import prune_dead
 
 HERE = Path(__file__).resolve().parent
 PROMETHEUS_IMAGE = "prom/prometheus:v2.53.0"
 GRAFANA_IMAGE = "grafana/grafana:11.1.0"
+ALERTMANAGER_IMAGE = "prom/alertmanager:v0.27.0"
+ALERTMANAGER_PORT = 9093
+RUNBOOKS = "docs/guides/runbooks.md#"
 
 
 def prometheus_config(run_globs: list[str], scrape_s: int) -> dict[str, Any]:
     return {
         "global": {"scrape_interval": f"{scrape_s}s", "evaluation_interval": f"{scrape_s}s"},
         "rule_files": ["rules/hpcml.yaml"],
+        "alerting": {
+            "alertmanagers": [{"static_configs": [{"targets": [f"localhost:{ALERTMANAGER_PORT}"]}]}]
+        },
         "scrape_configs": [
             {
                 "job_name": "hpcml",
@@ -37,9 +46,23 @@ def prometheus_config(run_globs: list[str], scrape_s: int) -> dict[str, Any]:
     }
 
 
-def write_stack(out: Path, targets: list[Path], scrape_s: int = 5, port: int = 9090) -> dict[str, Any]:
+def rules_text(docs_url: str | None) -> str:
+    """The shipped rules; with `docs_url` (the docs site's root), runbook links into it."""
+    text = (HERE / "rules" / "hpcml.yaml").read_text()
+    if docs_url:
+        text = text.replace(RUNBOOKS, f"{docs_url.rstrip('/')}/guides/runbooks/#")
+    return text
+
+
+def write_stack(
+    out: Path,
+    targets: list[Path],
+    scrape_s: int = 5,
+    port: int = 9090,
+    docs_url: str | None = None,
+) -> dict[str, Any]:
     """`targets`: folders of target files (observe.targets_dir, RUN_DIR/prometheus, the folder
-    of `hpcml serve --prometheus-targets`)."""
+    of `hpcml serve --prometheus-targets`); `docs_url`: where the docs site is published."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; pass a folder for the stack's files.")
     if not targets:
@@ -47,10 +70,13 @@ def write_stack(out: Path, targets: list[Path], scrape_s: int = 5, port: int = 9
             "hpcml observe up needs --targets: the folder(s) of target files "
             "(observe.targets_dir, RUN_DIR/prometheus, or hpcml serve --prometheus-targets)."
         )
+    for folder in targets:  # targets of processes on this host killed with SIGKILL
+        prune_dead(folder)
     globs = [str(t.resolve() / "*.json") for t in targets]
     out.mkdir(parents=True, exist_ok=True)
     (out / "rules").mkdir(exist_ok=True)
-    shutil.copyfile(HERE / "rules" / "hpcml.yaml", out / "rules" / "hpcml.yaml")
+    (out / "rules" / "hpcml.yaml").write_text(rules_text(docs_url))
+    shutil.copyfile(HERE / "rules" / "alertmanager.yml", out / "alertmanager.yml")
     (out / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(globs, scrape_s), sort_keys=False))
     boards = out / "grafana" / "dashboards"
     boards.mkdir(parents=True, exist_ok=True)
@@ -101,6 +127,12 @@ def write_stack(out: Path, targets: list[Path], scrape_s: int = 5, port: int = 9
                     *[f"{m}:{m}:ro" for m in mounts],
                 ],
             },
+            "alertmanager": {
+                "image": ALERTMANAGER_IMAGE,
+                "network_mode": "host",
+                "command": ["--config.file=/etc/alertmanager/alertmanager.yml"],
+                "volumes": ["./alertmanager.yml:/etc/alertmanager/alertmanager.yml:ro"],
+            },
             "grafana": {
                 "image": GRAFANA_IMAGE,
                 "network_mode": "host",
@@ -116,7 +148,8 @@ def write_stack(out: Path, targets: list[Path], scrape_s: int = 5, port: int = 9
         "folder": str(out),
         "watches": globs,
         "commands": [
-            f"cd {out} && docker compose up -d    # Prometheus :{port}, Grafana :3000 (admin/admin)",
+            f"cd {out} && docker compose up -d    # Prometheus :{port}, Alertmanager "
+            f":{ALERTMANAGER_PORT}, Grafana :3000 (admin/admin)",
             f"prometheus --config.file={out / 'prometheus.yml'}    # or without Docker",
         ],
         "dashboards": sorted(p.name for p in boards.iterdir()),

@@ -2,15 +2,24 @@
 `hpcml serve --tracing`).
 
 A tracer provider the program set (library use, tests) is used as it is; otherwise spans go by
-OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (the exporter's own default: localhost:4318), with
-trace ids from the OS's randomness.
+OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (or $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), with trace
+ids from the OS's randomness. With neither set, tracing is off: the exporter's own default,
+localhost:4318, made every run without a collector there spend seconds retrying and print
+connection errors.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hpcml.errors import ConfigError
+
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+NO_ENDPOINT = (
+    "{what}: no OTLP endpoint is set ($OTEL_EXPORTER_OTLP_ENDPOINT); tracing is off. Set it "
+    "to your collector, e.g. http://localhost:4318."
+)
 
 
 def system_id_generator() -> Any:
@@ -35,8 +44,9 @@ def system_id_generator() -> Any:
 
 def start_tracer(scope: str, resource: dict[str, Any], what: str) -> Any:
     """The tracer named `scope` from the program's provider, or from a new OTLP/HTTP one whose
-    resource is `resource`. `what` names the setting in the one-sentence error when the OTLP
-    exporter is not installed."""
+    resource is `resource`; None when neither a provider nor an endpoint is set (the caller
+    says so once: NO_ENDPOINT). `what` names the setting in the one-sentence error when the
+    OTLP exporter is not installed."""
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -44,6 +54,8 @@ def start_tracer(scope: str, resource: dict[str, Any], what: str) -> Any:
 
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):  # nobody configured one: OTLP
+        if not any(os.environ.get(v) for v in ENDPOINT_VARIABLES):
+            return None
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:

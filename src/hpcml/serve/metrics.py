@@ -64,6 +64,20 @@ class _Readiness(Collector):
         yield family
 
 
+# HTTP status -> gRPC status code name, for failures that have no more specific gRPC code: the
+# values the `code` label of hpcml_requests_total takes on gRPC (the alert rules count them).
+GRPC_CODE_OF_HTTP = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
+    413: "RESOURCE_EXHAUSTED",
+    429: "UNAVAILABLE",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
 class ServeMetrics:
     def __init__(self) -> None:
         self.tracer: Any = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import sys
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from hpcml.observe.tracing import NO_ENDPOINT
 from hpcml.observe.tracing import flush_tracer as flush_tracer
 from hpcml.observe.tracing import start_tracer as start_tracer_for
 
@@ -46,8 +48,10 @@ COMM_MARKERS = (
 
 
 def is_comm(name: str) -> bool:
+    """A collective's range (c10d, gloo, NCCL, functional collectives), found by name. ATen ops
+    are never collectives, whatever their name says (`aten::broadcast_tensors`)."""
     low = name.lower()
-    return any(m in low for m in COMM_MARKERS)
+    return not low.startswith("aten::") and any(m in low for m in COMM_MARKERS)
 
 
 @contextlib.contextmanager
@@ -79,7 +83,10 @@ def start_tracer(cfg: Any, rt: Any, out_dir: Path) -> Any:
     if not cfg.observe.tracing:
         return None
     resource = {"service.name": "hpcml-train", "hpcml.run": out_dir.name, "hpcml.rank": rt.rank}
-    return start_tracer_for("hpcml.train", resource, "observe.tracing")
+    tracer = start_tracer_for("hpcml.train", resource, "observe.tracing")
+    if tracer is None and rt.is_main:
+        print(NO_ENDPOINT.format(what="observe.tracing"), file=sys.stderr, flush=True)
+    return tracer
 
 
 def start_profiler(cfg: Any, rt: Any, out_dir: Path) -> StepProfiler | None:
@@ -89,14 +96,15 @@ def start_profiler(cfg: Any, rt: Any, out_dir: Path) -> StepProfiler | None:
     return StepProfiler(p.wait, p.warmup, p.active, out_dir / "profile", rt.rank)
 
 
-def start_exporter(cfg: Any, rt: Any, out_dir: Path) -> Any:
-    """This rank's Prometheus endpoint (`observe.metrics_port`), or None."""
+def start_exporter(cfg: Any, rt: Any, out_dir: Path, load_s: float | None = None) -> Any:
+    """This rank's Prometheus endpoint (`observe.metrics_port`), or None. `load_s`: how long
+    the resume's checkpoint load took."""
     o = cfg.observe
     if o.metrics_port is None:
         return None
     from hpcml.observe.train_metrics import TrainExporter
 
-    return TrainExporter(
+    exporter = TrainExporter(
         o.metrics_port,
         o.metrics_address,
         out_dir,
@@ -106,15 +114,49 @@ def start_exporter(cfg: Any, rt: Any, out_dir: Path) -> Any:
         rt.device.index if rt.device.type == "cuda" else None,
         Path(o.targets_dir).expanduser() if o.targets_dir else None,
     )
+    history = {"elastic": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)}
+    if rt.is_main:  # the run log's writer; its counts are the run's, once
+        history.update(run_history(out_dir / "run.jsonl"))
+    exporter.started(load_s, history)
+    return exporter
+
+
+def run_history(log: Path) -> dict[str, int]:
+    """How often the run in this log was resumed, and resumed after a preemption."""
+    counts = {"resume": 0, "preemption": 0}
+    try:
+        lines = log.read_text().splitlines()
+    except OSError:
+        return counts
+    for line in lines:
+        if '"resume"' not in line and '"preempted"' not in line:
+            continue  # most lines are steps: not parsed
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "resume":
+            counts["resume"] += 1
+        elif rec.get("kind") == "fault" and rec.get("event") == "preempted":
+            counts["preemption"] += 1
+    return counts
 
 
 def gpu_preflight(cfg: Any, rt: Any) -> None:
     """NVML health checks of this rank's GPU (hpcml.observe.gpu_health): one line per problem
     on stderr; with `observe.strict_health` (--strict-health) a problem stops the run before
-    it starts. Nothing on a CPU run."""
+    it starts. On a run without a GPU, with `strict_health` set, one line says there was nothing
+    to check."""
     from hpcml.observe.gpu_health import preflight
 
     found = preflight(rt.device)
+    if found is None and cfg.observe.strict_health and rt.is_main:
+        print(
+            f"observe.strict_health: this run trains on {rt.device.type}, not on a GPU NVML can "
+            "read; there is nothing to check.",
+            file=sys.stderr,
+            flush=True,
+        )
     if not found:
         return
     for line in found:
@@ -170,12 +212,16 @@ class StepProfiler:
             self.done = True
 
     def summary(self) -> dict[str, Any]:
-        """The breakdown without the op table (that stays in the profile folder)."""
-        return {k: v for k, v in (self.breakdown or {}).items() if k != "top_ops"}
+        """The breakdown with the 5 costliest ops (the whole table stays in the profile folder)."""
+        out = dict(self.breakdown or {})
+        if "top_ops" in out:
+            out["top_ops"] = out["top_ops"][:5]
+        return out
 
     def _ready(self, prof: Any) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.out_dir / f"trace-rank-{self.rank}.json"))
+        # *.pt.trace.json: the name TensorBoard's profiler plugin looks for.
+        prof.export_chrome_trace(str(self.out_dir / f"trace-rank-{self.rank}.pt.trace.json"))
         self.breakdown = breakdown(prof.events())
         self.breakdown["top_ops"] = top_ops(prof)
         if self.cuda:

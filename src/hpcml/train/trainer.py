@@ -134,7 +134,7 @@ class Trainer:
                 self.profiler.close()
             obs.flush_tracer(self.tracer)
             if self.exporter is not None:
-                self.exporter.close(finished=clean)
+                self.exporter.close()
             if self.view is not None:
                 self.view.close()
             if self.log is not None:
@@ -275,7 +275,7 @@ class Trainer:
                     self._warn(resume_changes.applied_line(self.resume_record), prefix="")
         self.meter = StepMeter(rt, self.global_batch, self.log, self.view)
         obs.gpu_preflight(cfg, rt)
-        self.exporter = obs.start_exporter(cfg, rt, self.out_dir)
+        self.exporter = obs.start_exporter(cfg, rt, self.out_dir, self.guard.load_s)
         self.spec = get_spec(cfg.model.name)
         self.meter.workload = mfu.run_workload(cfg, res, rt, self.spec, self.flops_per_sample)
         self.provenance: dict[str, Any] = {}
@@ -427,6 +427,8 @@ class Trainer:
                 self.pipeline.eval_forward if self.pipeline is not None else None,
             )
             self.last_eval.update(self.eval_sets.evaluate(self))  # train.eval_sets
+        if self.exporter is not None:
+            self.exporter.evaluated(self.last_eval)
         if self.rt.is_main:
             rec = {"kind": "eval", "step": self.step, **self.last_eval}
             if self.log is not None:
@@ -449,7 +451,7 @@ class Trainer:
             **self.eval_sets.checkpoint_fields(),  # the scores before training
         }
         sync_buffers(self.model)
-        nbytes = local_checkpoint_bytes(self.model, self.optimizer)
+        nbytes, t0 = local_checkpoint_bytes(self.model, self.optimizer), time.perf_counter()
         with self.guard.checkpointing(nbytes), self.phase("hpcml.checkpoint", step=self.step):
             path = ckpt.save(
                 self.out_dir / "checkpoints",
@@ -467,7 +469,7 @@ class Trainer:
         if self.rt.is_main:
             self.hooks.checkpoint(path, self.step)
         if self.exporter is not None:
-            self.exporter.checkpointed()
+            self.exporter.checkpointed(time.perf_counter() - t0)
         return path
 
     # --- the end -----------------------------------------------------------------------------

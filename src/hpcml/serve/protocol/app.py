@@ -200,8 +200,9 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
     async def infer(request: Request, name: str, version: str | None) -> Response:
         try:
             answer = await run_infer(
-                router, config, metrics, "http", name, version, lambda: read_infer_body(request)
-            )
+                router, config, metrics, "http", name, version,
+                lambda: read_infer_body(request), request.headers,
+            )  # fmt: skip
         except InferFailure as failure:
             return _error(failure.status, failure.message, failure.headers or None)
         mv, parsed = answer.version, answer.request
@@ -432,9 +433,13 @@ def build_app(
     )
     metrics = ServeMetrics()
     if tracer is None and config.tracing:
-        from hpcml.observe.tracing import start_tracer
+        from hpcml.observe.tracing import NO_ENDPOINT, start_tracer
 
         tracer = start_tracer("hpcml.serve", {"service.name": "hpcml-serve"}, "--tracing")
+        if tracer is None:
+            import sys
+
+            print(NO_ENDPOINT.format(what="--tracing"), file=sys.stderr, flush=True)
     metrics.tracer = tracer
     router = Router.from_source(source, config, metrics, seed, trust_code=trust_code)
     if not router.models:

@@ -208,6 +208,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 request.model_name,
                 request.model_version or None,
                 read,
+                _metadata(context) if self.metrics.tracer is not None else None,
             )
         except InferFailure as failure:
             retry = self._pushback() if "Retry-After" in failure.headers else ()
@@ -374,3 +375,8 @@ async def start_grpc_server(
     await health_servicer.refresh()
     follower = asyncio.get_running_loop().create_task(health_servicer.follow())
     return GrpcEndpoint(server, health_servicer, follower), port
+
+
+def _metadata(context: Any) -> dict[str, str]:
+    """The call's invocation metadata (gRPC keys are lower case), where `traceparent` travels."""
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}

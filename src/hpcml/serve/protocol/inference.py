@@ -23,7 +23,7 @@ from hpcml.serve.codec.oip import (
     check_requested_outputs,
 )
 from hpcml.serve.config import ServeConfig
-from hpcml.serve.metrics import ServeMetrics
+from hpcml.serve.metrics import GRPC_CODE_OF_HTTP, ServeMetrics
 from hpcml.serve.protocol.spans import RequestTrace
 from hpcml.serve.runtime.batcher import (
     BackendFailed,
@@ -39,19 +39,6 @@ log = logging.getLogger(__name__)
 
 # Extensions of the protocol this server implements (Triton's names), and no others.
 EXTENSIONS = ["binary_tensor_data"]
-
-# HTTP status -> gRPC status code name, for failures that have no more specific gRPC code.
-GRPC_CODE_OF_HTTP = {
-    400: "INVALID_ARGUMENT",
-    404: "NOT_FOUND",
-    408: "DEADLINE_EXCEEDED",
-    413: "RESOURCE_EXHAUSTED",
-    429: "UNAVAILABLE",
-    500: "INTERNAL",
-    503: "UNAVAILABLE",
-    504: "DEADLINE_EXCEEDED",
-}
-
 
 @dataclass
 class InferFailure(Exception):
@@ -120,15 +107,18 @@ async def run_infer(
     name: str,
     version: str | None,
     read_request: Callable[[], Awaitable[InferRequest]],
+    carrier: Any = None,
 ) -> InferAnswer:
     """Answer one request for model `name` (a version, or the router's pick) or raise InferFailure.
 
     `read_request` parses the body; it runs after the model and version are known to exist, so
-    an unknown model is a 404 whatever the body holds.
+    an unknown model is a 404 whatever the body holds. `carrier`: the request's headers or gRPC
+    metadata as a mapping of lower-case names, where a W3C `traceparent` continues the client's
+    trace (read only with tracing on).
     """
     started = time.perf_counter()
     tracer = getattr(metrics, "tracer", None)
-    rt = RequestTrace(tracer, protocol, name, version) if tracer is not None else None
+    rt = RequestTrace(tracer, protocol, name, version, carrier) if tracer is not None else None
     chosen: ModelVersion | None = None
     # Unknown names must not create metric series (any client could invent them).
     label_model = name if name in router.models else ""

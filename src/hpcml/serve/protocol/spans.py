@@ -1,6 +1,8 @@
 """OpenTelemetry spans for each inference request (`hpcml serve --tracing`).
 
-One trace per request: a root span `hpcml.infer` (model, version, protocol, status code) with
+One trace per request: a root span `hpcml.infer` of kind SERVER (model, version, protocol,
+status code), the child of the client's span when the request carries a W3C `traceparent`
+(HTTP header or gRPC metadata), with
 children `receive` (reading and parsing the body), `queue` (waiting in the dynamic batcher),
 `compute` (the batched forward pass it shared, with the batch's number and size) and `respond`
 (encoding the answer). The batcher times queue and compute with `time.perf_counter`; the spans
@@ -8,6 +10,11 @@ are written when the request ends, from those readings placed on the wall clock 
 anchor all requests share, so tracing adds nothing to the batcher's loop and the requests of a
 batch show the same compute span. A request that fails ends its root span with an error status
 and the children it reached.
+
+Each batch is a span `hpcml.batch` of its own (its forward pass: model, version, batch number
+and size) linking the root spans of the requests it served, written when the last of them
+finishes (their samples add up to the batch's size); a batch one of whose requests never
+finishes (a client gone after the forward pass) has none.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ from hpcml.serve.runtime.batcher import InferResult
 
 _ANCHOR: tuple[int, float] = (time.time_ns(), time.perf_counter())
 ANCHOR_EVERY_S = 60.0
+_BATCHES: dict[tuple[str, str, int], tuple[int, list[Any]]] = {}
+"""(model, version, batch) -> samples of its requests finished so far, their root spans' contexts."""
+PENDING_BATCHES = 256
 
 
 def _anchor() -> tuple[int, float]:
@@ -35,8 +45,14 @@ def _anchor() -> tuple[int, float]:
 class RequestTrace:
     """The timings of one request, turned into spans by `finish`."""
 
-    def __init__(self, tracer: Any, protocol: str, model: str, version: str | None) -> None:
+    def __init__(
+        self, tracer: Any, protocol: str, model: str, version: str | None, carrier: Any = None
+    ) -> None:
+        from opentelemetry.propagate import extract
+
         self.tracer = tracer
+        # The client's trace context (W3C traceparent/tracestate); an empty context without.
+        self.parent = extract(carrier) if carrier else None
         self.anchor = _anchor()
         self.perf0 = time.perf_counter()
         self.wall0 = self._ns(self.perf0)
@@ -64,11 +80,13 @@ class RequestTrace:
     def finish(self, code: str, error: str | None = None) -> None:
         """Write the spans; `code` is the HTTP status or gRPC code sent."""
         from opentelemetry import trace
-        from opentelemetry.trace import Status, StatusCode
+        from opentelemetry.trace import SpanKind, Status, StatusCode
 
         end = time.perf_counter()
         root = self.tracer.start_span(
             "hpcml.infer",
+            context=self.parent,
+            kind=SpanKind.SERVER,
             start_time=self.wall0,
             attributes={**self.attributes, "hpcml.code": code},
         )
@@ -91,3 +109,30 @@ class RequestTrace:
             child("compute", r.started, r.started + r.compute_s, **attrs)
             child("respond", self.answered_at, end)
         root.end(end_time=self._ns(end))
+        if r is not None and self.answered_at is not None:
+            self._batch_served(root.get_span_context())
+
+    def _batch_served(self, request_span: Any) -> None:
+        """Count this request into its batch; the last one writes the batch's span."""
+        from opentelemetry.trace import Link
+
+        r = self.result
+        assert r is not None
+        key = (self.attributes["hpcml.model"], self.attributes["hpcml.version"], r.batch)
+        samples, links = _BATCHES.pop(key, (0, []))
+        samples, links = samples + len(r.output), [*links, Link(request_span)]
+        if samples < r.batch_size:
+            _BATCHES[key] = (samples, links)
+            while len(_BATCHES) > PENDING_BATCHES:  # requests that never finished
+                del _BATCHES[next(iter(_BATCHES))]
+            return
+        span = self.tracer.start_span(
+            "hpcml.batch",
+            start_time=self._ns(r.started),
+            links=links,
+            attributes={
+                "hpcml.model": key[0], "hpcml.version": key[1],
+                "hpcml.batch": r.batch, "hpcml.batch_size": r.batch_size,
+            },
+        )  # fmt: skip
+        span.end(end_time=self._ns(r.started + r.compute_s))
