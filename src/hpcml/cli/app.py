@@ -14,10 +14,12 @@ from typer.core import TyperGroup
 
 from hpcml.cli import data as data_cli
 from hpcml.cli import launch as launch_cli
+from hpcml.cli import launch_k8s as launch_k8s_cli
 from hpcml.cli import model as model_cli
 from hpcml.cli import observe as observe_cli
 from hpcml.cli import plan as plan_cli
 from hpcml.cli import profile as profile_cli
+from hpcml.cli import promote as promote_cli
 from hpcml.cli import registry as registry_cli
 from hpcml.cli import report as report_cli
 from hpcml.cli import serve as serve_cli
@@ -120,12 +122,14 @@ app.add_typer(model_cli.app, name="model")
 app.add_typer(data_cli.app, name="data")
 app.add_typer(plan_cli.app, name="plan")
 app.add_typer(registry_cli.app, name="registry")
+launch_k8s_cli.register(launch_cli.app)
 app.add_typer(launch_cli.app, name="launch")
 app.add_typer(observe_cli.app, name="observe")
 serve_cli.register(app)
 app.command("report", help=report_cli.report.__doc__)(report_cli.report)
 app.command("profile", help=profile_cli.profile.__doc__)(profile_cli.profile)
 app.command("tune", help=tune_cli.tune.__doc__)(tune_cli.tune)
+app.command("promote", help=promote_cli.promote.__doc__)(promote_cli.promote)
 
 
 def main() -> None:

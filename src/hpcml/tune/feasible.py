@@ -8,29 +8,13 @@ launched. Without `tune.device` every config is feasible (a CPU run is not check
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hpcml.config import RunConfig, TuneConfig
 from hpcml.errors import ConfigError
 
-
-@dataclass(frozen=True)
-class Fit:
-    fits: bool
-    predicted_bytes: float
-    usable_bytes: float
-    device: str
-
-    @property
-    def violation(self) -> float:
-        """Optuna's constraint value: > 0 when infeasible (the share by which it is over)."""
-        return self.predicted_bytes / self.usable_bytes - 1.0
-
-    def reason(self) -> str:
-        return (
-            f"the planner predicts {self.predicted_bytes / 1e9:.2f} GB per device, over the "
-            f"{self.usable_bytes / 1e9:.2f} GB usable on {self.device}"
-        )
+if TYPE_CHECKING:
+    from hpcml.plan.fit import Fit
 
 
 def check_device(tune: TuneConfig) -> None:
@@ -51,25 +35,8 @@ def memory_fit(cfg: RunConfig, nproc: int, tune: TuneConfig) -> Fit | None:
     """The planner's verdict for `cfg` on `nproc` devices of `tune.device`, or None."""
     if tune.device is None:
         return None
-    from hpcml.plan.check import setup_from_summary
+    from hpcml.plan.fit import memory_fit as plan_fit
     from hpcml.plan.hardware import load_catalog
-    from hpcml.plan.memory import CUDA_RESERVE_BYTES, USABLE_FRACTION, per_device_bytes
 
     catalog = load_catalog(tune.catalog)
-    # The same mapping from a config to a plan that `hpcml plan check` applies to a run.
-    setup = setup_from_summary(
-        {
-            "config": cfg.model_dump(mode="json"),
-            "world_size": nproc,
-            "device": {"type": "cuda", "name": tune.device},
-            "precision": cfg.precision,
-        },
-        catalog,
-        label="tune trial",
-    )
-    acc = setup.cluster.accelerator
-    mem = per_device_bytes(
-        setup.model, setup.layout, setup.training, setup.cluster.devices, acc.memory_bytes
-    )
-    usable = max(1.0, USABLE_FRACTION * float(acc.memory_bytes or 0) - CUDA_RESERVE_BYTES)
-    return Fit(mem.fits(), mem.total_bytes, usable, acc.key)
+    return plan_fit(cfg.model_dump(mode="json"), cfg.precision, nproc, tune.device, catalog)
