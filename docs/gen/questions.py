@@ -112,8 +112,8 @@ QUESTIONS: tuple[Question, ...] = (
         h.engine,
         h.engine_spread,
         Readme(
-            "`python benchmarks/engine_overhead.py --steps 60 --pairs 3 --max-pairs 3` (by "
-            "default, rounds until the median ratios' 95% intervals are within +-1%)",
+            "`python benchmarks/engine_overhead.py --max-pairs 24` (rounds until the median "
+            "ratios' 95% intervals are within +-1%, at most 24)",
             h.engine_readme,
             ("benchmarks", "benchmarks.md"),
         ),
