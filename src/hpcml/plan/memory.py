@@ -264,9 +264,23 @@ class MemoryBreakdown:
         self, usable_fraction: float = USABLE_FRACTION, reserve_bytes: float = CUDA_RESERVE_BYTES
     ) -> bool:
         """Peak plus the CUDA context and allocator reserve within a share of device memory."""
+        room = self.headroom_bytes(usable_fraction, reserve_bytes)
+        return room is None or room >= 0
+
+    def budget_bytes(
+        self, usable_fraction: float = USABLE_FRACTION, reserve_bytes: float = CUDA_RESERVE_BYTES
+    ) -> float | None:
+        """What the plan may use: the usable share of device memory less the reserve."""
         if self.device_memory_bytes is None:
-            return True
-        return self.total_bytes + reserve_bytes <= usable_fraction * self.device_memory_bytes
+            return None
+        return usable_fraction * self.device_memory_bytes - reserve_bytes
+
+    def headroom_bytes(
+        self, usable_fraction: float = USABLE_FRACTION, reserve_bytes: float = CUDA_RESERVE_BYTES
+    ) -> float | None:
+        """Budget left after the peak (negative: over by that much); None off a device."""
+        budget = self.budget_bytes(usable_fraction, reserve_bytes)
+        return None if budget is None else budget - self.total_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -469,7 +483,8 @@ def per_device_bytes(
         acts = transformer_activation_bytes(model, layout, training.activation_bytes)
     elif model.activation_bytes_per_sample is not None:
         acts = model.activation_bytes_per_sample * layout.micro_batch
-        acts *= training.activation_bytes / 4.0
+        if not model.activations_traced:
+            acts *= training.activation_bytes / 4.0
         if layout.recompute != "none":
             notes.append("recomputation is modelled for transformers only; ignored here")
     else:

@@ -41,6 +41,9 @@ class ModelShape:
     """Generic models: forward FLOPs of one sample (multiply-add = 2)."""
     activation_bytes_per_sample: float | None = None
     """Generic models: bytes autograd saves per sample in fp32, excluding the parameters."""
+    activations_traced: bool = False
+    """activation_bytes_per_sample was traced at the run's own precision (plan memory
+    --trace), not counted in fp32: it is not rescaled to the activation type."""
     dropout: bool = True
     tied_embeddings: bool = True
     param_tensors: int = 0
@@ -159,6 +162,12 @@ def transformer(
         )
     ffn = ffn_hidden or 4 * hidden
     kvh = kv_heads or heads
+    if kvh < 1 or heads % kvh:
+        raise PlanError(
+            f"transformer '{name}': {kvh} key/value heads do not divide {heads} attention heads; "
+            "grouped-query attention shares each key/value head among heads/kv_heads query "
+            "heads, so pick a --kv-heads that divides --heads."
+        )
     kv_width = hidden // heads * kvh
     attn = hidden * (hidden + 2 * kv_width) + hidden * hidden
     mlp = (3 if gated_mlp else 2) * hidden * ffn
@@ -421,6 +430,25 @@ _CNN_TABLE: dict[str, ModelShape] = {
         buffer_bytes=38560,
     ),
 }
+
+
+# The input the CNN table was counted at (per sample); the zoo's default builder arguments.
+CNN_TABLE_INPUT = (3, 32, 32)
+CNN_TABLE_ARGS: dict[str, Any] = {"num_classes": 10, "in_channels": 3}
+
+
+def is_table_cnn(name: str) -> bool:
+    return name.lower() in _CNN_TABLE
+
+
+def cnn_table_covers(name: str, args: Mapping[str, Any], input_shape: Any) -> bool:
+    """Whether the CNN table's entry for `name` describes the model built with `args` (as the
+    engine completes them) on inputs of `input_shape` (None: not recorded)."""
+    if name.lower() not in _CNN_TABLE:
+        return False
+    if any(CNN_TABLE_ARGS.get(k, object()) != v for k, v in args.items()):
+        return False
+    return input_shape is None or tuple(int(d) for d in input_shape) == CNN_TABLE_INPUT
 
 
 def mlp_shape(args: Mapping[str, Any]) -> ModelShape:
