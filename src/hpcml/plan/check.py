@@ -209,18 +209,18 @@ def setup_from_summary(
         # weight decay; ZeroRedundancyOptimizer partitions group by group.
         one = tuple(n for group in model.param_tensor_sizes for n in group)
         model = replace(model, param_tensor_sizes=(one,))
-    if ac == "selective":
-        shape_notes.append(
-            "hpcml's selective checkpointing recomputes every ac_every-th block in full; the "
-            "planner's 'selective' is Korthikanti's (attention core only), so it predicts none"
-        )
+    if ac == "selective":  # hpcml's older name of layer:K, K = train.ac_every
+        ac = f"layer:{int(_get(config, 'train', 'ac_every', default=2) or 2)}"
+    if not model.is_transformer and ac != "none":
+        shape_notes.append(f"recomputation ({ac}) is planned for transformers only")
+        ac = "none"
     layout = Layout(
         tp=tp,
         sp=bool(_get(config, "parallel", "sequence_parallel", default=False)),
         zero=_STRATEGY_ZERO[strategy] if world // tp > 1 else 0,
         micro_batch=int(_get(config, "data", "batch_size", default=1)),
         grad_accum=int(_get(config, "train", "grad_accum", default=1)),
-        recompute="full" if ac == "full" else "none",
+        recompute=ac,
         vocab_parallel_loss=False,  # hpcml's gpt TP plan gathers whole logits
         sp_saves_gathered=True,  # and keeps gathered matmul inputs (torch DTensor SP)
         # hpcml's zero1 is torch's ZeroRedundancyOptimizer: whole tensors per rank. Measured on

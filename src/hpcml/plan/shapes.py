@@ -100,29 +100,37 @@ class ModelShape:
         return 3.0 * self.forward_flops_per_sample
 
     def hardware_flops_per_sample(self, recompute: str = "none") -> float:
-        """FLOPs the device executes, recomputation included.
+        """FLOPs the device executes, recomputation included (hpcml.plan.recompute's policies).
 
         full: one more forward pass of every block, as in Narayanan et al. 2021 Eq. 3
-        (96BLsh^2 instead of 72BLsh^2). selective: one more forward of the attention core,
-        QK^T and the weighted sum over V, 4*B*s^2*h per layer (a third of the attention term).
-        Korthikanti et al. 2022 Eq. 8 counts the whole attention term again instead
-        (`megatron_flops_per_iteration`); the forward-only count is what the device runs.
+        (96BLsh^2 instead of 72BLsh^2); layer:K: of every K-th block. attention-scores: one
+        more forward of the attention core, QK^T and the weighted sum over V, 4*B*s^2*h per
+        layer (a third of the attention term; Korthikanti et al. 2022 Eq. 8 counts the whole
+        term again instead, `megatron_flops_per_iteration`; the forward-only count is what the
+        device runs). op: the matmuls the policy does not save, once more.
         """
+        from hpcml.plan.recompute import op_recomputed_flops_per_token, parse
+
+        policy = parse(recompute)
         model = self.model_flops_per_sample()
-        if recompute == "none":
+        if policy.kind == "none":
             return model
         if not self.is_transformer:
-            # Generic models have no attention core; full recomputation adds one forward.
-            return model * 4.0 / 3.0 if recompute == "full" else model
+            # Generic models have no blocks or attention core; full recomputation adds a forward.
+            return model * 4.0 / 3.0 if policy.kind == "full" else model
         attn = 12.0 * self.layers * self.hidden * self.seq * self.seq
-        if recompute == "selective":
+        if policy.kind == "attention-scores":
             return model + attn / 3.0
-        if recompute == "full":
-            matmul_n = self.params - self.lookup_only_params
-            head = self.vocab * self.hidden  # the output layer is not recomputed
-            layers_forward = 2.0 * (matmul_n - head) * self.seq + attn / 3.0
-            return model + layers_forward
-        raise PlanError(f"recompute '{recompute}' is not known; use none, selective or full.")
+        if policy.kind == "op":
+            kv_width = self.hidden // self.heads * (self.kv_heads or self.heads)
+            per_token = op_recomputed_flops_per_token(
+                self.hidden, kv_width, self.ffn_hidden or 4 * self.hidden, self.gated_mlp
+            )
+            return model + self.layers * self.seq * per_token
+        matmul_n = self.params - self.lookup_only_params
+        head = self.vocab * self.hidden  # the output layer is not recomputed
+        layers_forward = 2.0 * (matmul_n - head) * self.seq + attn / 3.0
+        return model + layers_forward * policy.recomputed_blocks(self.layers) / self.layers
 
     @property
     def tokens_per_sample(self) -> int:
