@@ -54,16 +54,26 @@ def test_memory_reports_headroom_and_flags_a_thin_one() -> None:
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "3"],
-         "3 key/value heads do not divide 8 attention heads"),
-        (["--params", "7e9", "--swiglu"],
-         "--swiglu is not used when the model is given by --params alone"),
-        (["--params", "7e9", "--seq", "4096", "--vocab", "32000"],
-         "--vocab, --seq are not used when the model is given by --params alone"),
-        (["--model", "llama-7b", "--params", "1e9", "--hidden", "64"],
-         "--params, --hidden are not used when --model llama-7b is given"),
-        (["--layers", "2", "--hidden", "64", "--heads", "4", "--flops-per-sample", "1e9"],
-         "--flops-per-sample is not used when the model is a transformer"),
+        (
+            ["--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "3"],
+            "3 key/value heads do not divide 8 attention heads",
+        ),
+        (
+            ["--params", "7e9", "--swiglu"],
+            "--swiglu is not used when the model is given by --params alone",
+        ),
+        (
+            ["--params", "7e9", "--seq", "4096", "--vocab", "32000"],
+            "--vocab, --seq are not used when the model is given by --params alone",
+        ),
+        (
+            ["--model", "llama-7b", "--params", "1e9", "--hidden", "64"],
+            "--params, --hidden are not used when --model llama-7b is given",
+        ),
+        (
+            ["--layers", "2", "--hidden", "64", "--heads", "4", "--flops-per-sample", "1e9"],
+            "--flops-per-sample is not used when the model is a transformer",
+        ),
         (["--model", "resnet18", "--seq", "128"], "--seq is ignored by --model resnet18"),
     ],
 )

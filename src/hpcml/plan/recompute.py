@@ -77,12 +77,15 @@ def check_attention(policy: Policy, attention: str) -> None:
 
 
 def matmul_widths(hidden: int, kv_width: int, ffn: int, gated: bool) -> list[tuple[int, int]]:
-    """(in, out) features of a block's matmuls in the order its forward runs them: Llama's
-    separate q, k, v, o and w1, w3, w2 for a gated MLP; GPT's fused qkv, projection, fc, fc2."""
+    """(in, out) features of a block's matmuls in the order its forward runs them: separate
+    q, k, v and output projections (torchtitan's Llama, Hugging Face's Llama, hpcml's gpt),
+    then w1, w3, w2 for a gated MLP or fc, proj otherwise. A model that fuses q, k and v into
+    one matmul (Megatron-LM, GPT-2) saves another set."""
     h = hidden
+    attention = [(h, h), (h, kv_width), (h, kv_width), (h, h)]
     if gated:
-        return [(h, h), (h, kv_width), (h, kv_width), (h, h), (h, ffn), (h, ffn), (ffn, h)]
-    return [(h, h + 2 * kv_width), (h, h), (h, ffn), (ffn, h)]
+        return [*attention, (h, ffn), (h, ffn), (ffn, h)]
+    return [*attention, (h, ffn), (ffn, h)]
 
 
 def op_saved_width(hidden: int, kv_width: int, ffn: int, gated: bool) -> int:
