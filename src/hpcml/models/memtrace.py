@@ -25,18 +25,26 @@ from typing import Any
 import torch
 from torch import nn
 
-# MemTracker's reference types -> the planner's categories. Inputs are what the step was handed
-# (tracked as "Other").
+# MemTracker's reference types (and FSDPMemTracker's) -> the planner's categories. Inputs are
+# what the step was handed (MemTracker tracks them as "Other").
 _CATEGORY = {
     "Parameter": "params",
+    "Sharded Param": "params",
     "Buffer": "buffers",
     "Gradient": "grads",
+    "Sharded Grad": "grads",
     "Optstate": "optimizer",
+    "OptState": "optimizer",
     "Activation": "activations",
     "Temp": "temporaries",
     "Other": "inputs",
+    "Inputs": "inputs",
+    "Unsharded Param": "gathered_params",
+    "Unsharded Grad": "unsharded_grads",
+    "All Gather": "all_gather",
+    "Reduce Scatter": "reduce_scatter",
 }
-CATEGORIES = tuple(_CATEGORY.values())
+CATEGORIES = tuple(dict.fromkeys(_CATEGORY.values()))
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -81,11 +89,14 @@ def run_step(
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     on_forward_end: Callable[[], None] | None = None,
+    on_micro_batch: Callable[[int], None] | None = None,
 ) -> None:
     """One optimizer step over `batches` (the micro-batches of gradient accumulation), as
     hpcml's Trainer runs it: gradients set to None first, the loss divided by their count."""
     optimizer.zero_grad(set_to_none=True)
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if on_micro_batch is not None:
+            on_micro_batch(i)
         with autocast():
             loss = loss_fn(model(x), y) / len(batches)
         if on_forward_end is not None:
@@ -110,26 +121,46 @@ def trace_step(
     make_batches: Callable[[], list[Batch]],
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> TracedStep:
     """Build, warm up (one untracked step creates the optimizer states) and trace one step,
-    all on fake tensors."""
+    all on fake tensors. `shard` applies FSDP2 to the built model (under a process group the
+    caller set up, e.g. torch's fake one); the step is then traced by FSDPMemTracker, which also
+    files gathered parameters and the collectives' buffers."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     with fake_mode():
         model = build()
+        if shard is not None:
+            shard(model)
         optimizer = make_optimizer(model)
         batches = make_batches()
         run_step(model, optimizer, batches, loss_fn, autocast)
         optimizer.zero_grad(set_to_none=True)
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer, *[t for b in batches for t in b])
+        inputs = [t for b in batches for t in b]
+        if shard is not None:
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            tracker: MemTracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs(tuple(inputs))  # type: ignore[attr-defined]
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, *inputs)
         acts: list[int] = []
 
         def note_activations() -> None:
             acts.append(_by_category(tracker.get_tracker_snapshot())["activations"])
 
+        def next_micro_batch(i: int) -> None:
+            # MemTracker refuses a second forward of the root module in one pass; its module
+            # statistics (not the peak) start again for each micro-batch of an accumulation.
+            if i:
+                tracker.reset_mod_stats()
+
         with tracker:
-            run_step(model, optimizer, batches, loss_fn, autocast, note_activations)
+            run_step(
+                model, optimizer, batches, loss_fn, autocast, note_activations, next_micro_batch
+            )
         peak = tracker.get_tracker_snapshot("peak")
         after = _by_category(tracker.get_tracker_snapshot())
     at_peak = _by_category(peak)

@@ -6,14 +6,18 @@ model's completed arguments, the layout checks), the model is built as training 
 fused where torch has the kernel), and each micro-batch runs under the configured autocast; then
 `hpcml.models.memtrace` traces one steady step under torch's MemTracker. Nothing is allocated.
 
-Layouts traced: one process, and ddp on any number (every DDP rank holds the whole model and
-its own micro-batch; hpcml's DDP reduces gradients in their buckets' place,
-`gradient_as_bucket_view`, so a rank holds no second copy). Sharded (zero1/2/3) and tensor
-parallel layouts are refused: their per-rank bytes come from the formula path.
+Layouts traced: one process; ddp on any number (every DDP rank holds the whole model and its
+own micro-batch; hpcml's DDP reduces gradients in their buckets' place,
+`gradient_as_bucket_view`, so a rank holds no second copy); zero2 and zero3 (FSDP2, applied as
+training applies it, over torch's fake process group of N ranks in this one process, traced by
+FSDPMemTracker). zero1 (torch's ZeroRedundancyOptimizer) and tensor parallelism are refused:
+their per-rank bytes come from the formula path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -21,7 +25,7 @@ from torch import nn
 
 from hpcml.config import RunConfig
 from hpcml.distributed.precision import Precision
-from hpcml.distributed.wrapping import apply_ac
+from hpcml.distributed.wrapping import apply_ac, apply_fsdp, mixed_precision_policy
 from hpcml.errors import ConfigError
 from hpcml.models.memtrace import Batch, trace_step
 from hpcml.models.zoo import build_model, count_parameters
@@ -32,12 +36,11 @@ from hpcml.train.validate import Resolved, resolve
 
 def check_traceable(cfg: RunConfig, devices: int) -> None:
     p = cfg.parallel
-    sharded = p.strategy != "ddp" and devices // p.tp > 1
-    if p.tp > 1 or sharded:
+    if p.tp > 1 or (p.strategy == "zero1" and devices > 1):
         raise ConfigError(
-            f"--trace follows one-process and ddp layouts; parallel.strategy {p.strategy} with "
-            f"tp={p.tp} on {devices} devices shards the model, so plan it without --trace "
-            "(the formula path) or trace it with parallel.strategy=ddp parallel.tp=1."
+            f"--trace follows one-process, ddp, zero2 and zero3 (FSDP2) layouts; "
+            f"parallel.strategy {p.strategy} with tp={p.tp} on {devices} devices is planned "
+            "without --trace (the formula path)."
         )
     if cfg.finetune.method != "full":
         raise ConfigError(
@@ -79,13 +82,17 @@ def trace_resolved(cfg: RunConfig, res: Resolved, devices: int) -> dict[str, Any
     def optimizer(model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(param_groups(model, cfg.optim), cfg.optim, devices)
 
-    traced = trace_step(
-        build,
-        optimizer,
-        batches,
-        resolve_loss(cfg.train.loss),
-        Precision(cfg.precision, "cpu").autocast,
-    )
+    sharded = cfg.parallel.strategy in ("zero2", "zero3", "fsdp") and devices > 1
+    with fake_process_group(devices) if sharded else nullcontext() as mesh:
+        traced = trace_step(
+            build,
+            optimizer,
+            batches,
+            resolve_loss(cfg.train.loss),
+            # FSDP2's mixed-precision policy casts the gathered parameters itself.
+            nullcontext if sharded else Precision(cfg.precision, "cpu").autocast,
+            shard=(lambda m: shard_like_training(cfg, m, mesh)) if sharded else None,
+        )
     return {
         "model": cfg.model.name,
         "parameters": count_parameters(res.meta_model),
@@ -101,6 +108,29 @@ def trace_resolved(cfg: RunConfig, res: Resolved, devices: int) -> dict[str, Any
         **traced.to_dict(),
         "activations_bytes_per_sample": traced.activation_peak_bytes / micro,
     }
+
+
+@contextmanager
+def fake_process_group(devices: int) -> Iterator[Any]:
+    """torch's fake process group of `devices` ranks in this one process (collectives are
+    no-ops with the right shapes), and a CPU device mesh over it; torn down after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ConfigError("--trace of a sharded layout needs a process of its own; run it alone.")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=devices)
+    try:
+        yield init_device_mesh("cpu", (devices,))
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_like_training(cfg: RunConfig, model: nn.Module, mesh: Any) -> None:
+    """FSDP2 as hpcml.distributed.parallel applies it: per unit, then the root."""
+    reshard = cfg.parallel.strategy != "zero2"
+    apply_fsdp(model, mesh, reshard, mixed_precision_policy(cfg.precision))
 
 
 def summary_trace(cfg: RunConfig, res: Resolved, world_size: int) -> dict[str, Any] | None:

@@ -24,7 +24,12 @@ _ROWS = (
     ("at the peak: activations", ("at_peak", "activations"), None),
     ("at the peak: backward temporaries", ("at_peak", "temporaries"), None),
     ("at the peak: inputs", ("at_peak", "inputs"), None),
+    ("at the peak: gathered parameters (FSDP)", ("at_peak", "gathered_params"), "buffers_bytes"),
+    ("at the peak: all-gather buffers (FSDP)", ("at_peak", "all_gather"), None),
+    ("at the peak: unsharded gradients (FSDP)", ("at_peak", "unsharded_grads"), None),
+    ("at the peak: reduce-scatter buffers (FSDP)", ("at_peak", "reduce_scatter"), None),
 )
+_FSDP_ONLY = ("gathered_params", "all_gather", "unsharded_grads", "reduce_scatter")
 
 
 def _refuse_shape_options(opts: PlanOptions) -> None:
@@ -120,6 +125,8 @@ def _print(out: dict[str, Any], mem: Any, verdict: str, devices: int, cluster: A
         value: Any = out
         for key in where:
             value = value[key]
+        if where[-1] in _FSDP_ONLY and not value:
+            continue
         t.add_row(label, _gb(value), _gb(formula[formula_key]) if formula_key else "-")
     t.add_row("= peak", _gb(out["peak_bytes"]), _gb(mem.total_bytes))
     console.print(t)
