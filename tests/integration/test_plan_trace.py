@@ -190,3 +190,24 @@ def test_a_run_off_the_cnn_table_is_predicted_from_its_own_traced_step(tmp_path:
     # from the trace; with the 32x32 table the ratio was about 4.
     assert abs(acts["ratio"] - 1) <= GOAL, acts
     assert any("at 3x16x16" in n for n in summary["prediction"]["notes"])
+
+
+def test_zero3_is_traced_sharded_over_a_fake_process_group(tmp_path: Path) -> None:
+    """zero3 on 4 ranks: FSDP2 applied as training applies it, over torch's fake process group,
+    traced by FSDPMemTracker: a rank holds a quarter of ddp's parameters and optimizer states,
+    and gathers a unit's parameters in flight."""
+    config = str(_resnet_config(tmp_path, 32))
+    out = {}
+    for strategy in ("ddp", "zero3"):
+        proc = hpcml_proc(
+            ["plan", "memory", "--trace", config, f"parallel.strategy={strategy}",
+             "--devices", "4", "--gpu", "h100-sxm", "--json"]
+        )
+        assert proc.returncode == 0, proc.stderr
+        out[strategy] = json.loads(proc.stdout)
+    ddp, zero3 = out["ddp"]["states"], out["zero3"]["states"]
+    # FSDP2 pads each tensor's dim-0 shard to a multiple of the world size: 1% covers it.
+    assert zero3["params"] == pytest.approx(ddp["params"] / 4, rel=0.01)
+    assert zero3["optimizer"] == pytest.approx(ddp["optimizer"] / 4, rel=0.01)
+    assert out["zero3"]["at_peak"]["gathered_params"] > 0
+    assert out["zero3"]["formula"]["params_bytes"] == pytest.approx(zero3["params"], rel=0.01)
