@@ -87,9 +87,18 @@ def llama(batch: int, seq: int) -> tuple[dict[str, Any], Any]:
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.lm(input_ids=ids).logits  # type: ignore[no-any-return]
 
+    def build() -> nn.Module:
+        # Built in bf16 (a stock bf16 checkpoint's dtype); `.to()` cannot swap fake tensors.
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return Logits().train()
+        finally:
+            torch.set_default_dtype(default)
+
     ids = torch.zeros(batch, seq, dtype=torch.int64)
     parts = {
-        "build": lambda: Logits().to(torch.bfloat16).train(),
+        "build": build,
         "make_optimizer": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
         "make_batches": lambda: [(ids, ids.clone())],
         "loss_fn": _loss,

@@ -1,9 +1,8 @@
 """The peak of real CPU allocations over a piece of work, from the allocator's own reports.
 
 c10's CPU allocator reports every allocation and free to torch's profiler when it runs with
-`profile_memory=True` (`[memory]` events carrying a signed byte count); the running sum of those
-events, in time order, peaks where the work held the most memory beyond what was alive when it
-started. This is how `plan memory --trace` is checked: it reads the allocator, not the
+`profile_memory=True`, each with its size and the allocator's running total; that total, in
+time order, peaks where the work held the most memory beyond what was alive when it started. This is how `plan memory --trace` is checked: it reads the allocator, not the
 dispatcher the tracer (`hpcml.models.memtrace`, torch's MemTracker over fake tensors) listens to,
 runs on real tensors, and so also sees allocations that never pass a `TorchDispatchMode` (a
 kernel's own buffers through c10) and every tensor at the size it really got.
@@ -20,19 +19,27 @@ import torch
 
 def peak_rise_bytes(work: Callable[[], Any]) -> int:
     """Run `work` and return the most bytes its allocations held at once beyond the start."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         work()
-    events = [e for e in prof.events() if e.name == "[memory]"]
-    if not events:
-        raise RuntimeError("the profiler recorded no allocation events")
-    events.sort(key=lambda e: e.time_range.start)  # stable: the recorded order breaks ties
-    now = peak = 0
-    for e in events:
-        now += int(e.cpu_memory_usage)
-        peak = max(peak, now)
-    return peak
+    # Every allocation and free the allocator reported, with its running total: the raw
+    # records under the profiler's event tree (what torch.profiler._memory_profiler reads;
+    # the `[memory]` rows of prof.events() keep only those made outside an operator).
+    found: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation:
+            fields = node.typed[1]
+            found.append((node.start_time_ns, int(fields.alloc_size), int(fields.total_allocated)))
+        stack.extend(node.children)
+    if not found:
+        raise RuntimeError("the profiler recorded no allocations")
+    found.sort(key=lambda e: e[0])
+    start = found[0][2] - found[0][1]  # the allocator's total before the first event
+    return max(0, max(total for _, _, total in found) - start)
 
 
 def live_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from hpcml.config import RunConfig
 from hpcml.distributed.precision import Precision
 from hpcml.distributed.wrapping import apply_ac, apply_fsdp, mixed_precision_policy
-from hpcml.errors import ConfigError
+from hpcml.errors import ConfigError, ModelError
 from hpcml.models.memtrace import Batch, trace_step
 from hpcml.models.zoo import build_model, count_parameters
 from hpcml.train.losses import resolve_loss
@@ -52,7 +52,17 @@ def check_traceable(cfg: RunConfig, devices: int) -> None:
 def trace_config(cfg: RunConfig, devices: int) -> dict[str, Any]:
     """Per-rank bytes of one steady training step of `cfg` on `devices` ranks, traced."""
     check_traceable(cfg, devices)
-    return trace_resolved(cfg, resolve(cfg, devices), devices)
+    res = resolve(cfg, devices)
+    try:
+        return trace_resolved(cfg, res, devices)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError) as exc:
+        # A model whose forward needs real data (a value read on the host, a custom kernel
+        # without a fake implementation) cannot be traced; say so instead of a traceback.
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ModelError(
+            f"model {cfg.model.name!r} cannot be traced on fake tensors ({reason}); plan it "
+            "without --trace, by its shape."
+        ) from None
 
 
 def trace_resolved(cfg: RunConfig, res: Resolved, devices: int) -> dict[str, Any]:
@@ -146,6 +156,6 @@ def summary_trace(cfg: RunConfig, res: Resolved, world_size: int) -> dict[str, A
     if cfg.finetune.method != "full" or cfg.parallel.tp > 1:
         return None
     try:
-        return trace_resolved(cfg, res, world_size)
+        return {**trace_resolved(cfg, res, 1), "world_size": world_size}
     except Exception as exc:  # a prediction must never fail a finished run
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
