@@ -30,12 +30,12 @@ def _traced_activations(policy: str) -> int:
         apply_ac(model, policy, 2)
         return model.train()
 
-    ids = torch.zeros(BATCH, SEQ, dtype=torch.int64)
+    def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.int64)  # made under the fake mode
+        return [(ids, ids)]
+
     traced = trace_step(
-        build,
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-        lambda: [(ids, ids)],
-        cross_entropy,
+        build, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), batches, cross_entropy
     )
     return traced.activation_peak_bytes
 
