@@ -55,8 +55,12 @@ def apply_ac(model: nn.Module, mode: str, every: int) -> int:
         if mode in ("full", "op") or i % every == 0:
             # Non-reentrant checkpointing composes with FSDP2, DTensor and compile; the wrapper's
             # state-dict hooks keep parameter names unchanged.
-            extra = {"context_fn": _op_policy_context} if mode == "op" else {}
-            setattr(parent, name, checkpoint_wrapper(getattr(parent, name), **extra))
+            unit = getattr(parent, name)
+            if mode == "op":
+                unit = checkpoint_wrapper(unit, context_fn=_op_policy_context)
+            else:
+                unit = checkpoint_wrapper(unit)
+            setattr(parent, name, unit)
             wrapped += 1
     return wrapped
 
