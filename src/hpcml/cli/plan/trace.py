@@ -118,7 +118,7 @@ def _print(out: dict[str, Any], mem: Any, verdict: str, devices: int, cluster: A
         f"{out['micro_batch']} x {out['grad_accum']} of {'x'.join(map(str, out['input_shape']))}, "
         f"{out['precision']} {out['optimizer']}"
     )
-    for col in ("part", "traced at peak GB", "formula GB"):
+    for col in ("part", "traced GB", "formula GB"):
         t.add_column(col, justify="left" if col == "part" else "right")
     formula = mem.to_dict()
     for label, where, formula_key in _ROWS:
