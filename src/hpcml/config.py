@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from hpcml.config_sections import (  # re-exported: every section from hpcml.config
     SECONDS_MAX,
@@ -18,6 +18,7 @@ from hpcml.config_sections import (  # re-exported: every section from hpcml.con
     ObserveConfig,
     TrackingConfig,
     _Section,
+    check_ac_policy,
 )
 from hpcml.errors import ConfigError
 
@@ -242,11 +243,16 @@ class TrainConfig(_Section):
     channels_last: bool = False
     """Store the model and 4-D input batches (images) in the channels-last memory format (NHWC),
     in training and evaluation; other inputs are left as they are."""
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: every block (full) or every `ac_every`-th one."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward, by the names `hpcml plan --recompute` takes
+    (hpcml.plan.recompute): `full` (every block), `op` (torchtitan's selective op
+    checkpointing: each block saves its attention kernel's and every other matmul's outputs),
+    `layer:K` (every K-th block in full, from the first), `none`; `selective` is the older name
+    of `layer:K` with K = `ac_every`. `attention-scores` is refused: the zoo's attention is
+    fused (SDPA) and keeps no scores to drop."""
     ac_every: int = Field(2, gt=0)
     """With activation_checkpointing `selective`: recompute every N-th block (the first, the
-    N+1-th, ...); 1 recomputes all. Ignored by `none` and `full`."""
+    N+1-th, ...); 1 recomputes all. Ignored by the other policies."""
     compile: bool = False
     """torch.compile each block (or the whole model when it has no blocks)."""
     eval_sets: dict[str, str] | None = None
@@ -259,6 +265,7 @@ class TrainConfig(_Section):
     """Peak FLOP/s of one device for the precision in use, for MFU; null looks it up by name."""
     loss: str = "cross_entropy"
     """`cross_entropy` or an import path `pkg.mod:fn` to fn(logits, target) -> mean loss."""
+
     profile: ProfileConfig | None = None
     """Profile a few steps (torch.profiler): RUN_DIR/profile/ gets a Chrome trace and a
     breakdown of step time per rank; null: off."""
@@ -271,6 +278,11 @@ class TrainConfig(_Section):
     (Linux; capped at 19) so that it runs on the cycles training leaves. 0 runs it at
     training's priority: on 2 CPU cores a lowered writer added more loop time, not less, and
     took about 10x longer to make a checkpoint durable (benchmarks/checkpoint_stall.py)."""
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _ac_policy(cls, value: str) -> str:
+        return check_ac_policy(value)
 
 
 class ParallelConfig(_Section):

@@ -132,3 +132,16 @@ class ObserveConfig(_Section):
     pending memory repairs, slowdown at rest, a narrowed PCIe link, other processes on it);
     without it the problems are printed and the run goes on. On a run without a GPU, one line
     says there is nothing to check."""
+
+
+def check_ac_policy(value: str) -> str:
+    """train.activation_checkpointing: a recomputation policy hpcml trains with."""
+    if value == "attention-scores":
+        raise ValueError(
+            "attention-scores recomputes the s x s scores that only eager attention keeps, and "
+            "the zoo's attention is fused (SDPA); use op, layer:K or full"
+        )
+    k = value.partition(":")[2] if value.startswith("layer:") else None
+    if value in ("none", "full", "op", "selective") or (k and k.isdigit() and int(k) > 0):
+        return value
+    raise ValueError("use none, full, op, layer:K (K at least 1) or selective")

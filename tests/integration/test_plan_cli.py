@@ -35,7 +35,7 @@ def invoke_json(*args: str) -> Any:
 
 def test_memory_json_gives_per_device_bytes() -> None:
     proc = hpcml("plan", "memory", "--model", "llama-7b", "--devices", "64", "--zero", "1",
-                 "--recompute", "selective", "--grad-accum", "16", "--json")
+                 "--recompute", "op", "--grad-accum", "16", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
@@ -95,7 +95,7 @@ def test_comm_reports_algorithm_and_bus_bandwidth() -> None:
 def test_step_json_and_scaling_plot(tmp_path: Path) -> None:
     png = tmp_path / "scaling.png"
     out = invoke_json("step", "--model", "llama-7b", "--devices", "64", "--zero", "1",
-                      "--recompute", "selective", "--grad-accum", "8", "--scaling",
+                      "--recompute", "op", "--grad-accum", "8", "--scaling",
                       "8,16,32,64", "--plot", str(png))
     step = out["step"]
     assert step["step_s"] == pytest.approx(

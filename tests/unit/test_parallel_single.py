@@ -41,7 +41,7 @@ def _grads(mode: str) -> tuple[list[str], list[torch.Tensor], float]:
     return list(full_state_dict(model)), [p.grad for p in model.parameters()], loss.item()
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "layer:3", "op"])
 def test_activation_checkpointing_keeps_names_and_gradients(mode: str) -> None:
     names0, grads0, loss0 = _grads("none")
     names1, grads1, loss1 = _grads(mode)
@@ -57,6 +57,24 @@ def test_selective_wraps_every_kth_block() -> None:
     parallelize(model, _rt(), ParallelConfig(), TrainConfig(activation_checkpointing="selective"))
     wrapped = [type(b).__name__ == "CheckpointWrapper" for b in model.blocks]
     assert wrapped == [True, False, True, False]
+
+
+def test_layer_k_wraps_every_kth_block_from_the_first() -> None:
+    model = build_model("gpt-tiny", {"n_layer": 4})
+    parallelize(model, _rt(), ParallelConfig(), TrainConfig(activation_checkpointing="layer:3"))
+    wrapped = [type(b).__name__ == "CheckpointWrapper" for b in model.blocks]
+    assert wrapped == [True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    "policy,needle",
+    [("attention-scores", "only eager attention keeps"), ("layer:0", "layer:K"), ("sel", "op")],
+)
+def test_unknown_or_meaningless_policies_are_refused(policy: str, needle: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=needle):
+        TrainConfig(activation_checkpointing=policy)
 
 
 def test_clip_grad_norm_matches_torch() -> None:

@@ -81,11 +81,11 @@ def test_korthikanti_table_2_rows() -> None:
     assert activation_bytes_per_layer(S, B, H, A, tp=T, sp=True) == pytest.approx(
         SBH / T * (34 + 5 * A * S / H)
     )
-    assert activation_bytes_per_layer(S, B, H, A, tp=T, recompute="selective") == pytest.approx(
+    assert activation_bytes_per_layer(S, B, H, A, tp=T, recompute="attention-scores") == pytest.approx(
         SBH * (10 + 24 / T)
     )
     assert activation_bytes_per_layer(
-        S, B, H, A, tp=T, sp=True, recompute="selective"
+        S, B, H, A, tp=T, sp=True, recompute="attention-scores"
     ) == pytest.approx(SBH * 34 / T)
     assert activation_bytes_per_layer(S, B, H, A, recompute="full") == pytest.approx(2 * SBH)
 
@@ -100,7 +100,7 @@ def test_selective_recompute_savings_published(
     # Sec. 4.2.2: 5as/h = 80 for GPT-3 and 64 for MT-NLG, so selective recomputation saves
     # 70% and 65% of the activation memory.
     none = activation_bytes_per_layer(s, 1, h, a)
-    sel = activation_bytes_per_layer(s, 1, h, a, recompute="selective")
+    sel = activation_bytes_per_layer(s, 1, h, a, recompute="attention-scores")
     # The paper rounds the savings to whole percents.
     assert 1 - sel / none == pytest.approx(saving, abs=0.006), name
 
@@ -110,7 +110,7 @@ def test_sp_plus_selective_reduce_activations_about_5x(h: int, a: int) -> None:
     # Abstract: sequence parallelism with selective recomputation reduces activation memory
     # by 5x against the tensor-parallel baseline (t = 8 for these models, Table 3).
     base = activation_bytes_per_layer(2048, 1, h, a, tp=8)
-    new = activation_bytes_per_layer(2048, 1, h, a, tp=8, sp=True, recompute="selective")
+    new = activation_bytes_per_layer(2048, 1, h, a, tp=8, sp=True, recompute="attention-scores")
     # 'By 5x' in the abstract; the exact ratios for these three models are 5.41, 4.94, 4.94.
     assert 4.5 < base / new < 5.6
 

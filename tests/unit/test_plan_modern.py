@@ -38,7 +38,7 @@ def test_korthikanti_with_and_without_flash() -> None:
     assert eager == pytest.approx(s * b * h * (34 + 5 * a * s / h))
     flash = activation_bytes_per_layer(s, b, h, a, attention="flash")
     assert flash == pytest.approx(s * b * h * 34 + 4 * s * b * a)  # + fp32 log-sum-exp
-    selective = activation_bytes_per_layer(s, b, h, a, recompute="selective", attention="eager")
+    selective = activation_bytes_per_layer(s, b, h, a, recompute="attention-scores", attention="eager")
     assert selective == pytest.approx(s * b * h * 34)
 
 

@@ -48,7 +48,7 @@ def test_weak_scaling_loses_efficiency_across_nodes() -> None:
     assert rate[0] > rate[1] > rate[2] > rate[3]
     assert rate[1] - rate[2] > rate[2] - rate[3]  # the node boundary costs most
     m = model_shape("llama-7b")
-    strong = scaling_curve(m, Layout(zero=1, recompute="selective"), Training(), cluster,
+    strong = scaling_curve(m, Layout(zero=1, recompute="op"), Training(), cluster,
                            [8, 16, 32, 64], global_batch=512)
     assert [e.samples_per_step for e in strong] == [512] * 4
     with pytest.raises(PlanError):

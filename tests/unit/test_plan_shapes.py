@@ -67,7 +67,7 @@ def test_korthikanti_selective_recompute_overhead(layers: int, hidden: int,
                                                   overhead: float) -> None:
     # Korthikanti et al. 2022: selective recomputation costs 2.7% (GPT-3) and 1.6% (MT-NLG)
     # extra FLOPs (Eq. 8 over Eq. 7).
-    sel = megatron_flops_per_iteration(1, 2048, layers, hidden, 51200, "selective")
+    sel = megatron_flops_per_iteration(1, 2048, layers, hidden, 51200, "attention-scores")
     none = megatron_flops_per_iteration(1, 2048, layers, hidden, 51200, "none")
     assert sel / none - 1 == pytest.approx(overhead, abs=0.001)
 
@@ -79,7 +79,7 @@ def test_full_recompute_is_four_thirds() -> None:
     paper = (megatron_flops_per_iteration(1, 2048, 96, 12288, 51200, "full")
              / megatron_flops_per_iteration(1, 2048, 96, 12288, 51200))
     assert ratio == pytest.approx(paper, rel=0.01)
-    assert 1 < t.hardware_flops_per_sample("selective") / t.model_flops_per_sample() < 1.01
+    assert 1 < t.hardware_flops_per_sample("attention-scores") / t.model_flops_per_sample() < 1.01
 
 
 def test_generic_models_train_at_three_times_forward() -> None:

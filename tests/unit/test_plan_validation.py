@@ -27,7 +27,7 @@ from hpcml.plan.shapes import model_shape, shape_from_raw
 A100 = load_catalog().accelerator("a100-80gb")
 
 
-@pytest.mark.parametrize("name,recompute", [("llama3-8b", "selective"), ("llama3-70b", "full")])
+@pytest.mark.parametrize("name,recompute", [("llama3-8b", "op"), ("llama3-70b", "full")])
 def test_torchtitan_recipes_fit_on_64_a100(name: str, recompute: str) -> None:
     # FSDP2 keeps fp32 parameter shards and computes in bf16: 'amp' weights, 16 bytes/param.
     mem = per_device_bytes(

@@ -6,6 +6,8 @@ Per-family plans (`parallelize_gpt`) call these in torchtitan's order: TP, AC, c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -40,18 +42,58 @@ def _is_composite(m: nn.Module) -> bool:
 
 
 def apply_ac(model: nn.Module, mode: str, every: int) -> int:
-    """Recompute activations in backward for every unit (`full`) or every `every`-th one
-    (`selective`, counting from the first). Returns how many units were wrapped."""
+    """Recompute activations in backward (hpcml.plan.recompute's names): every unit (`full`),
+    every K-th one from the first (`layer:K`; `selective` is layer:`every`), or every unit
+    under torchtitan's op policy (`op`: saves the attention kernel's and every other matmul's
+    outputs). Returns how many units were wrapped."""
     if mode == "none":
         return 0
+    if mode.startswith("layer:"):
+        every = int(mode.partition(":")[2])
     wrapped = 0
     for i, (parent, name) in enumerate(units(model)):
-        if mode == "full" or i % every == 0:
+        if mode in ("full", "op") or i % every == 0:
             # Non-reentrant checkpointing composes with FSDP2, DTensor and compile; the wrapper's
             # state-dict hooks keep parameter names unchanged.
-            setattr(parent, name, checkpoint_wrapper(getattr(parent, name)))
+            unit = getattr(parent, name)
+            if mode == "op":
+                unit = checkpoint_wrapper(unit, context_fn=_op_policy_context)
+            else:
+                unit = checkpoint_wrapper(unit)
+            setattr(parent, name, unit)
             wrapped += 1
     return wrapped
+
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+# torchtitan's save list (torchtitan/distributed/activation_checkpoint.py), with the CPU kernel
+# of scaled_dot_product_attention and addmm (a Linear with a bias) beside mm.
+_OP_SAVE = {
+    *_MATMULS,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
+}
+
+
+def _op_policy_context() -> Any:
+    """A fresh policy per checkpointed forward: save the kernels of `_OP_SAVE`, but only every
+    other matmul (the 1st, 3rd, ... of the unit), and recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    counts = {False: 0, True: 0}  # forward, recomputation
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in _MATMULS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in _OP_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:

@@ -6,6 +6,8 @@ output layer and pipeline bookkeeping on top.
 
 from __future__ import annotations
 
+from hpcml.plan.recompute import op_saved_width
+
 
 def activation_bytes_per_layer(
     seq: int,
@@ -27,7 +29,8 @@ def activation_bytes_per_layer(
 
     Korthikanti et al. 2022, Sec. 4.1 and Table 2, for 16-bit activations and 1-byte dropout
     masks:  none: sbh(34 + 5as/h);  TP: sbh(10 + 24/t + 5as/(ht));  TP+SP: sbh/t (34 + 5as/h);
-    selective recomputation drops the 5as/h attention-score term; full recomputation keeps
+    recomputing the attention scores (`attention-scores`, their "selective") drops the 5as/h
+    term; `op` keeps what torchtitan's op policy saves; full recomputation keeps
     only the block input, 2sbh (sharded by t under SP, as Megatron-LM stores it).
     Of the 34: 24 are sharded by TP (Q, K, V 2 + 2 + 2, the projection input 2, and the MLP's
     8 + 8 for a 4h GELU MLP), 10 are not (two LayerNorm inputs 4, attention and MLP inputs
@@ -35,7 +38,7 @@ def activation_bytes_per_layer(
     queries (GQA, kv_heads < heads) K and V are kv_heads/heads as wide; a gated MLP (SwiGLU)
     keeps four ffn-wide tensors (both projections, the SiLU output and the product) instead
     of two. Fused attention (sdpa, flash) never keeps the s x s scores, the same saving as
-    selective recomputation, and keeps a 4-byte log-sum-exp per head and row instead.
+    recomputing them, and keeps a 4-byte log-sum-exp per head and row instead.
     """
     s, b, h, a, t = float(seq), float(micro_batch), float(hidden), float(heads), float(tp)
     kv = float(kv_heads or heads)
@@ -46,6 +49,14 @@ def activation_bytes_per_layer(
         kept = 2.0 * half * sbh
         return kept / t if sp else kept
     ffn = float(ffn_hidden or 4 * hidden)
+    if recompute == "op":
+        # torchtitan's op policy: the block input, the attention kernel's output and
+        # log-sum-exp, and every other matmul output (hpcml.plan.recompute); the matmul outputs
+        # and the kernel's are column-sharded under TP, the input only under SP.
+        saved = op_saved_width(int(h), int(h * kv / a), int(ffn), gated_mlp)
+        kept = 2.0 * half * sbh / (t if sp else 1.0)
+        kept += 2.0 * half * s * b * (h + saved) / t + 4.0 * s * b * a / t
+        return kept
     mlp_inner = (4.0 if gated_mlp else 2.0) * 2.0 * ffn / h  # 16 for a 4h GELU MLP
     qkv_out = 2.0 + 4.0 * kv / a + 2.0  # Q, K, V and the attention output (8 without GQA)
     sharded = (qkv_out + mlp_inner) * half

@@ -98,6 +98,14 @@ def _why(
     return f"{line}; the runner-up ({runner.label()}) is {slower:.1%} slower, {reason}{tie}."
 
 
+def _policies(model: ModelShape, recompute: Sequence[str]) -> Sequence[str]:
+    """The recomputation policies worth searching: attention-scores only where the model's
+    attention keeps the scores (eager); none for models without blocks."""
+    if not model.is_transformer:
+        return ("none",)
+    return [rc for rc in recompute if rc != "attention-scores" or model.attention == "eager"]
+
+
 def advise(
     model: ModelShape,
     training: Training,
@@ -109,7 +117,7 @@ def advise(
     calibration: Calibration | None = None,
     overlap: float = 1.0,
     zero_stages: Sequence[int] = (0, 1, 2, 3),
-    recompute: Sequence[str] = ("none", "selective", "full"),
+    recompute: Sequence[str] = ("none", "attention-scores", "op", "full"),
     max_tp: int | None = None,
     max_micro_batch: int = 64,
     offload: Sequence[str] = ("none",),
@@ -156,7 +164,7 @@ def advise(
                     for zero in zero_stages:
                         if pp > 1 and zero >= 2:
                             continue
-                        for rc in recompute if model.is_transformer else ("none",):
+                        for rc in _policies(model, recompute):
                             for off in offload:
                                 if off == "params" and zero != 3:
                                     continue

@@ -15,7 +15,8 @@ from hpcml.plan.common import PlanError
 from hpcml.plan.hardware import Catalog, Cluster, match_accelerator, resolve_cluster
 from hpcml.plan.memory import Layout, MemoryBreakdown, Training, per_device_bytes
 from hpcml.plan.perf import Calibration, CalibrationPoint, StepEstimate, calibrate, step_time
-from hpcml.plan.shapes import ModelShape, model_shape, transformer
+from hpcml.plan.run_shape import shape_from_run
+from hpcml.plan.shapes import ModelShape
 
 MEMORY_GOAL = 0.10
 STEP_GOAL = 0.25
@@ -23,13 +24,6 @@ STEP_GOAL = 0.25
 # hpcml's zero2 is FSDP2 with reshard_after_forward=False: between steps it holds parameter
 # shards like ZeRO-3 (what is measured), and keeps the gathered model from forward to backward.
 _STRATEGY_ZERO = {"ddp": 0, "zero1": 1, "zero2": 3, "fsdp": 3, "zero3": 3}
-_DIM_KEYS = {
-    "layers": ("n_layer", "n_layers", "num_layers", "layers", "depth"),
-    "hidden": ("n_embd", "d_model", "hidden_size", "hidden", "dim"),
-    "heads": ("n_head", "n_heads", "num_heads", "heads"),
-    "seq": ("block_size", "seq_len", "max_seq_len", "context_length", "seq"),
-    "vocab": ("vocab_size", "vocab"),
-}
 
 
 @dataclass(frozen=True)
@@ -121,67 +115,6 @@ def _get(d: Mapping[str, Any], *path: str, default: Any = None) -> Any:
     return cur
 
 
-def _shape_from_run(
-    summary: Mapping[str, Any], config: Mapping[str, Any]
-) -> tuple[ModelShape, list[str]]:
-    """The planner's own shape of the run's model. Only a model the planner does not know
-    takes its numbers from the run, and the notes say so: a prediction that copies the
-    measurement would agree with it by construction."""
-    name = str(
-        _get(config, "model", "name", default=_get(summary, "model", "name", default="model"))
-    )
-    args = dict(
-        _get(summary, "model", "args", default=None)
-        or _get(config, "model", "args", default=None)
-        or {}
-    )
-    params = _get(summary, "model", "parameters")
-    fwd = _get(summary, "model", "forward_flops_per_sample")
-    notes: list[str] = []
-    try:
-        shape = model_shape(name, args)
-    except PlanError:
-        try:
-            # The engine fills in default arguments (num_classes, in_channels): the table
-            # entry of the default model describes it.
-            shape = model_shape(name)
-        except PlanError:
-            dims = {
-                k: next((int(args[a]) for a in keys if a in args), 0)
-                for k, keys in _DIM_KEYS.items()
-            }
-            if not params:
-                raise PlanError(
-                    f"the run's summary.json gives no parameter count for model '{name}' and "
-                    "the planner does not know it; the summary needs model.parameters."
-                ) from None
-            if dims["layers"] and dims["hidden"] and dims["heads"]:
-                shape = transformer(
-                    name,
-                    dims["layers"],
-                    dims["hidden"],
-                    dims["heads"],
-                    dims["seq"] or 256,
-                    dims["vocab"] or 256,
-                    params=int(params),
-                    source="run summary",
-                )
-            else:
-                shape = ModelShape(
-                    name,
-                    int(params),
-                    forward_flops_per_sample=float(fwd or 2.0 * params),
-                    source="run summary",
-                )
-            notes.append(
-                f"'{name}' is not known to the planner: its parameter count (and FLOPs) come "
-                "from the run, so those rows are not independent predictions"
-            )
-    if params and int(params) != shape.params:
-        notes.append(f"the planner counts {shape.params:,} parameters, the run {int(params):,}")
-    return shape, notes
-
-
 def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
     """summary.json's memory block, per rank: hpcml train writes rank 0's figures plus a
     "per_rank" list; also accepted: {"0": {...}}, [{...}], or one flat dict."""
@@ -261,7 +194,7 @@ def setup_from_summary(
         )
     tp = int(_get(config, "parallel", "tp", default=1) or 1)
     ac = str(_get(config, "train", "activation_checkpointing", default="none"))
-    model, shape_notes = _shape_from_run(summary, config)
+    model, shape_notes = shape_from_run(summary, config)
     if strategy == "zero2" and world // tp > 1:
         shape_notes.append(
             "hpcml's zero2 (FSDP2, reshard_after_forward=False) keeps parameter shards between "
@@ -276,18 +209,18 @@ def setup_from_summary(
         # weight decay; ZeroRedundancyOptimizer partitions group by group.
         one = tuple(n for group in model.param_tensor_sizes for n in group)
         model = replace(model, param_tensor_sizes=(one,))
-    if ac == "selective":
-        shape_notes.append(
-            "hpcml's selective checkpointing recomputes every ac_every-th block in full; the "
-            "planner's 'selective' is Korthikanti's (attention core only), so it predicts none"
-        )
+    if ac == "selective":  # hpcml's older name of layer:K, K = train.ac_every
+        ac = f"layer:{int(_get(config, 'train', 'ac_every', default=2) or 2)}"
+    if not model.is_transformer and ac != "none":
+        shape_notes.append(f"recomputation ({ac}) is planned for transformers only")
+        ac = "none"
     layout = Layout(
         tp=tp,
         sp=bool(_get(config, "parallel", "sequence_parallel", default=False)),
         zero=_STRATEGY_ZERO[strategy] if world // tp > 1 else 0,
         micro_batch=int(_get(config, "data", "batch_size", default=1)),
         grad_accum=int(_get(config, "train", "grad_accum", default=1)),
-        recompute="full" if ac == "full" else "none",
+        recompute=ac,
         vocab_parallel_loss=False,  # hpcml's gpt TP plan gathers whole logits
         sp_saves_gathered=True,  # and keeps gathered matmul inputs (torch DTensor SP)
         # hpcml's zero1 is torch's ZeroRedundancyOptimizer: whole tensors per rank. Measured on

@@ -21,18 +21,18 @@ def megatron_flops_per_iteration(
     """Megatron-LM's FLOPs per iteration of B sequences.
 
     none (model FLOPs), Korthikanti et al. 2022 Eq. 7: 72BLsh^2 (1 + s/(6h) + V/(12hL));
-    selective, their Eq. 8: 72BLsh^2 (1 + s/(3h) + V/(12hL));
+    attention-scores (their "selective" recomputation), their Eq. 8: 72BLsh^2 (1 + s/(3h) + V/(12hL));
     full, Narayanan et al. 2021 Eq. 3: 96BLsh^2 (1 + s/(6h) + V/(16hL)).
     """
     b, s, lyr, h, v = float(batch), float(seq), float(layers), float(hidden), float(vocab)
     base = 72.0 * b * lyr * s * h * h
     if recompute == "none":
         return base * (1 + s / (6 * h) + v / (12 * h * lyr))
-    if recompute == "selective":
+    if recompute == "attention-scores":
         return base * (1 + s / (3 * h) + v / (12 * h * lyr))
     if recompute == "full":
         return 96.0 * b * lyr * s * h * h * (1 + s / (6 * h) + v / (16 * h * lyr))
-    raise PlanError(f"recompute '{recompute}' is not known; use none, selective or full.")
+    raise PlanError(f"recompute '{recompute}' is not known; use none, attention-scores or full.")
 
 
 def megatron_params(layers: int, hidden: int, vocab: int, seq: int) -> float:

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hpcml.plan import recompute as recompute_policy
 from hpcml.plan.activations import activation_bytes_per_layer, inflight_microbatches
 from hpcml.plan.common import DTYPE_BYTES, PlanError, normalize_precision
 from hpcml.plan.shapes import ModelShape
@@ -43,7 +44,7 @@ WEIGHT_MODES = ("pure", "amp", "mixed")
 # it), and the share the caching allocator loses to fragmentation (`--usable`).
 CUDA_RESERVE_BYTES = 1.0e9
 USABLE_FRACTION = 0.9
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = recompute_policy.NAMES
 OFFLOAD = ("none", "optimizer", "params")
 ATTENTION = ("eager", "sdpa", "flash")
 """eager materialises the s x s softmax (and dropout) per head and keeps it for backward;
@@ -176,10 +177,9 @@ class Layout:
         dp = self.dp(devices)
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"--zero {self.zero} is not a ZeRO stage; use 0, 1, 2 or 3.")
-        if self.recompute not in RECOMPUTE:
-            raise PlanError(
-                f"recompute '{self.recompute}' is not known; use {', '.join(RECOMPUTE)}."
-            )
+        policy = recompute_policy.parse(self.recompute)
+        if model.is_transformer:
+            recompute_policy.check_attention(policy, self.attention or model.attention)
         if self.attention is not None and self.attention not in ATTENTION:
             raise PlanError(
                 f"attention '{self.attention}' is not known; use {', '.join(ATTENTION)}."
@@ -264,9 +264,23 @@ class MemoryBreakdown:
         self, usable_fraction: float = USABLE_FRACTION, reserve_bytes: float = CUDA_RESERVE_BYTES
     ) -> bool:
         """Peak plus the CUDA context and allocator reserve within a share of device memory."""
+        room = self.headroom_bytes(usable_fraction, reserve_bytes)
+        return room is None or room >= 0
+
+    def budget_bytes(
+        self, usable_fraction: float = USABLE_FRACTION, reserve_bytes: float = CUDA_RESERVE_BYTES
+    ) -> float | None:
+        """What the plan may use: the usable share of device memory less the reserve."""
         if self.device_memory_bytes is None:
-            return True
-        return self.total_bytes + reserve_bytes <= usable_fraction * self.device_memory_bytes
+            return None
+        return usable_fraction * self.device_memory_bytes - reserve_bytes
+
+    def headroom_bytes(
+        self, usable_fraction: float = USABLE_FRACTION, reserve_bytes: float = CUDA_RESERVE_BYTES
+    ) -> float | None:
+        """Budget left after the peak (negative: over by that much); None off a device."""
+        budget = self.budget_bytes(usable_fraction, reserve_bytes)
+        return None if budget is None else budget - self.total_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -337,23 +351,33 @@ def largest_layer_params(model: ModelShape, layout: Layout) -> float:
 def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: int) -> float:
     """Activation bytes of the busiest pipeline stage of a transformer."""
     attention = layout.attention or model.attention
-    per_layer = activation_bytes_per_layer(
-        model.seq,
-        layout.micro_batch,
-        model.hidden,
-        model.heads,
-        layout.tp,
-        layout.sp,
-        layout.recompute,
-        act_bytes,
-        model.dropout,
-        model.ffn_hidden,
-        model.gated_mlp,
-        model.kv_heads,
-        attention,
-        layout.sp_saves_gathered,
-    )
+    policy = recompute_policy.parse(layout.recompute)
+
+    def per_layer(recompute: str) -> float:
+        return activation_bytes_per_layer(
+            model.seq,
+            layout.micro_batch,
+            model.hidden,
+            model.heads,
+            layout.tp,
+            layout.sp,
+            recompute,
+            act_bytes,
+            model.dropout,
+            model.ffn_hidden,
+            model.gated_mlp,
+            model.kv_heads,
+            attention,
+            layout.sp_saves_gathered,
+        )
+
     layers_per_stage = math.ceil(model.layers / layout.pp)
+    kept = per_layer("none")
+    if policy.kind == "layer":
+        n = policy.recomputed_blocks(layers_per_stage)
+        stage = n * per_layer("full") + (layers_per_stage - n) * kept
+    else:
+        stage = layers_per_stage * per_layer(policy.kind)
     t = layout.tp
     sbh = float(model.seq) * layout.micro_batch * model.hidden
     sbv = float(model.seq) * layout.micro_batch * model.vocab
@@ -372,27 +396,12 @@ def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: i
     inflight = inflight_microbatches(
         layout.pp, layout.grad_accum, layout.schedule, layout.virtual_stages
     )
-    first = inflight * (layers_per_stage * per_layer + embed_mask)
-    last = layers_per_stage * per_layer + output
+    first = inflight * (stage + embed_mask)
+    last = stage + output
     acts = first + output if layout.pp == 1 else max(first, last)
-    if layout.recompute == "full":
+    if policy.recomputes_blocks:
         # The block being recomputed during backward holds its full activations meanwhile.
-        acts += activation_bytes_per_layer(
-            model.seq,
-            layout.micro_batch,
-            model.hidden,
-            model.heads,
-            layout.tp,
-            layout.sp,
-            "none",
-            act_bytes,
-            model.dropout,
-            model.ffn_hidden,
-            model.gated_mlp,
-            model.kv_heads,
-            attention,
-            layout.sp_saves_gathered,
-        )
+        acts += kept
     return acts
 
 
@@ -469,7 +478,8 @@ def per_device_bytes(
         acts = transformer_activation_bytes(model, layout, training.activation_bytes)
     elif model.activation_bytes_per_sample is not None:
         acts = model.activation_bytes_per_sample * layout.micro_batch
-        acts *= training.activation_bytes / 4.0
+        if not model.activations_traced:
+            acts *= training.activation_bytes / 4.0
         if layout.recompute != "none":
             notes.append("recomputation is modelled for transformers only; ignored here")
     else:

@@ -41,6 +41,9 @@ class ModelShape:
     """Generic models: forward FLOPs of one sample (multiply-add = 2)."""
     activation_bytes_per_sample: float | None = None
     """Generic models: bytes autograd saves per sample in fp32, excluding the parameters."""
+    activations_traced: bool = False
+    """activation_bytes_per_sample was traced at the run's own precision (plan memory
+    --trace), not counted in fp32: it is not rescaled to the activation type."""
     dropout: bool = True
     tied_embeddings: bool = True
     param_tensors: int = 0
@@ -97,29 +100,37 @@ class ModelShape:
         return 3.0 * self.forward_flops_per_sample
 
     def hardware_flops_per_sample(self, recompute: str = "none") -> float:
-        """FLOPs the device executes, recomputation included.
+        """FLOPs the device executes, recomputation included (hpcml.plan.recompute's policies).
 
         full: one more forward pass of every block, as in Narayanan et al. 2021 Eq. 3
-        (96BLsh^2 instead of 72BLsh^2). selective: one more forward of the attention core,
-        QK^T and the weighted sum over V, 4*B*s^2*h per layer (a third of the attention term).
-        Korthikanti et al. 2022 Eq. 8 counts the whole attention term again instead
-        (`megatron_flops_per_iteration`); the forward-only count is what the device runs.
+        (96BLsh^2 instead of 72BLsh^2); layer:K: of every K-th block. attention-scores: one
+        more forward of the attention core, QK^T and the weighted sum over V, 4*B*s^2*h per
+        layer (a third of the attention term; Korthikanti et al. 2022 Eq. 8 counts the whole
+        term again instead, `megatron_flops_per_iteration`; the forward-only count is what the
+        device runs). op: the matmuls the policy does not save, once more.
         """
+        from hpcml.plan.recompute import op_recomputed_flops_per_token, parse
+
+        policy = parse(recompute)
         model = self.model_flops_per_sample()
-        if recompute == "none":
+        if policy.kind == "none":
             return model
         if not self.is_transformer:
-            # Generic models have no attention core; full recomputation adds one forward.
-            return model * 4.0 / 3.0 if recompute == "full" else model
+            # Generic models have no blocks or attention core; full recomputation adds a forward.
+            return model * 4.0 / 3.0 if policy.kind == "full" else model
         attn = 12.0 * self.layers * self.hidden * self.seq * self.seq
-        if recompute == "selective":
+        if policy.kind == "attention-scores":
             return model + attn / 3.0
-        if recompute == "full":
-            matmul_n = self.params - self.lookup_only_params
-            head = self.vocab * self.hidden  # the output layer is not recomputed
-            layers_forward = 2.0 * (matmul_n - head) * self.seq + attn / 3.0
-            return model + layers_forward
-        raise PlanError(f"recompute '{recompute}' is not known; use none, selective or full.")
+        if policy.kind == "op":
+            kv_width = self.hidden // self.heads * (self.kv_heads or self.heads)
+            per_token = op_recomputed_flops_per_token(
+                self.hidden, kv_width, self.ffn_hidden or 4 * self.hidden, self.gated_mlp
+            )
+            return model + self.layers * self.seq * per_token
+        matmul_n = self.params - self.lookup_only_params
+        head = self.vocab * self.hidden  # the output layer is not recomputed
+        layers_forward = 2.0 * (matmul_n - head) * self.seq + attn / 3.0
+        return model + layers_forward * policy.recomputed_blocks(self.layers) / self.layers
 
     @property
     def tokens_per_sample(self) -> int:
@@ -159,6 +170,12 @@ def transformer(
         )
     ffn = ffn_hidden or 4 * hidden
     kvh = kv_heads or heads
+    if kvh < 1 or heads % kvh:
+        raise PlanError(
+            f"transformer '{name}': {kvh} key/value heads do not divide {heads} attention heads; "
+            "grouped-query attention shares each key/value head among heads/kv_heads query "
+            "heads, so pick a --kv-heads that divides --heads."
+        )
     kv_width = hidden // heads * kvh
     attn = hidden * (hidden + 2 * kv_width) + hidden * hidden
     mlp = (3 if gated_mlp else 2) * hidden * ffn
@@ -421,6 +438,25 @@ _CNN_TABLE: dict[str, ModelShape] = {
         buffer_bytes=38560,
     ),
 }
+
+
+# The input the CNN table was counted at (per sample); the zoo's default builder arguments.
+CNN_TABLE_INPUT = (3, 32, 32)
+CNN_TABLE_ARGS: dict[str, Any] = {"num_classes": 10, "in_channels": 3}
+
+
+def is_table_cnn(name: str) -> bool:
+    return name.lower() in _CNN_TABLE
+
+
+def cnn_table_covers(name: str, args: Mapping[str, Any], input_shape: Any) -> bool:
+    """Whether the CNN table's entry for `name` describes the model built with `args` (as the
+    engine completes them) on inputs of `input_shape` (None: not recorded)."""
+    if name.lower() not in _CNN_TABLE:
+        return False
+    if any(CNN_TABLE_ARGS.get(k, object()) != v for k, v in args.items()):
+        return False
+    return input_shape is None or tuple(int(d) for d in input_shape) == CNN_TABLE_INPUT
 
 
 def mlp_shape(args: Mapping[str, Any]) -> ModelShape:

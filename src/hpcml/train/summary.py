@@ -21,6 +21,7 @@ from hpcml.distributed.runtime import all_gather_object, device_info
 from hpcml.errors import Preempted
 from hpcml.models.export import save_export
 from hpcml.train import finetune
+from hpcml.train.memtrace import summary_trace
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -72,6 +73,7 @@ def build_summary(t: Any) -> dict[str, Any]:
         "model": {
             "name": cfg.model.name,
             "args": res.model_args,
+            "input_shape": list(res.splits.input_shape),  # the planner's zoo CNN table: 3x32x32
             "parameters": t.n_params,
             "forward_flops_per_sample": t.flops_per_sample,
             "train_flops_per_sample": t.meter.workload.train_flops_per_sample,
@@ -104,6 +106,9 @@ def build_summary(t: Any) -> dict[str, Any]:
     }
     if pipeline is not None:
         summary["pipeline"] = pipeline
+    traced = summary_trace(cfg, res, rt.world_size)  # plan memory --trace, where plan needs it
+    if traced is not None:
+        summary["memory_trace"] = traced
     export = save_export(
         t.out_dir / "export",
         unwrap(t.model),

@@ -95,7 +95,7 @@ def advise_cmd(
             f"{lay.pp}{'x' + str(lay.virtual_stages) if lay.schedule == 'interleaved' else ''}",
             str(lay.zero),
             f"{lay.micro_batch}x{lay.grad_accum}",
-            lay.recompute[:3],
+            lay.recompute,
             f"{c.memory.total_bytes / GB:.1f}",
             f"{e.step_s:.3g}",
             f"{e.exposed_comm_s:.2g}",

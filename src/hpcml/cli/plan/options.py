@@ -66,7 +66,12 @@ SCHEDULE_OPT = typer.Option("1f1b", "--schedule", help="Pipeline schedule: 1f1b 
 VIRTUAL_OPT = typer.Option(2, "--virtual-stages", help="Chunks per stage (interleaved only).")
 MB_OPT = typer.Option(1, "--micro-batch", help="Samples per micro-batch per replica.")
 ACCUM_OPT = typer.Option(1, "--grad-accum", help="Micro-batches per step (pipeline's m).")
-RECOMPUTE_OPT = typer.Option("none", "--recompute", help="none, selective or full.")
+RECOMPUTE_OPT = typer.Option(
+    "none",
+    "--recompute",
+    help="none, full, op (torchtitan's selective op), layer:K (every K-th block) or "
+    "attention-scores (Korthikanti's; eager attention only); hpcml train's names.",
+)
 ACCUM_REDUCE_OPT = typer.Option(
     "step",
     "--accum-reduce",

@@ -80,21 +80,12 @@ class PlanOptions:
         return load_catalog(self.catalog or [])
 
     def shape(self) -> Any:
-        """The planner's ModelShape: a known model (--model, --args) or raw numbers."""
+        """The planner's ModelShape: a known model (--model, --args) or raw numbers. An option
+        the chosen path would ignore is refused, never dropped silently."""
         from hpcml.plan.shapes import model_shape, shape_from_raw
 
+        self._refuse_ignored()
         if self.model:
-            numbers = (
-                ("--kv-heads", self.kv_heads),
-                ("--swiglu", self.swiglu),
-                ("--largest-layer", self.largest_layer),
-            )
-            given = [n for n, v in numbers if v]
-            if given:
-                raise PlanError(
-                    f"{', '.join(given)} describe a model given by numbers; --model {self.model} "
-                    "carries its own shape, so drop them or describe it with --layers/--hidden."
-                )
             try:
                 parsed = json.loads(self.args)
             except json.JSONDecodeError:
@@ -102,7 +93,13 @@ class PlanOptions:
                     f"--args {self.args!r} is not valid JSON; pass an object like "
                     "'{\"hidden\": 512}'."
                 ) from None
-            return model_shape(self.model, parsed, seq=self.seq)
+            shape = model_shape(self.model, parsed, seq=self.seq)
+            if self.seq and not shape.is_transformer:
+                raise PlanError(
+                    f"--seq is ignored by --model {self.model}, which is not a transformer; "
+                    "drop --seq (its input shape comes with the model)."
+                )
+            return shape
         return shape_from_raw(
             params=int(self.params) if self.params else None,
             layers=self.layers,
@@ -116,6 +113,40 @@ class PlanOptions:
             swiglu=self.swiglu,
             largest_layer=self.largest_layer,
         )
+
+    def _refuse_ignored(self) -> None:
+        """One sentence for options the model path in use does not read."""
+        given = {
+            "--params": self.params,
+            "--layers": self.layers,
+            "--hidden": self.hidden,
+            "--heads": self.heads,
+            "--vocab": self.vocab,
+            "--ffn-hidden": self.ffn,
+            "--flops-per-sample": self.flops,
+            "--kv-heads": self.kv_heads,
+            "--swiglu": self.swiglu,
+            "--largest-layer": self.largest_layer,
+        }
+        if self.model:
+            ignored = [n for n, v in given.items() if v]
+            when = f"--model {self.model} is given (a known model carries its own shape)"
+            fix = "drop them, or describe the model by numbers without --model"
+        elif self.layers and self.hidden:
+            ignored = ["--flops-per-sample"] if self.flops else []
+            ignored += ["--args"] if self.args != "{}" else []
+            when = "the model is a transformer given by --layers and --hidden (counted from them)"
+            fix = "drop them"
+        else:
+            transformer_only = ("--heads", "--vocab", "--ffn-hidden", "--kv-heads", "--swiglu")
+            ignored = [n for n in transformer_only if given[n]]
+            ignored += ["--seq"] if self.seq else []
+            ignored += ["--args"] if self.args != "{}" else []
+            when = "the model is given by --params alone"
+            fix = "add --layers and --hidden to describe its transformer blocks, or drop them"
+        if ignored:
+            verb = "is" if len(ignored) == 1 else "are"
+            raise PlanError(f"{', '.join(ignored)} {verb} not used when {when}; {fix}.")
 
     def cluster(self, catalog: Any, devices: int | None = None) -> Any:
         from hpcml.plan.hardware import resolve_cluster
