@@ -134,6 +134,16 @@ def engine_readme(d: Doc) -> str:
     )
 
 
+def plan_trace(d: Doc) -> str:
+    rows = d["rows"]
+    traced = [r["traced_over_measured"] for r in rows]
+    formula = [r["formula_over_measured"] for r in rows]
+    return (
+        f"traced / measured peak {min(traced):.3f}–{max(traced):.3f} over {len(rows)} steps "
+        f"(formula path {min(formula):.3f}–{max(formula):.3f})"
+    )
+
+
 def finetune(d: Doc) -> str:
     r = d["lora_over_full"]
     return (

@@ -203,6 +203,12 @@ QUESTIONS: tuple[Question, ...] = (
         h.no_spread("deterministic"),
     ),
     Question(
+        "plan_trace",
+        "planner's traced step (fake tensors) vs the allocator's measured peak",
+        h.plan_trace,
+        h.no_spread("byte counts; the repeats were identical"),
+    ),
+    Question(
         "profile_demo",
         "what `hpcml profile` finds: step time per variant",
         h.profile,
