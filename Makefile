@@ -36,8 +36,10 @@ docs: $(STAMP)
 
 # Three xdist workers on CI's two cores: the SLURM, kill -9 and watchdog tests spend most of their
 # time waiting (a job's time limit, a requeue, a hang being detected); a third worker runs other
-# tests meanwhile instead of a core idling (CONTRIBUTING.md gives the measured times).
-test: lint docs
+# tests meanwhile instead of a core idling (CONTRIBUTING.md gives the measured times). The docs
+# site is built strictly inside the suite (tests/unit/test_docs_generated.py's
+# test_strict_site_build runs what `make docs` runs), not a second time before it.
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The inner loop while changing code: unit and fuzz tests only (CONTRIBUTING.md gives its time).

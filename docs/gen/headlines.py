@@ -102,7 +102,10 @@ def drift_spread(d: Doc) -> str:
 def _fabric(d: Doc) -> str:
     r = d["median_ratios"]
     if "hpcml_over_fabric" in r:
-        return f"/ Lightning Fabric {x(r['hpcml_over_fabric'])}"
+        return (
+            f"hpcml / Lightning Fabric {x(r['hpcml_over_fabric'])} (in the loop), "
+            f"{x(r['wall_hpcml_over_fabric'])} (whole process)"
+        )
     return "Lightning Fabric not in this run"
 
 
@@ -126,11 +129,10 @@ def engine_readme(d: Doc) -> str:
     where = (
         f"load average {load['start']}–{load['end']}" if load else "a machine shared with other jobs"
     )
+    spans = ", ".join(f"{lo:.2f}–{hi:.2f}" for lo, hi in i.values())
     return (
-        f"{engine(d)}; not resolved to +-1%: 95% intervals {i['hpcml_over_plain'][0]:.2f}–"
-        f"{i['hpcml_over_plain'][1]:.2f} and {i['wall_hpcml_over_plain'][0]:.2f}–"
-        f"{i['wall_hpcml_over_plain'][1]:.2f} after {d['rounds']} rounds ({d['date']}, 2 cores, "
-        f"{where}); the goal is >= 0.99x"
+        f"{engine(d)}; not resolved to +-1%: 95% intervals {spans} after {d['rounds']} rounds "
+        f"({d['date']}, 2 cores, {where}); the goal is >= 0.99x the loop and >= Fabric"
     )
 
 

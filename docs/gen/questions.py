@@ -112,8 +112,8 @@ QUESTIONS: tuple[Question, ...] = (
         h.engine,
         h.engine_spread,
         Readme(
-            "`python benchmarks/engine_overhead.py --max-pairs 24` (rounds until the median "
-            "ratios' 95% intervals are within +-1%, at most 24)",
+            "`python benchmarks/engine_overhead.py --max-pairs 16` (rounds until the median "
+            "ratios' 95% intervals are within +-1%, at most 16)",
             h.engine_readme,
             ("benchmarks", "benchmarks.md"),
         ),

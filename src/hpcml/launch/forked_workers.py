@@ -24,6 +24,7 @@ import os
 import runpy
 import signal
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -53,8 +54,8 @@ def forked_command(cmd: Any, cmd_args: list[str]) -> list[str] | None:
 def forked_worker(*argv: str) -> None:
     """`python -m hpcml ARGV` in a child forked by torchrun's agent. Undone first: the agent's
     signal handlers (torchrun's raise SignalException; a worker starts with the defaults, as a
-    new interpreter would), its atexit handlers (they would clean up the agent's things from
-    here), its session (torchrun gives each worker a session of its own, and the agent's
+    new interpreter would), its atexit handlers and weakref finalizers (they would clean up the
+    agent's things from here), its session (torchrun gives each worker a session of its own, and the agent's
     second Ctrl-C kills a worker by its process group) and its thread count (the agent set
     OMP_NUM_THREADS for the workers after torch had read it)."""
     with contextlib.suppress(OSError):
@@ -63,6 +64,11 @@ def forked_worker(*argv: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit._clear()
+    # weakref.finalize's exit hook runs the finalizers still registered (a TemporaryDirectory's
+    # removal): the agent's objects are the agent's to clean up, and this process must register
+    # the hook again for its own.
+    weakref.finalize._registry.clear()  # type: ignore[attr-defined]
+    weakref.finalize._registered_with_atexit = False  # type: ignore[attr-defined]
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
