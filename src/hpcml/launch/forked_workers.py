@@ -55,9 +55,9 @@ def forked_worker(*argv: str) -> None:
     """`python -m hpcml ARGV` in a child forked by torchrun's agent. Undone first: the agent's
     signal handlers (torchrun's raise SignalException; a worker starts with the defaults, as a
     new interpreter would), its atexit handlers and weakref finalizers (they would clean up the
-    agent's things from here), its session (torchrun gives each worker a session of its own, and the agent's
-    second Ctrl-C kills a worker by its process group) and its thread count (the agent set
-    OMP_NUM_THREADS for the workers after torch had read it)."""
+    agent's things from here), its session (torchrun gives each worker a session of its own,
+    and the agent's second Ctrl-C kills a worker by its process group) and its thread count
+    (the agent set OMP_NUM_THREADS for the workers after torch had read it)."""
     with contextlib.suppress(OSError):
         os.setsid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
