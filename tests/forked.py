@@ -81,6 +81,25 @@ def server_context() -> mp.context.ForkServerContext:
 
 
 
+def start_ranks(worker: Any, args: tuple[Any, ...], nprocs: int = 2) -> None:
+    """torch's `start_processes(worker, args, nprocs)` with the processes forked from this
+    module's pre-imported server (not spawned: no second import of torch), each under this
+    process's environment rather than the server's (an earlier test started it). Joins them."""
+    import torch.multiprocessing as torch_mp
+
+    server_context()
+    env = dict(os.environ)
+    torch_mp.start_processes(
+        _in_env, args=(worker, env, args), nprocs=nprocs, join=True, start_method="forkserver"
+    )
+
+
+def _in_env(rank: int, worker: Any, env: dict[str, str], args: tuple[Any, ...]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    worker(rank, *args)
+
+
 Stdio = str | Any
 """A path to write (stdout, stderr) or a descriptor passed on (multiprocessing.reduction.DupFd)."""
 

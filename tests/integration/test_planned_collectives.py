@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from tests import forked
 
 from hpcml.plan.comm import step_communication
@@ -55,9 +54,7 @@ def _args(name: str) -> dict[str, int]:
     return {"max_seq_len": SEQ} if name.startswith("gpt") else {}
 
 
-def _worker(rank: int, world: int, port: int, out: str, env: dict[str, str]) -> None:
-    os.environ.clear()  # the test's, not the forkserver's (started by an earlier test)
-    os.environ.update(env)
+def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -125,9 +122,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, int]]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Forked from tests/forked.py's server, which imported torch and the trainer once.
-    forked.server_context()
-    args = (2, port, str(out), dict(os.environ))
-    mp.start_processes(_worker, args=args, nprocs=2, join=True, start_method="forkserver")
+    forked.start_ranks(_worker, (2, port, str(out)))
     return list(json.loads(out.read_text()))
 
 

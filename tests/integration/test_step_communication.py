@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from tests import forked
 
 pytestmark = pytest.mark.slow
@@ -54,10 +53,7 @@ def _count(counts: dict[str, int], key: str, fn: Any) -> Any:
 
 def _worker(
     rank: int, world: int, port: int, run_dir: str, queue: Any, overrides: list[str],
-    env: dict[str, str],
 ) -> None:
-    os.environ.clear()  # the test's, not the forkserver's (started by an earlier test)
-    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -125,12 +121,7 @@ def _worker(
 def _run(run_dir: Path, overrides: list[str]) -> dict[int, dict[str, int]]:
     # Forked from tests/forked.py's server, which imported torch and the trainer once.
     queue = forked.server_context().SimpleQueue()
-    mp.start_processes(
-        _worker,
-        args=(2, _free_port(), str(run_dir), queue, overrides, dict(os.environ)),
-        nprocs=2,
-        start_method="forkserver",
-    )
+    forked.start_ranks(_worker, (2, _free_port(), str(run_dir), queue, overrides))
     return dict(queue.get() for _ in range(2))
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from tests import forked
 
 pytestmark = pytest.mark.slow
@@ -63,9 +62,7 @@ class _CommSizes(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _worker(rank: int, world: int, port: int, queue: Any, env: dict[str, str]) -> None:
-    os.environ.clear()  # the test's, not the forkserver's (started by an earlier test)
-    os.environ.update(env)
+def _worker(rank: int, world: int, port: int, queue: Any) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -128,8 +125,7 @@ def _worker(rank: int, world: int, port: int, queue: Any, env: dict[str, str]) -
 def test_loss_parallel_with_a_padded_vocabulary_equals_the_unpadded_model() -> None:
     # Forked from tests/forked.py's server, which imported torch and the trainer once.
     queue = forked.server_context().SimpleQueue()
-    args = (2, _free_port(), queue, dict(os.environ))
-    mp.start_processes(_worker, args=args, nprocs=2, start_method="forkserver")
+    forked.start_ranks(_worker, (2, _free_port(), queue))
     results = dict(queue.get() for _ in range(2))
     positions = BATCH * SEQ
     for rank, got in results.items():
