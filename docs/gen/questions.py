@@ -177,7 +177,7 @@ QUESTIONS: tuple[Question, ...] = (
         h.no_spread("ratios of medians"),
     ),
     Question(
-        "llm_serving_http_both",
+        "llm_serving_http_cpu",
         "LLM serving over HTTP, continuous vs static batching",
         h.http,
         h.http_spread,
@@ -256,10 +256,11 @@ ARCHIVE: dict[str, str] = {
     "serving_xeon_checked": "serving_capacity",
     "plan_check_model_bf0e878": "plan_check",
     "plan_check_two_terms": "plan_check",
-    "llm_serving_http_final": "llm_serving_http_both",
-    "llm_serving_http_long_tailed": "llm_serving_http_both",
-    "llm_serving_http_rate4": "llm_serving_http_both",
-    "llm_serving_http_small": "llm_serving_http_both",
+    "llm_serving_http_final": "llm_serving_http_cpu",
+    "llm_serving_http_long_tailed": "llm_serving_http_cpu",
+    "llm_serving_http_rate4": "llm_serving_http_cpu",
+    "llm_serving_http_small": "llm_serving_http_cpu",
+    "llm_serving_http_both": "llm_serving_http_cpu",
 }
 
 
