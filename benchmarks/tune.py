@@ -1,32 +1,37 @@
-"""ASHA + TPE against random search without pruning, on the digits demo
+"""Pruned, model-guided search against random search without pruning, on the digits demo
 (examples/tune_digits.yaml), through the real `hpcml tune`, one worker per tune, at an equal
-budget of training steps.
+budget of training samples (or steps).
 
-The budget: both arms get the same `tune.step_budget`, B = `--budget-trials` full trials of
-`--steps` steps (540 = 9 x 60 by default). Random search spends it on exactly B / steps
-trials, each evaluated once, at its end (it needs no evaluation before). ASHA + TPE spends it
-on as many trials as fit (a pruned trial gives back the steps it did not run; a trial starts
-only if a full run still fits, so it never spends more than B), evaluated every 10 steps for
-its pruner.
+The arms: ASHA + TPE (the example's search), Hyperband + TPE (two brackets here: one prunes
+at the first rung as ASHA does, one runs its trials to the end, so some slow starters are
+kept) and random search without pruning, each trial evaluated once, at its end (it needs no
+evaluation before). The budget: every arm gets the same `tune.sample_budget`, B =
+`--budget-trials` trials of `--steps` steps at the example's batch of 32 (23,040 samples =
+12 x 60 x 32 by default): a step of batch 64 costs twice one of 32, as it does on the machine.
+A trial starts only if the largest trial (60 steps at batch 64) still fits, so no arm spends
+more than B; a pruned trial gives back what it did not run. `--budget-unit steps` gives every
+arm `tune.step_budget` = `--budget-trials` x `--steps` instead (the earlier benchmark).
 
-Per seed it records each arm's best validation accuracy, wall time, CPU seconds and steps,
-and the anytime trace (after each trial: time since the tune started, steps so far, best so
-far). The goal's question: does ASHA + TPE reach the same best accuracy as random search
-(within one binomial standard error of random's best on the validation set: a smaller
-difference is below what that set can resolve) in <= 0.5x random search's time? Answered
-per seed from the trace: ASHA + TPE's time to reach it over random's time to finish its
-search (its last trial's end), and ASHA + TPE's best after half of random's time and after
-half the budget's steps (the latter free of the machine's load). Then the median and the
-spread (min to max) over the seeds. With --side-by-side every tune (both arms of every seed)
-runs at once, so a change in the machine's load hits both arms alike.
+Per seed it records each arm's best validation accuracy, wall time, CPU seconds, steps and
+samples, and the anytime trace (after each trial: time since the tune started, steps and
+samples so far, best so far). The goal's question, for each pruned arm: does it reach the same
+best accuracy as random search (within one binomial standard error of random's best on the
+validation set: a smaller difference is below what that set can resolve) in <= 0.5x random
+search's time? Answered per seed from the trace: the arm's time to reach it over random's time
+to finish its search (its last trial's end), and the arm's best after half of random's time
+and after half the budget (the latter free of the machine's load). Then the median and the
+spread (min to max) over the seeds. With --side-by-side every tune (every arm of every seed)
+runs at once, so a change in the machine's load hits every arm alike.
 
-    python benchmarks/tune.py [--budget-trials 9] [--steps 60] [--seeds 0 1 2] [--side-by-side]
+    python benchmarks/tune.py [--budget-trials 12] [--steps 60] [--seeds 0 1 2] [--side-by-side]
+    python benchmarks/tune.py --from-json benchmarks/results/tune.json  # the tables again
 
 `--startup N` first measures what starting one trial costs, N alternating rounds of a 1-step
 trial started both ways hpcml.tune can: a fresh interpreter under the guard (`cold`) and forked
 from a warm launcher that imported torch and the trainer once (`warm`, what `hpcml tune` does).
 
-Writes benchmarks/results/tune.json and .md (`--name` changes the file names).
+Writes benchmarks/results/tune.json and .md (`--name` changes the file names); the JSON first
+right after the tunes, with their raw runs, so an error in the analysis loses no measurement.
 """
 
 from __future__ import annotations
@@ -50,15 +55,26 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = ROOT / "examples" / "tune_digits.yaml"
-ASHA, RANDOM = "asha+tpe", "random, no pruning"
-ARMS = (ASHA, RANDOM)
+ASHA, HYPERBAND, RANDOM = "asha+tpe", "hyperband+tpe", "random, no pruning"
+ARMS = (ASHA, HYPERBAND, RANDOM)
+BATCH = 32
+"""The example's data.batch_size, the middle of its space's choices: what a budget of N trials
+is counted at in samples."""
 
 
 def arm_overrides(arm: str, steps: int) -> list[str]:
     """What each arm changes in the example (whose tune section is the ASHA + TPE search)."""
     if arm == ASHA:
         return ["tune.sampler=tpe", "tune.pruner=asha"]
+    if arm == HYPERBAND:
+        return ["tune.sampler=tpe", "tune.pruner=hyperband"]
     return ["tune.sampler=random", "tune.pruner=none", f"train.eval_every={steps}"]
+
+
+def budget_of(args: argparse.Namespace) -> tuple[str, int]:
+    """The budget's unit (`steps` or `samples`) and size."""
+    steps = args.budget_trials * args.steps
+    return (args.budget_unit, steps * BATCH if args.budget_unit == "samples" else steps)
 
 
 def children_cpu_s() -> float:
@@ -103,7 +119,8 @@ def study_trials(out: Path, name: str) -> list[dict[str, Any]]:
         run = Path(t.user_attrs["run_dir"])
         row = phases(run, start, end)
         rows.append({"trial": t.number, "state": t.state.name.lower(), "value": t.value,
-                     "params": t.params, "ended_at": end, **row})  # fmt: skip
+                     "params": t.params, "ended_at": end, **row,
+                     "samples": int(t.user_attrs.get("samples", 0))})  # fmt: skip
     return sorted(rows, key=lambda r: r["ended_at"])
 
 
@@ -117,23 +134,27 @@ def val_samples(out: Path) -> int:
 
 
 def trace(trials: list[dict[str, Any]], started: float) -> list[dict[str, Any]]:
-    """After each trial: seconds since the tune started, steps so far, best value so far."""
-    out, steps, best = [], 0, None
+    """After each trial: seconds since the tune started, steps and samples so far, best value
+    so far."""
+    out, steps, samples, best = [], 0, 0, None
     for t in trials:
         steps += t["n"]
+        samples += t["samples"]
         if t["state"] == "complete" and (best is None or t["value"] > best):
             best = t["value"]
-        out.append({"t_s": round(t["ended_at"] - started, 2), "steps": steps, "best": best})
+        out.append({"t_s": round(t["ended_at"] - started, 2), "steps": steps,
+                    "samples": samples, "best": best})  # fmt: skip
     return out
 
 
 def tune(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    budget = args.budget_trials * args.steps
+    unit, budget = budget_of(args)
+    key = "tune.sample_budget" if unit == "samples" else "tune.step_budget"
     with tempfile.TemporaryDirectory(prefix="hpcml-bench-tune-") as tmp:
         out = Path(tmp) / "study"
         cmd = [
             sys.executable, "-m", "hpcml", "tune", str(CONFIG), *arm_overrides(arm, args.steps),
-            f"tune.seed={seed}", f"train.max_steps={args.steps}", f"tune.step_budget={budget}",
+            f"tune.seed={seed}", f"train.max_steps={args.steps}", f"{key}={budget}",
             "--trials", str(budget), "--out", str(out), "--json",  # the budget ends it first
         ]  # fmt: skip
         load = os.getloadavg()[0]
@@ -160,6 +181,7 @@ def tune(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),
         "steps_trained": sum(t["n"] for t in trials),
+        "samples_trained": sum(t["samples"] for t in trials),
         "trials": result["trials"],
         "load_average_before": round(load, 2),
         "trial_phases_s": {
@@ -175,38 +197,38 @@ def same_within(best: float, n: int) -> float:
     return math.sqrt(best * (1 - best) / n)
 
 
-def compare(asha: dict[str, Any], rnd: dict[str, Any], budget: int) -> dict[str, Any]:
-    """One seed: is random search's best reached by ASHA + TPE, and how soon."""
+def compare(arm: dict[str, Any], rnd: dict[str, Any], unit: str, budget: int) -> dict[str, Any]:
+    """One seed: is random search's best reached by the pruned arm, and how soon."""
     target = rnd["best_val_accuracy"]
     tol = same_within(target, rnd["val_samples"])
     random_end = rnd["trace"][-1]["t_s"]  # its search's end: its last trial's
 
     def reached(tolerance: float) -> dict[str, Any] | None:
-        points = (p for p in asha["trace"] if p["best"] is not None)
+        points = (p for p in arm["trace"] if p["best"] is not None)
         return next((p for p in points if p["best"] >= target - tolerance), None)
 
     hit, strict = reached(tol), reached(0.0)
 
     def best_by(key: str, limit: float) -> float | None:
-        values = [p["best"] for p in asha["trace"] if p[key] <= limit and p["best"] is not None]
+        values = [p["best"] for p in arm["trace"] if p[key] <= limit and p["best"] is not None]
         return max(values) if values else None
 
-    half_time, half_steps = best_by("t_s", random_end / 2), best_by("steps", budget / 2)
+    half_time, half_budget = best_by("t_s", random_end / 2), best_by(unit, budget / 2)
     return {
         "seed": rnd["seed"],
         "random_best": target,
-        "asha_best_at_budget": asha["best_val_accuracy"],
+        "best_at_budget": arm["best_val_accuracy"],
         "same_within": round(tol, 4),
-        "same_at_budget": asha["best_val_accuracy"] >= target - tol,
+        "same_at_budget": arm["best_val_accuracy"] >= target - tol,
         "difference_in_samples": round(
-            (asha["best_val_accuracy"] - target) * rnd["val_samples"]
+            (arm["best_val_accuracy"] - target) * rnd["val_samples"]
         ),  # fmt: skip
         "random_search_s": random_end,
-        "asha_to_random_best_s": hit["t_s"] if hit else None,
+        "to_random_best_s": hit["t_s"] if hit else None,
         "time_ratio": round(hit["t_s"] / random_end, 4) if hit else None,
-        "steps_ratio": round(hit["steps"] / budget, 4) if hit else None,
-        "asha_best_at_half_time": half_time,
-        "asha_best_at_half_steps": half_steps,
+        "budget_ratio": round(hit[unit] / budget, 4) if hit else None,
+        "best_at_half_time": half_time,
+        "best_at_half_budget": half_budget,
         "goal_met": hit is not None and hit["t_s"] <= random_end / 2,
         "goal_met_without_tolerance": strict is not None and strict["t_s"] <= random_end / 2,
     }
@@ -296,21 +318,28 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget-trials", type=int, default=9, help="B = this many full trials")
+    p.add_argument("--budget-trials", type=int, default=12, help="B = this many trials")
+    p.add_argument("--budget-unit", choices=("samples", "steps"), default="samples")
     p.add_argument("--steps", type=int, default=60, help="train.max_steps of a trial")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--arms", nargs="*", choices=ARMS, default=list(ARMS))
     p.add_argument("--side-by-side", action="store_true", help="run every tune at once")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     p.add_argument("--startup", type=int, default=0, help="rounds of the start-up measurement")
     p.add_argument("--name", default="tune", help="results file name (without extension)")
+    p.add_argument("--from-json", type=Path, help="analyse this result file's runs again")
     args = p.parse_args()
-    budget = args.budget_trials * args.steps
+    if args.from_json is not None:
+        out = json.loads(args.from_json.read_text())
+        return write(analyse(out), args.name)
+    unit, budget = budget_of(args)
     out: dict[str, Any] = {
-        "what": "hpcml tune on examples/tune_digits.yaml: ASHA + TPE vs random search without "
-        "pruning at an equal budget of training steps, one worker per tune",
+        "what": "hpcml tune on examples/tune_digits.yaml: pruned, model-guided search vs random "
+        f"search without pruning at an equal budget of training {unit}, one worker per tune",
         "command": "python benchmarks/tune.py " + " ".join(sys.argv[1:]),
-        "step_budget": budget, "max_steps": args.steps, "omp_num_threads": args.threads,
-        "arm_overrides": {arm: arm_overrides(arm, args.steps) for arm in ARMS},
+        "budget_unit": unit, "budget": budget, "max_steps": args.steps,
+        "omp_num_threads": args.threads,
+        "arm_overrides": {arm: arm_overrides(arm, args.steps) for arm in args.arms},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
     }  # fmt: skip
     if args.startup:
@@ -318,40 +347,60 @@ def main() -> None:
     if not args.seeds:
         return write(out, args.name)
     loads: list[float] = []
-    runs = run_seeds(args, loads)
-    keys = ("best_val_accuracy", "wall_s", "cpu_s", "steps_trained", "load_average_before")
+    out["runs"] = run_seeds(args, loads, out)
+    out["load_average_during"] = spread(loads) if loads else None
+    write_json(out, args.name)  # the measurements first: the analysis below may be rerun
+    write(analyse(out), args.name)
+
+
+def analyse(out: dict[str, Any]) -> dict[str, Any]:
+    """The summary per arm and each pruned arm against random search, from `out["runs"]`."""
+    runs, unit, budget = out["runs"], out["budget_unit"], out["budget"]
+    keys = ("best_val_accuracy", "wall_s", "cpu_s", "steps_trained", "samples_trained",
+            "load_average_before")  # fmt: skip
     summary: dict[str, Any] = {
         arm: {key: spread([float(r[key]) for r in rs]) for key in keys} for arm, rs in runs.items()
     }
     for arm, rs in runs.items():
         summary[arm]["trials_run"] = spread([float(sum(r["trials"].values())) for r in rs])
-    seeds = [compare(a, r, budget) for a, r in zip(runs[ASHA], runs[RANDOM], strict=True)]
-    ratios = {key: ratio_spread([s[key] for s in seeds]) for key in ("time_ratio", "steps_ratio")}
-    out.update(
-        per_seed=seeds, ratio=ratios, summary=summary, runs=runs,
-        load_average_during=spread(loads) if loads else None,
-        goal_met_seeds=sum(s["goal_met"] for s in seeds),
-        goal_met_seeds_without_tolerance=sum(s["goal_met_without_tolerance"] for s in seeds),
-    )  # fmt: skip
-    write(out, args.name)
+    compared = {}
+    for arm in (a for a in runs if a != RANDOM and RANDOM in runs):
+        seeds = [compare(a, r, unit, budget) for a, r in zip(runs[arm], runs[RANDOM], strict=True)]
+        compared[arm] = {
+            "per_seed": seeds,
+            "ratio": {k: ratio_spread([s[k] for s in seeds])
+                      for k in ("time_ratio", "budget_ratio")},
+            "goal_met_seeds": sum(s["goal_met"] for s in seeds),
+            "goal_met_seeds_without_tolerance": sum(s["goal_met_without_tolerance"] for s in seeds),
+        }  # fmt: skip
+    return {**out, "summary": summary, "compared": compared}
 
 
-def run_seeds(args: argparse.Namespace, loads: list[float]) -> dict[str, list[dict[str, Any]]]:
-    """Every seed's two tunes: with --side-by-side all at once (both arms of a seed see the
-    same load), else one after the other, the first arm alternating between seeds. `loads`
-    gets the 1-minute load average every 30 s while they run."""
-    runs: dict[str, list[dict[str, Any]]] = {arm: [{}] * len(args.seeds) for arm in ARMS}
-    jobs = [(i, arm) for i in range(len(args.seeds)) for arm in ARMS[:: 1 if i % 2 == 0 else -1]]
+def run_seeds(
+    args: argparse.Namespace, loads: list[float], partial: dict[str, Any]
+) -> dict[str, list[dict[str, Any]]]:
+    """Every seed's tunes: with --side-by-side all at once (every arm of a seed sees the
+    same load), else one after the other, the arms' order turning between seeds. `loads`
+    gets the 1-minute load average every 30 s while they run; `partial` (with the runs so
+    far) is written to the results file as each tune ends."""
+    arms = tuple(args.arms)
+    runs: dict[str, list[dict[str, Any]]] = {arm: [{}] * len(args.seeds) for arm in arms}
+    jobs = [(i, arm) for i in range(len(args.seeds)) for arm in arms[:: 1 if i % 2 == 0 else -1]]
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.wait(30.0):
             loads.append(os.getloadavg()[0])
 
+    lock = threading.Lock()
+
     def one(job: tuple[int, str]) -> None:
         i, arm = job
-        runs[arm][i] = tune(arm, args.seeds[i], args)
-        print(arm, {k: v for k, v in runs[arm][i].items() if k not in ("per_trial", "trace")},
+        result = tune(arm, args.seeds[i], args)
+        with lock:
+            runs[arm][i] = result
+            write_json({**partial, "runs": runs, "partial": True}, args.name)
+        print(arm, {k: v for k, v in result.items() if k not in ("per_trial", "trace")},
               flush=True)  # fmt: skip
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -364,73 +413,54 @@ def run_seeds(args: argparse.Namespace, loads: list[float]) -> dict[str, list[di
     return runs
 
 
-def write(out: dict[str, Any], name: str) -> None:
+def write_json(out: dict[str, Any], name: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+def write(out: dict[str, Any], name: str) -> None:
+    write_json(out, name)
     (RESULTS / f"{name}.md").write_text(markdown(out))
     print(markdown(out))
 
 
 def cell(s: dict[str, float]) -> str:
-    return f"{s['median']:.4g} ({s['min']:.4g} to {s['max']:.4g})"
+    f = ".0f" if abs(s["max"]) >= 1e4 else ".4g"  # samples: whole numbers, not 1.68e+04
+    return f"{s['median']:{f}} ({s['min']:{f}} to {s['max']:{f}})"
 
 
 def markdown(out: dict[str, Any]) -> str:
-    lines = ["# hpcml tune: ASHA + TPE vs random search without pruning", ""]
-    if "runs" in out:
+    lines = ["# hpcml tune: pruned, model-guided search vs random search without pruning", ""]
+    if "summary" in out:
         lines += tune_lines(out)
     if "startup" in out:
         lines += startup_lines(out)
+    if "note" in out:
+        lines += ["", out["note"]]
     return "\n".join(lines) + "\n"
 
 
 def tune_lines(out: dict[str, Any]) -> list[str]:
-    during = out["load_average_during"]
+    during, unit = out["load_average_during"], out["budget_unit"]
     lines = [
-        f"`{out['command']}`: both arms get a budget of {out['step_budget']} training steps "
-        f"(`tune.step_budget`), trials of at most {out['max_steps']} steps, one worker, "
+        f"`{out['command']}`: every arm gets a budget of {out['budget']} training {unit} "
+        f"(`tune.{unit[:-1]}_budget`), trials of at most {out['max_steps']} steps, one worker, "
         f"OMP_NUM_THREADS={out['omp_num_threads']}; random search evaluates each trial once, "
         "at its end. Median (min to max) over the seeds. Machine: "
         f"{out['machine']['cpu_count']} cores; load average (1 min) before each tune in the "
         "last column" + (f", {cell(during)} while they ran." if during else "."),
         "",
-        "| arm | best val_accuracy | wall time (s) | CPU (s) | steps trained | trials | load |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | best val_accuracy | wall time (s) | CPU (s) | steps trained | samples trained "
+        "| trials | load |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    keys = ("best_val_accuracy", "wall_s", "cpu_s", "steps_trained", "trials_run",
-            "load_average_before")  # fmt: skip
+    keys = ("best_val_accuracy", "wall_s", "cpu_s", "steps_trained", "samples_trained",
+            "trials_run", "load_average_before")  # fmt: skip
     for arm, s in out["summary"].items():
         lines.append(f"| {arm} | " + " | ".join(cell(s[k]) for k in keys) + " |")
+    for arm, c in out["compared"].items():
+        lines += compared_lines(arm, c, unit)
     lines += [
-        "",
-        "Per seed: random search's best, and whether ASHA + TPE reached it (the same: within "
-        "one binomial standard error of random's best on the validation set), when (time since "
-        "its tune started over random search's time to its last trial's end; steps over the "
-        "budget), and ASHA + TPE's best after half random's time and after half the budget.",
-        "",
-        "| seed | random best | ASHA+TPE best at budget | same within | difference (samples) "
-        "| time to random's best | ratio | steps ratio | ASHA best at 0.5x time "
-        "| at 0.5x steps | goal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in out["per_seed"]:
-        hit = s["asha_to_random_best_s"]
-        cells = [
-            s["seed"], f"{s['random_best']:.4f}", f"{s['asha_best_at_budget']:.4f}",
-            f"{s['same_within']:.4f}", f"{s['difference_in_samples']:+d}",
-            f"{hit:.0f} of {s['random_search_s']:.0f} s" if hit is not None else "not reached",
-            s["time_ratio"], s["steps_ratio"], _acc(s["asha_best_at_half_time"]),
-            _acc(s["asha_best_at_half_steps"]), "met" if s["goal_met"] else "not met",
-        ]  # fmt: skip
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    r = out["ratio"]
-    lines += [
-        "",
-        f"Time to random search's best, ASHA + TPE / random: {cell_or_list(r['time_ratio'])}; "
-        f"in steps, over the budget: {cell_or_list(r['steps_ratio'])}. Goal (the same best "
-        f"accuracy in <= 0.5x the wall time) met for {out['goal_met_seeds']} of {len(out['per_seed'])} seeds; with "
-        "'the same' read as at least random's best (no tolerance): for "
-        f"{out['goal_met_seeds_without_tolerance']}.",
         "",
         "Where the trials' wall time went (s, summed over a tune's trials, median over seeds): "
         "start = trial start to its first step; steps = the steps' own time; between = "
@@ -444,6 +474,43 @@ def tune_lines(out: dict[str, Any]) -> list[str]:
         med = {k: statistics.median(x["trial_phases_s"][k] for x in rs)
                for k in ("start", "steps", "between", "end")}  # fmt: skip
         lines.append(f"| {arm} | " + " | ".join(f"{v:.1f}" for v in med.values()) + " |")
+    return lines
+
+
+def compared_lines(arm: str, c: dict[str, Any], unit: str) -> list[str]:
+    lines = [
+        "",
+        f"{arm} per seed: random search's best, and whether {arm} reached it (the same: within "
+        "one binomial standard error of random's best on the validation set), when (time since "
+        "its tune started over random search's time to its last trial's end; "
+        f"{unit} over the budget), and its best after half random's time and after half the "
+        "budget.",
+        "",
+        f"| seed | random best | {arm} best at budget | same within | difference (samples) "
+        f"| time to random's best | ratio | {unit} ratio | best at 0.5x time "
+        "| at 0.5x budget | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in c["per_seed"]:
+        hit = s["to_random_best_s"]
+        cells = [
+            s["seed"], f"{s['random_best']:.4f}", f"{s['best_at_budget']:.4f}",
+            f"{s['same_within']:.4f}", f"{s['difference_in_samples']:+d}",
+            f"{hit:.0f} of {s['random_search_s']:.0f} s" if hit is not None else "not reached",
+            s["time_ratio"], s["budget_ratio"], _acc(s["best_at_half_time"]),
+            _acc(s["best_at_half_budget"]), "met" if s["goal_met"] else "not met",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(x) for x in cells) + " |")
+    r = c["ratio"]
+    n = len(c["per_seed"])
+    lines += [
+        "",
+        f"Time to random search's best, {arm} / random: {cell_or_list(r['time_ratio'])}; in "
+        f"{unit}, over the budget: {cell_or_list(r['budget_ratio'])}. Goal (the same best "
+        f"accuracy in <= 0.5x the wall time) met for {c['goal_met_seeds']} of {n} seeds; with "
+        "'the same' read as at least random's best (no tolerance): for "
+        f"{c['goal_met_seeds_without_tolerance']}.",
+    ]
     return lines
 
 

@@ -127,7 +127,9 @@ def engine_readme(d: Doc) -> str:
     i = d["median_ratio_intervals_95"]
     load = d.get("load_average")
     where = (
-        f"load average {load['start']}–{load['end']}" if load else "a machine shared with other jobs"
+        f"load average {load['start']}–{load['end']}"
+        if load
+        else "a machine shared with other jobs"
     )
     spans = ", ".join(f"{lo:.2f}–{hi:.2f}" for lo, hi in i.values())
     return (
@@ -339,17 +341,22 @@ def tracking(d: Doc) -> str:
 
 
 def tune(d: Doc) -> str:
-    s = d["summary"]
-    a, r = s["asha+tpe"], s["random, no pruning"]
-    seeds = len(d["per_seed"])
-    times = ", ".join(
-        "not reached" if t is None else x(t) for t in d["ratio"]["time_ratio"]["per_seed"]
+    def times(c: Doc) -> str:
+        per = c["ratio"]["time_ratio"]
+        values = per.get("per_seed")
+        if values is None:  # every seed got there: a spread
+            return f"median {x(per['median'])} ({span(per)})"
+        return ", ".join("not reached" if t is None else x(t) for t in values)
+
+    s, seeds = d["summary"], len(d["runs"]["random, no pruning"])
+    arms = "; ".join(
+        f"{arm} {times(c)} (goal <= 0.5x met for {c['goal_met_seeds']} of {seeds})"
+        for arm, c in d["compared"].items()
     )
+    best = ", ".join(f"{arm} {v['best_val_accuracy']['median']:.3f}" for arm, v in s.items())
     return (
-        f"ASHA+TPE's time to random search's best / random's time, per seed: {times} "
-        f"(goal <= 0.5x met for {d['goal_met_seeds']} of {seeds}); best val accuracy "
-        f"{a['best_val_accuracy']['median']:.3f} vs {r['best_val_accuracy']['median']:.3f} "
-        f"at an equal budget of {d['step_budget']} steps"
+        f"time to random search's best / random's time over the seeds: {arms}; best val accuracy "
+        f"{best} at an equal budget of {d['budget']} training {d['budget_unit']}"
     )
 
 

@@ -261,6 +261,7 @@ ARCHIVE: dict[str, str] = {
     "llm_serving_http_rate4": "llm_serving_http_cpu",
     "llm_serving_http_small": "llm_serving_http_cpu",
     "llm_serving_http_both": "llm_serving_http_cpu",
+    "tune_step_budget": "tune",
 }
 
 

@@ -402,8 +402,13 @@ class TuneConfig(_Section):
     step_budget: int | None = Field(None, gt=0)
     """Training steps the study's trials may take in all: a trial starts only if a full run fits
     in what is left (a pruned trial gives back the steps it did not run); null: no limit."""
-    seed: int = 0
-    """Seed of the sampler."""
+    sample_budget: int | None = Field(None, gt=0)
+    """Training samples the study's trials may take in all (each step counts its global batch:
+    `data.batch_size` x `train.grad_accum` x data-parallel processes, or `train.global_batch`),
+    the fairer budget when the space searches the batch size; a trial starts only if the
+    largest run the space allows fits in what is left; null: no limit."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seed of the sampler (each worker's is offset from it, wrapping at 2^32)."""
     device: str | None = None
     """Hardware catalog key (`hpcml plan hardware`) of the device trials will train on: a
     trial the planner predicts will not fit its memory is recorded infeasible, never started."""

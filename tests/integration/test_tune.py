@@ -121,8 +121,10 @@ def test_two_workers_share_a_tracked_study_prune_register_and_a_rerun_adds_only_
         assert used["optim"]["lr"] == t.params["optim.lr"]
         record = json.loads((run / "trial.json").read_text())
         assert record["status"] == t.state.name.lower() and record["trial"] == t.number
-        # The steps it took, as tune.step_budget counts them (a pruned run's after its stop).
+        # The steps it took, as tune.step_budget counts them (a pruned run's after its stop),
+        # and its samples, as tune.sample_budget does: steps x the batch of 16.
         assert t.user_attrs["steps"] == record["steps"] == steps_run(run)
+        assert t.user_attrs["samples"] == record["samples"] == 16 * steps_run(run)
         status = json.loads((run / "summary.json").read_text())["status"]
         if t.state == TrialState.COMPLETE:
             assert status == "finished" and steps_run(run) == 300
@@ -313,8 +315,17 @@ def _existing_study(out: Path) -> bytes:
         ({"direction": "maximize"}, [], "set to minimize"),
         ({"first_rung": 101}, [], "tune.first_rung 101 is past"),
         ({"step_budget": 99}, [], "tune.step_budget 99 is smaller than one trial"),
-        ({"metric": "val_f1"}, [], "'val_f1' is not among the metrics an evaluation reports "
-         "(val_loss, val_accuracy)"),
+        (
+            {"sample_budget": 3199},
+            ["--nproc", "2"],
+            "tune.sample_budget 3199 is smaller than the largest trial (3200 samples",
+        ),  # 100 steps x a batch of 16 on each of 2 processes
+        ({"seed": -1}, [], "tune.seed"),
+        (
+            {"metric": "val_f1"},
+            [],
+            "'val_f1' is not among the metrics an evaluation reports (val_loss, val_accuracy)",
+        ),
     ],
 )
 def test_bad_input_exits_2_in_one_sentence_and_leaves_the_study_unchanged(
@@ -351,6 +362,39 @@ def test_a_spent_step_budget_starts_no_trial(tmp_path: Path):
     result = json.loads(res.output.splitlines()[-1])
     assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0, "infeasible": 0}
     assert len(load(out).get_trials()) == 2 and not (out / "trials").exists()
+
+
+def test_a_worker_process_error_reaches_the_tuner_as_its_sentence(tmp_path: Path):
+    # A tune worker beside the tuner (hpcml.tune.study._child, here in a real process) that
+    # meets bad input (its config gone since the tuner read it) exits 2 and leaves its
+    # sentence in --out; the tuner raises it as its own (printed once, exit 2) and removes it.
+    from tests import forked
+
+    from hpcml.errors import HpcmlError
+    from hpcml.tune import study as st
+
+    out = tmp_path / "study"
+    out.mkdir()
+    gone = tmp_path / "gone.yaml"
+    job = st.TuneJob(config=gone, overrides=(), out=out, storage="unused", study="tune", trials=1)
+    worker = forked.server_context().Process(target=st._child, args=(job, 1, False))
+    worker.start()
+    worker.join(WAIT_S)
+    assert worker.exitcode == 2
+    sentence = f"config file {gone} does not exist; pass the path of a YAML config."
+    assert json.loads((out / ".worker-1.error").read_text()) == {
+        "message": sentence, "exit_code": 2,
+    }  # fmt: skip
+    with pytest.raises(HpcmlError) as exc:
+        st._raise_worker_error(job, [(1, worker.exitcode)])
+    assert (exc.value.message, exc.value.exit_code) == (sentence, 2)
+    assert not (out / ".worker-1.error").exists()
+    # Without its sentence (a worker killed), the tuner says how many failed: exit 1.
+    with pytest.raises(HpcmlError) as exc:
+        st._raise_worker_error(job, [(1, -9)])
+    assert (
+        exc.value.exit_code == 1 and "1 tune workers failed (exit codes [-9])" in exc.value.message
+    )
 
 
 def test_without_a_tune_section_exits_2(tmp_path: Path):

@@ -326,6 +326,87 @@ def test_the_step_budget_starts_a_trial_only_while_a_full_one_fits() -> None:
     assert action(220) == "run"
 
 
+def test_the_sample_budget_charges_each_step_its_global_batch() -> None:
+    """tune.sample_budget: a trial takes its steps times its global batch (data.batch_size x
+    grad_accum x data-parallel processes, or train.global_batch); finished trials count what
+    their runs took (a failed one up to its last evaluation, at the batch it recorded when it
+    started), running ones the largest trial the space allows (its longest run at its largest
+    batch); a budget below that largest trial is refused."""
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    from hpcml.tune import budget
+    from hpcml.tune.study import next_action
+
+    def cfg(*overrides: str) -> object:
+        return load_config(None, ["train.max_steps=60", "data.batch_size=16", *overrides])
+
+    assert budget.samples_per_step(cfg("train.grad_accum=2"), nproc=2) == 64  # 16 x 2 x 2
+    assert budget.samples_per_step(cfg("parallel.tp=2", "model.name=gpt-tiny"), nproc=2) == 16
+    assert budget.samples_per_step(cfg("train.global_batch=48"), nproc=1) == 48
+    batches = {"data.batch_size": CategoricalDistribution([16, 32, 64])}
+    assert budget.trial_samples(cfg(), batches, nproc=1) == 60 * 64
+    assert budget.trial_samples(cfg(), {**batches, "train.max_steps": IntDistribution(30, 90)},
+                                nproc=2) == 90 * 64 * 2  # fmt: skip
+    either = {"train.global_batch": CategoricalDistribution([None, 128])}  # null: derived
+    assert budget.trial_samples(cfg(), {**batches, **either}, nproc=1) == 60 * 128
+    budget.check_samples(TuneConfig(sample_budget=3840), 3840)  # the edge is fine
+    with pytest.raises(ConfigError) as exc:
+        budget.check_samples(TuneConfig(sample_budget=3839), 3840)
+    assert exc.value.message.startswith(
+        "tune.sample_budget 3839 is smaller than the largest trial (3840 samples"
+    )
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    dist = {"data.batch_size": CategoricalDistribution([16, 32, 64])}
+    study = optuna.create_study(study_name="s")
+
+    def add(state: TrialState, attrs: dict[str, int], last: int | None = 20) -> None:
+        study.add_trial(
+            create_trial(state=state, value=1.0 if state == TrialState.COMPLETE else None,
+                         params={"data.batch_size": 64}, distributions=dist,
+                         intermediate_values={} if last is None else {last: 1.0},
+                         user_attrs=attrs)
+        )  # fmt: skip
+
+    add(TrialState.COMPLETE, {"steps": 60, "samples": 60 * 64, "samples_per_step": 64})
+    add(TrialState.PRUNED, {"steps": 21, "samples": 21 * 16, "samples_per_step": 16})
+    add(TrialState.FAIL, {"samples_per_step": 32})  # its worker died after step 20's evaluation
+    add(TrialState.PRUNED, {"infeasible": 1}, last=None)  # never started: takes nothing
+    taken = 60 * 64 + 21 * 16 + 20 * 32  # 4816: not 101 steps, and not 101 x a batch
+
+    def action(samples: int, steps: int | None = None) -> str:
+        job = dataclasses.replace(_job(100), sample_budget=samples, trial_samples=3840,
+                                  step_budget=steps, trial_steps=60)  # fmt: skip
+        return next_action(study, job, study.sampler)
+
+    assert action(taken + 3840) == "run" and action(taken + 3839) == "done"
+    assert action(taken + 3840, steps=160) == "done"  # both budgets hold: the steps ran out
+    running = study.ask()  # counts as the largest trial while it runs
+    assert action(taken + 2 * 3840) == "run" and action(taken + 2 * 3840 - 1) == "wait"
+    study.tell(running, state=TrialState.PRUNED)  # pruned before any step record
+    assert action(taken + 3840) == "run"
+
+
+def test_worker_seeds_wrap_at_numpys_limit() -> None:
+    """tune.seed takes NumPy's range, and a worker's offset wraps past its end (a worker whose
+    seed was 2^32 died in its sampler's first draw)."""
+    import optuna
+    from pydantic import ValidationError
+
+    from hpcml.tune.study import make_sampler
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    dists = {"optim.lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    for name in ("tpe", "random"):
+        tune = TuneConfig(sampler=name, seed=2**32 - 1)  # type: ignore[arg-type]
+        study = optuna.create_study(sampler=make_sampler(tune, dists, worker=1, known=3))
+        assert 1e-4 <= study.ask(dists).params["optim.lr"] <= 1e-1
+    for bad in (-1, 2**32):
+        with pytest.raises(ValidationError):
+            TuneConfig(seed=bad)
+
+
 def test_a_journal_trial_whose_heartbeat_stopped_is_failed_and_queued_again(tmp_path: Path) -> None:
     """The journal storage has no heartbeat of Optuna's: a trial run on another host whose
     `heartbeat` attribute is older than GRACE_S is failed and queued again; one that beat

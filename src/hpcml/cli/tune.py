@@ -81,6 +81,8 @@ def tune(
 
     check_nproc(nproc)
     prep = st.prepare(config, tuple(overrides or ()))
+    largest_trial = budget.trial_samples(prep.cfg, prep.dists, nproc)
+    budget.check_samples(prep.tune, largest_trial)
     folder = out if out is not None else Path("runs") / f"tune-{config.stem}"
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"--out {folder} is a file, not a folder; choose another path.")
@@ -98,6 +100,8 @@ def tune(
         timeout_s=prep.tune.timeout_s,
         step_budget=prep.tune.step_budget,
         trial_steps=budget.trial_steps(prep.cfg, prep.dists),
+        sample_budget=prep.tune.sample_budget,
+        trial_samples=largest_trial,
         known=storage_mod.known_trials(url, name),
         first_worker=first_worker,
     )

@@ -3,9 +3,10 @@ in `--out` by default; hpcml.tune.storage), shared by every worker, on this mach
 elsewhere.
 
 Each worker loops: under a lock on `OUT/.tune.lock` it counts the study's trials and, while
-fewer than `--trials` are done or running (and a full trial fits in what is left of
-`tune.step_budget`: hpcml.tune.budget), starts one (`study.optimize` with one trial, so
-Optuna's heartbeat and stale-trial handling run as usual). A trial is a real `hpcml train` in
+fewer than `--trials` are done or running (and the largest trial fits in what is left of
+`tune.step_budget` and `tune.sample_budget`: hpcml.tune.budget), starts one
+(`study.optimize` with one trial, so Optuna's heartbeat and stale-trial handling run as
+usual). A trial is a real `hpcml train` in
 `OUT/trials/trial-NNNN` (hpcml.tune.trial), forked from the worker's warm launcher
 (hpcml.tune.launcher: torch imported once per worker, not once per trial); one the planner
 predicts will not fit `tune.device` is recorded infeasible (pruned, with Optuna's constraint > 0) and never started.
@@ -73,6 +74,19 @@ class TuneJob:
     """tune.step_budget: training steps the study's trials may take in all."""
     trial_steps: int = 0
     """The most steps one trial can train (what a running trial counts against the budget)."""
+    sample_budget: int | None = None
+    """tune.sample_budget: training samples the study's trials may take in all."""
+    trial_samples: int = 0
+    """The most samples one trial can train (budget.trial_samples)."""
+
+    def limits(self) -> list[budget.Limit]:
+        """The study's budgets (none, one or both)."""
+        out: list[budget.Limit] = []
+        if self.step_budget is not None:
+            out.append(budget.Limit("steps", self.step_budget, self.trial_steps))
+        if self.sample_budget is not None:
+            out.append(budget.Limit("samples", self.sample_budget, self.trial_samples))
+        return out
 
 
 @dataclass(frozen=True)
@@ -127,7 +141,7 @@ def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: in
     would propose the same points) and per resumption (`known`: trials the study held when
     this tune started; with the first invocation's seed a resumed study would propose the
     points it already tried)."""
-    seed = tune.seed + worker + 1000 * known
+    seed = (tune.seed + worker + 1000 * known) % 2**32  # NumPy's seeds end at 2^32 - 1
     s = optuna.samplers
     startup: dict[str, Any] = (
         {} if tune.startup_trials is None else {"n_startup_trials": tune.startup_trials}
@@ -214,10 +228,7 @@ def next_action(study: optuna.Study, job: TuneJob, sampler: Any) -> str:
     done = n["complete"] + n["pruned"] + n["failed"] + n["infeasible"]
     if done >= job.trials:
         return "done"
-    if (
-        job.step_budget is not None
-        and budget.left(trials, job.step_budget, job.trial_steps) < job.trial_steps
-    ):
+    if not all(limit.fits(trials) for limit in job.limits()):
         # a running trial pruned early gives steps back: another may fit then
         return "wait" if n["running"] else "done"
     if job.timeout_s is not None and time.time() - job.started >= job.timeout_s:
@@ -289,13 +300,16 @@ def objective_body(
     data = prep.base
     for key, value in params.items():
         data = space.set_dotted(data, key, value)
-    reason = _infeasible(t, build_config(data, origin=f"trial {t.number}"), job, prep)
+    cfg = build_config(data, origin=f"trial {t.number}")
+    reason = _infeasible(t, cfg, job, prep)
     if reason is not None:
         say(f"trial {t.number}: infeasible, not started: {reason}")
         _track(prep, t, "infeasible", None, params, say)
         raise optuna.TrialPruned(reason)
     run_dir = job.out / "trials" / f"trial-{t.number:04d}"
     t.set_user_attr("run_dir", str(run_dir))
+    per_step = budget.samples_per_step(cfg, job.nproc)
+    t.set_user_attr(budget.PER_STEP_ATTR, per_step)  # a dead worker's trial counts with it
     extra = tracking.trial_overrides(prep.cfg, t.study, t.number) if prep.tracked else []
     args = [*job.overrides, *space.overrides(params), *extra]
     command = trial_run.train_command(job.config, args, run_dir, job.nproc)
@@ -315,10 +329,11 @@ def objective_body(
         trial_run.write_trial_file(run_dir, {**info, "status": "failed", "error": "stopped"})
         raise
     t.set_user_attr(budget.STEPS_ATTR, outcome.steps)
+    t.set_user_attr(budget.SAMPLES_ATTR, outcome.steps * per_step)
     trial_run.write_trial_file(
         run_dir,
         {**info, "status": outcome.state, "value": outcome.value, "step": outcome.step,
-         "steps": outcome.steps, "error": outcome.error},
+         "steps": outcome.steps, "samples": outcome.steps * per_step, "error": outcome.error},
     )  # fmt: skip
     say(_describe(t.number, outcome, prep.tune.metric, run_dir))
     _track(prep, t, outcome.state, run_dir, params, say)
