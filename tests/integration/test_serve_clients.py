@@ -7,9 +7,11 @@ talk to one `hpcml serve` app, whose /metrics scrape must then pass `promtool ch
 
 from __future__ import annotations
 
+import csv
 import re
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -156,7 +158,11 @@ def test_tritonclient_grpc_metadata_and_errors(served: Served) -> None:
     g = tgrpc.InferenceServerClient(served.grpc_address)
     assert g.is_server_live() and g.is_server_ready() and g.is_model_ready("digits")
     assert g.is_model_ready("digits", "1")
-    assert list(g.get_server_metadata().extensions) == ["binary_tensor_data"]
+    assert list(g.get_server_metadata().extensions) == [
+        "binary_tensor_data",
+        "model_configuration",
+        "statistics",
+    ]
     meta = g.get_model_metadata("digits")
     assert meta.versions == ["1"] and meta.platform == "pytorch_torch"
     assert list(meta.inputs[0].shape) == [-1, 3, 32, 32] and meta.outputs[0].name == "logits"
@@ -408,3 +414,64 @@ def test_the_load_generator_speaks_grpc(served: Served) -> None:
     assert r.ok == r.sent > 0 and r.errors == {}
     assert r.url == f"grpc://{served.grpc_address}/digits"
     assert grpc_ok() == before + r.ok  # every one of them arrived over gRPC
+
+
+def _requests_total(served: Served, protocol: str) -> float:
+    code = "200" if protocol == "http" else "OK"
+    found = re.search(
+        rf'^hpcml_requests_total\{{code="{code}",model="digits",protocol="{protocol}",'
+        rf'version="1"\}} (\S+)$',
+        httpx.get(f"{served.url}/metrics").text,
+        re.M,
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def _number(label: str, text: str) -> float:
+    found = re.search(rf"^ +{label}: ([0-9.]+)", text, re.M)
+    assert found is not None, f"no {label!r} line in perf_analyzer's report:\n{text}"
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_triton_perf_analyzer_measures_the_server_unchanged(
+    served: Served, protocol: str, tmp_path: Path
+) -> None:
+    # Triton's own load generator (C++, tritonclient 2.51.0's binary): it reads the server's
+    # metadata and extensions, the model's metadata and configuration, sends binary tensors, and
+    # reads the model's statistics before and after it measures (only when the server announces
+    # the `statistics` extension, which main did not: its report then had no server side).
+    perf_analyzer = system_binary("perf_analyzer", installer=".ci/install_perf_analyzer.sh")
+    address = served.http_address if protocol == "http" else served.grpc_address
+    command = [perf_analyzer, "-m", "digits", "-u", address, "-i", protocol,
+               "--concurrency-range", "2"]  # fmt: skip
+    before = _requests_total(served, protocol)
+    report = tmp_path / "report.csv"
+    sent = 40
+    # Zeros, not its default of random bytes: those hold NaN bit patterns (below).
+    r = subprocess.run(
+        [*command, "--request-count", str(sent), "--input-data", "zero", "-f", str(report)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    # The report's two sections: what it measured, and the server's side of it.
+    client, server = re.split(r"\n  Server: *\n", r.stdout)
+    assert _number("Request count", client) == sent
+    # The server's side, from the statistics endpoint: every request it sent, each one answered.
+    assert _number("Successful request count", server) == _number("Inference count", server) == sent
+    assert _requests_total(served, protocol) == before + sent  # and none besides
+    (row,) = csv.DictReader(report.open())
+    assert row["Concurrency"] == "2"
+    assert float(row["Inferences/Second"]) == _number("Throughput", client) > 0
+    latencies = [_number(f"p{p} latency", client) for p in (50, 90, 95, 99)]
+    assert [float(row[f"p{p} latency"]) for p in (50, 90, 95, 99)] == latencies
+    assert 0 < latencies[0] <= latencies[1] <= latencies[2] <= latencies[3]
+    if protocol == "http":
+        # Its default input, random bytes read as FP32, holds NaN or infinity in nearly every
+        # tensor of 3,072 (each value 1/256; none in a tensor: about 6e-6), which the server
+        # refuses in binary as JSON cannot carry them; perf_analyzer stops with the sentence.
+        refused = subprocess.run(
+            [*command, "--request-count", "4"], capture_output=True, text=True, timeout=120
+        )
+        assert refused.returncode != 0
+        assert "holds NaN or infinite FP32 values; send finite numbers" in refused.stderr

@@ -41,8 +41,10 @@ def test_health_and_metadata(model_and_url: tuple[torch.nn.Module, str]) -> None
         assert c.get("/v2/health/live").status_code == 200
         assert c.get("/v2/health/ready").json() == {"ready": True}
         server = c.get("/v2").json()
-        # Only extensions that exist: binary tensors yes, model_repository (load/unload) no.
-        assert server["name"] == "hpcml" and server["extensions"] == ["binary_tensor_data"]
+        # Only extensions that exist: binary tensors, Triton's model configuration and
+        # statistics yes, model_repository (load/unload) no.
+        assert server["name"] == "hpcml"
+        assert server["extensions"] == ["binary_tensor_data", "model_configuration", "statistics"]
         index = c.post("/v2/repository/index").json()
         assert index == [{"name": "digits", "version": "1", "state": "READY"}]
         meta = c.get("/v2/models/digits").json()

@@ -62,24 +62,23 @@ def _clean_env() -> dict[str, str]:
 
 
 def train(
-    *args: str, store: str, cwd: Path, extra_path: Path | None = None, env: dict | None = None
+    *args: str,
+    store: str | None,
+    cwd: Path,
+    extra_path: Path | None = None,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """`hpcml train ... tracking.backend=mlflow` in `cwd`; `store=None` leaves tracking.uri unset
+    (and $MLFLOW_TRACKING_URI too): the default store is then relative to the working folder."""
     path = os.pathsep.join(str(p) for p in (ROOT / "src", extra_path) if p is not None)
+    uri = [] if store is None else [f"tracking.uri={store}"]
+    clean = {k: v for k, v in _clean_env().items() if k != "MLFLOW_TRACKING_URI"}
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpcml",
-            "train",
-            *args,
-            "tracking.backend=mlflow",
-            f"tracking.uri={store}",
-            "--quiet",
-        ],  # fmt: skip
+        [sys.executable, "-m", "hpcml", "train", *args, "tracking.backend=mlflow", *uri, "--quiet"],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env={**_clean_env(), "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})},
+        env={**clean, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})},
         timeout=400,
     )
 
@@ -187,8 +186,14 @@ def test_crashed_run_is_failed_and_resume_continues_it(
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == files
     assert not (tmp_path / "elsewhere.db").exists()
 
-    resumed = train(*args, "--resume", "auto", store=store, cwd=tmp_path, extra_path=tmp_path)
+    # Resumed from another working folder with tracking.uri unset: the store and run that
+    # tracking.json records, not a new run in that folder's default store (main started one
+    # in <cwd>/mlruns.db and overwrote tracking.json).
+    other_cwd = tmp_path / "other-cwd"
+    other_cwd.mkdir()
+    resumed = train(*args, "--resume", "auto", store=None, cwd=other_cwd, extra_path=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert list(other_cwd.iterdir()) == []
     assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"

@@ -37,8 +37,10 @@ from hpcml.serve.traffic.versions import ModelVersion, NotFound
 
 log = logging.getLogger(__name__)
 
-# Extensions of the protocol this server implements (Triton's names), and no others.
-EXTENSIONS = ["binary_tensor_data"]
+# Extensions of the protocol this server implements (Triton's names), and no others. Clients
+# read them: Triton's perf_analyzer asks for a model's statistics around its measurement (and
+# reports the server's side) only when the server announces `statistics`.
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
 @dataclass
 class InferFailure(Exception):
