@@ -146,6 +146,18 @@ def test_example_serve_config_is_valid() -> None:
         "2": 0.1,
     }  # normalised when read and digits.shadow is not None
     assert digits.versions["3"].backend == "onnx-int8"
+    # A hung inference process is replaced (503 + Retry-After) before its requests time out
+    # (504): with the example's timeout_ms of 5000 the old fixed 10 s default came too late.
+    assert digits.hang_after_s * 1000 < digits.timeout_ms
+
+
+def test_a_hang_timeout_not_below_the_request_timeout_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("defaults: {timeout_ms: 2000, hang_timeout_s: 2}\n")
+    with pytest.raises(ConfigError, match="hang_timeout_s 2 s is not shorter than timeout_ms"):
+        load_serve_config(path)
+    path.write_text("defaults: {timeout_ms: 2000, hang_timeout_s: 1.5}\n")
+    assert load_serve_config(path).defaults.hang_after_s == 1.5
 
 
 # Binary tensor data extension and datatypes (tensors.py).

@@ -75,11 +75,12 @@ class ModelServeConfig(_Section):
     """Samples allowed to wait; beyond it requests are refused at once (503 or 429)."""
     timeout_ms: float = Field(default=10_000.0, gt=0.0)
     """A request not answered within this time gets 504 and its result is dropped."""
-    hang_timeout_s: float = Field(default=10.0, gt=0.0, allow_inf_nan=False)
+    hang_timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     """An inference process (`isolation: process`) that answers no batch for this long is
     taken as hung (stopped, wedged): it is killed and restarted, its requests get 503 with
     Retry-After, and the version is not ready until the new process has loaded. Keep it above
-    the slowest batch's compute time."""
+    the slowest batch's compute time and below `timeout_ms` (else a request waiting on a hung
+    process gets the timeout's 504 first); null: half of `timeout_ms`."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where torch backends compute; auto picks cuda when present (ONNX Runtime picks its own)."""
     threads: int | None = Field(default=None, gt=0)
@@ -113,7 +114,19 @@ class ModelServeConfig(_Section):
         too_big = [s for s in self.preferred_batch_sizes if s > self.max_batch_size]
         if too_big:
             raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size")
+        if self.hang_timeout_s is not None and self.hang_timeout_s * 1000 >= self.timeout_ms:
+            raise ValueError(
+                f"hang_timeout_s {self.hang_timeout_s:g} s is not shorter than timeout_ms "
+                f"{self.timeout_ms:g} ms, so a request to a hung inference process would time "
+                "out (504) before the process is replaced (503 + Retry-After); lower it, or "
+                "leave it null (half of timeout_ms)"
+            )
         return self
+
+    @property
+    def hang_after_s(self) -> float:
+        """`hang_timeout_s`, or half of `timeout_ms` when it is null."""
+        return self.hang_timeout_s or self.timeout_ms / 2000
 
 
 class GenerationConfig(_Section):

@@ -166,7 +166,7 @@ class Router:
             max_queue_size=mcfg.max_queue_size,
             metrics=self.metrics.for_batcher(name, version),
             on_restart=self.worker_restarts.labels(name, version).inc,
-            batch_timeout_s=mcfg.hang_timeout_s,
+            batch_timeout_s=mcfg.hang_after_s,
         )
         return ModelVersion(
             name,
