@@ -284,6 +284,17 @@ def check_run(
     est = step_time(setup.model, setup.layout, setup.training, setup.cluster, calibration, overlap)
     ranks = setup.measured_memory
     rows = memory_rows(mem, ranks)
+    if setup.formula_model is not None:
+        formula = per_device_bytes(
+            setup.formula_model, setup.layout, setup.training, setup.cluster.devices
+        )
+        measured = _max_over_ranks(ranks, "saved_activation_bytes")
+        rows.append(
+            CheckRow("activations_formula_bytes", formula.activations_bytes, measured, MEMORY_GOAL)
+        )
+        if mem.activations_bytes:
+            drift = formula.activations_bytes / mem.activations_bytes
+            notes.append(f"activations: the formula path / the traced step = {drift:.3f}")
     if not any(r.quantity == "peak_allocated_bytes" for r in rows):
         notes.append(
             "no allocator peak measured (CPU run): peak compared as model states plus saved "

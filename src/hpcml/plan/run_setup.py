@@ -38,6 +38,9 @@ class RunSetup:
     measured_memory: tuple[Mapping[str, Any], ...]
     status: str = ""
     notes: tuple[str, ...] = ()
+    formula_model: ModelShape | None = None
+    """the planner's own shape where `model` takes its activations from the run's traced step
+    (plan check reports the formula path beside the trace)."""
     strategy: str = ""
     """parallel.strategy as configured (hpcml's zero2 and zero3 share a planned layout)."""
     run_dir: str = ""
@@ -172,6 +175,7 @@ def setup_from_summary(
     step = _get(summary, "throughput", "step_time_s")
     wait = _get(summary, "throughput", "data_wait_s")
     notes: list[str] = list(shape_notes)
+    model, formula = _traced_activations(summary, model, layout.tp, notes)
     measured: float | None = None
     if step is not None and float(step) > 0:
         measured = float(step)
@@ -181,6 +185,7 @@ def setup_from_summary(
     return RunSetup(
         label=label,
         model=model,
+        formula_model=formula,
         layout=layout,
         training=training,
         cluster=cluster,
@@ -193,6 +198,24 @@ def setup_from_summary(
         run_dir=str(summary.get("run_dir") or ""),
         record_sha256=_record_sha256(summary),
     )
+
+
+def _traced_activations(
+    summary: Mapping[str, Any], model: ModelShape, tp: int, notes: list[str]
+) -> tuple[ModelShape, ModelShape | None]:
+    """The run's model with the activations its own traced step measured (summary.json's
+    `memory_trace`, one replica: not under tensor parallelism), and the formula path's shape
+    beside it where the planner has one; the model unchanged without a trace."""
+    traced = _get(summary, "memory_trace", "activations_bytes_per_sample")
+    if traced is None or model.activations_traced or tp > 1:
+        return model, None
+    has_formula = model.is_transformer or model.activation_bytes_per_sample is not None
+    notes.append(
+        "activations predicted from the run's own traced step (plan memory --trace)"
+        + ("; the formula path beside it: activations_formula_bytes" if has_formula else "")
+    )
+    shape = replace(model, activation_bytes_per_sample=float(traced), activations_traced=True)
+    return shape, model if has_formula else None
 
 
 def _record_sha256(summary: Mapping[str, Any]) -> str:
