@@ -120,6 +120,50 @@ def _summaries(root: Path, name: str, repeats: int) -> tuple[list[dict[str, Any]
     return runs, order[(repeats - 1) // 2]
 
 
+def _replayed(
+    old: dict[str, Any], cfg: Path, name: str, world: int, overrides: list[str]
+) -> list[dict[str, Any]]:
+    """--replay: summaries of the repetitions a previous result measured for run `name`, each
+    with the config this script trains it with, resolved as `hpcml train` resolves it (the
+    model's completed arguments, the input shape, the parameter count), the step times that
+    result recorded (already without the data wait), the threads hpcml gives each rank on that
+    machine (its cores split evenly), and no memory (the memory columns are that result's)."""
+    from hpcml.config import load_config
+    from hpcml.models.zoo import count_parameters
+    from hpcml.train.validate import resolve
+
+    row = next((r for r in old["rows"] if r["run"] == name), None)
+    if row is None:
+        return []
+    c = load_config(cfg, overrides)
+    res = resolve(c, world)
+    cores = int(old["machine"]["cpus"])
+    return [
+        {
+            "status": "finished",
+            "run_dir": f"replayed/{name}-r{i}",
+            "world_size": world,
+            "device": {
+                "type": "cpu",
+                "name": "replayed",
+                "count": cores,
+                "threads": max(1, cores // world),
+            },
+            "precision": c.precision,
+            "model": {
+                "name": c.model.name,
+                "args": res.model_args,
+                "input_shape": list(res.splits.input_shape),
+                "parameters": count_parameters(res.meta_model),
+            },
+            "memory": {},
+            "throughput": {"step_time_s": t, "data_wait_s": 0.0},
+            "config": c.model_dump(mode="json"),
+        }
+        for i, t in enumerate(row["measured_step_times_s"])
+    ]
+
+
 def _jobs(models: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, int, list[str]]]:
     jobs = []
     for spec in models:
@@ -361,6 +405,14 @@ def main() -> None:
         help="train every run this many times (order rotated) and predict the one with the "
         "median step time; the table lists every repetition's step time",
     )
+    ap.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        help="train nothing: predict again the step times a previous result (plan_check.json) "
+        "measured, its memory columns kept (a planner change re-checked against archived "
+        "measurements)",
+    )
     ap.add_argument("--models", nargs="+", help="only these model keys (e.g. mlp resnet18)")
     ap.add_argument("--strategies", nargs="+", help="only these (single ddp zero1 ... tp tp+sp)")
     ap.add_argument(
@@ -393,7 +445,8 @@ def main() -> None:
         if (not a.models or j[0]["key"] in a.models) and (not a.strategies or j[1] in a.strategies)
     ]
     errors: dict[str, str] = {}
-    for rep in range(a.repeats):
+    old = json.loads(a.replay.read_text()) if a.replay else None
+    for rep in range(0 if old else a.repeats):
         # Every run once per repetition, the order rotated, so slow spells of a shared machine
         # fall on different runs in each repetition.
         shift = rep * len(jobs) // a.repeats
@@ -410,19 +463,29 @@ def main() -> None:
             if err is not None:
                 errors[name] = err
     median_label: dict[str, str] = {}
-    for spec, strategy, world, _ in jobs:
+    for spec, strategy, world, overrides in jobs:
         name = f"{spec['key']}-{strategy}".replace("+", "")
         if name in errors:
             failed.append({"run": name, "error": errors[name]})
             continue
-        runs, mid = _summaries(root, name, a.repeats)
+        if old is not None:
+            cfg = root / f"{name}.yaml"
+            cfg.write_text(_config(spec, a.steps))
+            runs = _replayed(old, cfg, name, world, overrides)
+            if not runs:
+                failed.append({"run": name, "error": f"not in {a.replay}"})
+                continue
+            times = [r["throughput"]["step_time_s"] for r in runs]
+            mid = sorted(range(len(runs)), key=lambda i: times[i])[(len(runs) - 1) // 2]
+        else:
+            runs, mid = _summaries(root, name, a.repeats)
         # Every repetition is a run of its own: a calibration fits their median and measures
         # the noise from their spread (hpcml.plan.check.calibration_points).
         for r, summary in enumerate(runs):
-            label = _rep_name(name, r, a.repeats)
+            label = _rep_name(name, r, len(runs))
             setups.append(setup_from_summary(summary, catalog, label))
             labels[label] = (spec["key"], strategy, world)
-        median_label[name] = _rep_name(name, mid, a.repeats)
+        median_label[name] = _rep_name(name, mid, len(runs))
     if a.memory_only:
         medians = [
             replace(s, label=n) for n, m in median_label.items() for s in setups if s.label == m
@@ -437,13 +500,17 @@ def main() -> None:
         rep = model_out[label]
         key, strategy, world = labels[label]
         times = [s.measured_step_s for s in setups if labels[s.label] == labels[label]]
+        cells = _cells(rep.rows)
+        if old is not None:  # memory is not replayed: that result's columns, as measured
+            kept = next(r for r in old["rows"] if r["run"] == name)
+            cells.update({q: kept[q] for q in MEMORY if q in kept})
         rows.append(
             {
                 "run": name,
                 "model": key,
                 "strategy": strategy,
                 "world": world,
-                **_cells(rep.rows),
+                **cells,
                 "step_time_family_out": _cells(family_out[label].rows).get("step_time_s"),
                 "step_time_one_collective_cost": one_cost.get(label),
                 "measured_step_times_s": times,
@@ -451,11 +518,21 @@ def main() -> None:
                 "notes": list(rep.notes),
             }
         )
-    stamps = sorted(_when(root / label / "summary.json") for label in labels)
+    if old is not None:
+        stamps = old["runs_finished"]
+    else:
+        stamps = sorted(_when(root / label / "summary.json") for label in labels)
     result = {
         "question": "plan vs measured CPU runs; step time out of sample (leave-one-model-out)",
         "command": "PYTHONPATH=src python benchmarks/plan_check.py " + " ".join(a.argv),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": old["machine"]
+        if old
+        else {"platform": platform.platform(), "cpus": os.cpu_count()},
+        **(
+            {"replayed": f"step times and memory columns measured by: {old['command']}"}
+            if old
+            else {}
+        ),
         "goals": {
             "memory": 0.10,
             "step_time": 0.25,

@@ -255,6 +255,7 @@ ARCHIVE: dict[str, str] = {
     "serving_uvloop_quick_checked": "serving_xeon_checked",
     "plan_check_model_bf0e878": "plan_check",
     "plan_check_two_terms": "plan_check",
+    "plan_check_measured_2026-11-26": "plan_check",
     "llm_serving_http_final": "llm_serving_http_both",
     "llm_serving_http_long_tailed": "llm_serving_http_both",
     "llm_serving_http_rate4": "llm_serving_http_both",

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from scipy.stats import norm, t
+from tests.unit.test_plan_check import summary
 
 from hpcml.plan.calibration import CalibrationPoint, calibrate
 from hpcml.plan.check import calibrate_from, calibration_points, check_run, setup_from_summary
@@ -19,7 +20,6 @@ from hpcml.plan.interval import half_width_log, step_interval
 from hpcml.plan.memory import Layout, Training
 from hpcml.plan.perf import Calibration, step_time
 from hpcml.plan.shapes import model_shape
-from tests.unit.test_plan_check import summary
 
 CAT = load_catalog()
 CLUSTER = resolve_cluster(CAT, 2, accelerator="cpu")

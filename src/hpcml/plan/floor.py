@@ -129,14 +129,14 @@ def floors(setups: Sequence[RunSetup], overlap: float = 1.0) -> list[dict[str, A
             runs = [s for s in mine if model_key(s.model) == key]
             f, p = _floor_of(runs, overlap)
             per_model[model_label(runs[0].model)] = {
-                "runs": len(runs),
+                "runs": len(p),  # repetitions of a configuration are one run: their median
                 "worst": f.worst,
                 "binding": f.binding(p),
             }
         out.append(
             {
                 "accelerator": acc,
-                "runs": len(mine),
+                "runs": len(pts),
                 "worst": whole.worst,
                 "binding": whole.binding(pts),
                 "calibration": whole.calibration.to_dict(),
