@@ -133,7 +133,7 @@ def _save_calibration(path: Path, setups: list[Any]) -> None:
         path.write_text(json.dumps(doc, indent=1) + "\n")
     except OSError as exc:
         raise PlanError(
-            f"--save-calibration {path} cannot be written ({exc.strerror}); give a writable file."
+            f"--save-calibration {path} cannot be written ({exc.strerror or exc}); give a writable file."
         ) from None
 
 
