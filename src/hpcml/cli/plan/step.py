@@ -70,9 +70,7 @@ def step_cmd(
         {
             "devices": e.devices,
             "step_s": e.step_s,
-            "step_interval_s": None
-            if (iv := step_interval(e.step_s, cal)) is None
-            else [iv.low_s, iv.high_s],
+            "step_interval_s": _ends(step_interval(e.step_s, cal)),
             "samples_per_s": e.samples_per_s,
             "tokens_per_s": e.tokens_per_s,
             "mfu": e.mfu,
@@ -145,11 +143,11 @@ def step_cmd(
     ):
         t.add_column(col, justify="right")
     for r in rows:
-        iv = r["step_interval_s"]
+        span = r["step_interval_s"]
         t.add_row(
             str(r["devices"]),
             f"{r['step_s']:.4f}",
-            "-" if iv is None else f"{iv[0]:.4f} .. {iv[1]:.4f}",
+            "-" if span is None else f"{span[0]:.4f} .. {span[1]:.4f}",
             f"{r['samples_per_s']:,.1f}",
             f"{r['tokens_per_s']:,.0f}",
             f"{r['mfu']:.1%}",
@@ -159,6 +157,10 @@ def step_cmd(
     console.print(t)
     if plot:
         console.print(f"plot written to {plot}")
+
+
+def _ends(interval: Any) -> list[float] | None:
+    return None if interval is None else [interval.low_s, interval.high_s]
 
 
 def _plot_scaling(rows: list[dict[str, Any]], path: Path, title: str) -> None:
