@@ -244,7 +244,7 @@ def test_plan_trace_auto_traces_what_the_planner_lacks_and_long_runs() -> None:
     assert traced["activations_bytes_per_sample"] > 0
     always = cfg("mlp", 32, "always")
     assert summary_trace(always, resolve(always, 1), 1) is not None
-    small = cfg("simple_cnn", 16, "auto")  # off the table: traced however short the run
+    small = cfg("resnet18", 16, "auto")  # off the table: traced however short the run
     assert summary_trace(small, resolve(small, 1), 1) is not None
-    never = cfg("simple_cnn", 16, "never")
+    never = cfg("resnet18", 16, "never")
     assert summary_trace(never, resolve(never, 1), 1, trained_s=1e6) is None
