@@ -254,6 +254,7 @@ def check_run(
     )
     calibrated = False
     refuse_copies([setup], calibration_runs)
+    refuse_duplicates(calibration_runs)
     if calibration is None and calibration_runs:
         for other in calibration_runs:
             if other.cluster.accelerator.key != setup.cluster.accelerator.key:

@@ -102,15 +102,16 @@ def check_cmd(
     cal = Calibration(efficiency, overhead, "--efficiency") if efficiency is not None else None
     report = check_run(setup, others, cal)
     if save is not None:
-        _save_calibration(save, others)
+        _save_calibration(save, others, report.calibration if others and cal is None else None)
     if json_out:
         print_json(report.to_dict())
         return
     _print_report(report, run_dirs[0])
 
 
-def _save_calibration(path: Path, setups: list[Any]) -> None:
-    """The calibration of `setups` (one hardware), with its errors out of sample, as JSON."""
+def _save_calibration(path: Path, setups: list[Any], cal: Any = None) -> None:
+    """The calibration of `setups` (one hardware; `cal` where it is fitted already), with its
+    errors out of sample, as JSON."""
     from hpcml.plan.check import calibrate_from
 
     if not setups:
@@ -123,7 +124,7 @@ def _save_calibration(path: Path, setups: list[Any]) -> None:
         raise PlanError(
             f"--save-calibration fits one hardware; the runs ran on {', '.join(accelerators)}."
         )
-    cal = calibrate_from(setups)
+    cal = cal or calibrate_from(setups)
     doc = {
         "accelerator": accelerators[0],
         "runs": [s.label for s in setups],
@@ -133,7 +134,8 @@ def _save_calibration(path: Path, setups: list[Any]) -> None:
         path.write_text(json.dumps(doc, indent=1) + "\n")
     except OSError as exc:
         raise PlanError(
-            f"--save-calibration {path} cannot be written ({exc.strerror or exc}); give a writable file."
+            f"--save-calibration {path} cannot be written ({exc.strerror or exc}); give a "
+            "writable file."
         ) from None
 
 
