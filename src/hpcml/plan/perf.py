@@ -1,9 +1,10 @@
 """Step time, throughput and MFU of a training layout, their scaling over device counts, and
-the calibration of the compute efficiency from measured step times.
+the calibration they are computed with (fitted on measured runs by hpcml.plan.calibration,
+its error out of sample in hpcml.plan.interval).
 
 step = (m + (p-1)/v) x (compute + critical communication per micro-batch)
        + exposed data-parallel communication + optimizer step
-       + software time: a fixed overhead + collectives per step x cost per collective
+       + software time: a fixed overhead + calls of each collective kind x its cost per call
          + parameter tensors x micro-batches x cost per tensor (more under tensor parallelism),
 with the pipeline bubble of Narayanan et al. 2021 (Sec. 2.2) and MFU as PaLM defines it
 (Chowdhery et al. 2022, Appendix B).
@@ -19,7 +20,8 @@ DTensor's sharding propagation on top under tensor parallelism), with a CPU rank
 from the threads it computes with (`Accelerator.per_threads`), took that table to 25 of 29
 (on the AMD EPYC machine of 2026-11-23; 20 of 29 on the 2-core Xeon of 2026-11-26). The form
 of this model cannot do better than `hpcml.plan.floor` says on a set of runs: on that Xeon
-table, no calibration puts the mlp's five runs within 34%.
+table, with one cost for every collective kind no calibration puts the mlp's five runs within
+34%; with a cost per kind, 6.9%.
 """
 
 from __future__ import annotations
