@@ -172,3 +172,30 @@ def test_no_interval_without_measured_error() -> None:
         row = next(r for r in rep.rows if r.quantity == "step_time_s")
         assert row.interval is None
         assert any("no interval on the step time" in n for n in rep.notes)
+
+
+def test_a_saved_calibration_loads_with_errors_of_either_sign(tmp_path: Any) -> None:
+    """Errors are log(measured / predicted), negative for a run predicted too slow: a file
+    `plan check --save-calibration` wrote loads whatever their signs; a negative cost, a
+    non-number or another hardware's fit is refused in one sentence."""
+    import json
+
+    from hpcml.cli.plan.shared import load_calibration
+
+    cal = Calibration(0.05, 0.001, source="fitted", error_log=(-0.3, 0.2, -0.1),
+                      error_groups=3, error_basis="each of 3 models")
+    path = tmp_path / "cal.json"
+
+    def save(d: dict[str, Any]) -> Any:
+        path.write_text(json.dumps({"accelerator": "cpu", "calibration": d}))
+        return path
+
+    loaded = load_calibration(save(cal.to_dict()), "cpu")
+    assert loaded == cal and half_width_log(loaded) is not None
+    for bad, needle in (({"overhead_s": -1.0}, "negative or non-finite"),
+                        ({"noise_log": "x"}, "is not a calibration"),
+                        ({"error_log": [float("nan")]}, "negative or non-finite")):
+        with pytest.raises(PlanError, match=needle):
+            load_calibration(save({**cal.to_dict(), **bad}), "cpu")
+    with pytest.raises(PlanError, match="fitted on cpu runs, not h100-sxm"):
+        load_calibration(save(cal.to_dict()), "h100-sxm")

@@ -103,20 +103,21 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Calibration:
-        """The calibration a `to_dict` (a `plan check --json` report) holds."""
+        """The calibration a `to_dict` (a `plan check --json` report) holds; a value of the
+        wrong type raises ValueError or TypeError."""
+        noise = d.get("noise_log")
+        kinds = d.get("collective_costs_s") or {}
         return cls(
             float(d["efficiency"]),
             float(d.get("overhead_s") or 0.0),
             str(d.get("source") or ""),
-            tuple(d.get("residuals") or ()),
+            tuple(float(r) for r in d.get("residuals") or ()),
             float(d.get("collective_overhead_s") or 0.0),
             float(d.get("tensor_overhead_s") or 0.0),
             float(d.get("tp_tensor_overhead_s") or 0.0),
-            tuple(
-                sorted((str(k), float(v)) for k, v in (d.get("collective_costs_s") or {}).items())
-            ),
-            d.get("noise_log"),
-            tuple(d.get("error_log") or ()),
+            tuple(sorted((str(k), float(v)) for k, v in kinds.items())),
+            None if noise is None else float(noise),
+            tuple(float(e) for e in d.get("error_log") or ()),
             str(d.get("error_basis") or ""),
             int(d.get("error_groups") or 0),
         )

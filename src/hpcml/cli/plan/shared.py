@@ -224,16 +224,16 @@ def load_calibration(path: Path, accelerator: str) -> Any:
         raise PlanError(f"{what} cannot be read; {hint}.") from None
     except (ValueError, KeyError, TypeError, AttributeError):
         raise PlanError(f"{what} is not a calibration; {hint}.") from None
-    numbers = [
-        cal.efficiency,
+    costs = [
         cal.overhead_s,
         cal.collective_overhead_s,
         cal.tensor_overhead_s,
         cal.tp_tensor_overhead_s,
         *(v for _, v in cal.collective_costs_s),
-        *cal.error_log,
     ]
-    if not all(math.isfinite(v) for v in numbers) or cal.efficiency <= 0 or min(numbers[1:6]) < 0:
+    numbers = [cal.efficiency, *costs, *cal.error_log, cal.noise_log or 0.0]
+    # Costs are never negative; errors (log measured / predicted) are either sign.
+    if not all(math.isfinite(v) for v in numbers) or cal.efficiency <= 0 or min(costs) < 0:
         raise PlanError(f"{what} holds a negative or non-finite cost; {hint}.")
     if fitted_on != accelerator:
         raise PlanError(
