@@ -66,7 +66,7 @@ def step_cmd(
         raise PlanError(f"--scaling '{scaling}' must be comma-separated integers.") from None
     curve = scaling_curve(shape, lay, tr, cluster, counts, global_batch, cal, overlap)
     base = curve[0]
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "devices": e.devices,
             "step_s": e.step_s,
