@@ -6,10 +6,14 @@ without sequence parallelism), then predicts each run with the planner:
 
 - memory per rank: model states, saved activations (measured by hpcml.train.memprobe with
   autograd's saved-tensor hooks) and their sum, the CPU peak; goal within 10%;
-- step time: calibrated per hardware (an efficiency and software costs for "cpu", a rank's
-  peak following its threads) on the runs of the *other* models only (leave-one-model-out,
-  a model being an architecture at one size; the last column leaves out every size of the
-  architecture, so gpt-tiny and gpt-mid do not calibrate each other); goal within 25%.
+- step time: calibrated per hardware (an efficiency and software costs for "cpu": per call of
+  each collective kind, per parameter tensor; a rank's peak following its threads) on the runs
+  of the *other* models only (leave-one-model-out, a model being an architecture at one size;
+  the family-out column leaves out every size of the architecture, so gpt-tiny and gpt-mid do
+  not calibrate each other); every repetition of a run is given to the calibration, which fits
+  their median and measures the run-to-run noise from their spread; each prediction carries
+  the 90% interval of hpcml.plan.interval. Goals: the measured median inside its interval in
+  >= 90% of the runs, median |predicted / measured - 1| <= 15%.
 
 Every run is a row; nothing is dropped. Runs whose training failed are listed with their
 error.
@@ -30,10 +34,12 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +104,9 @@ def _rep_name(name: str, rep: int, repeats: int) -> str:
     return name if repeats == 1 else f"{name}-r{rep}"
 
 
-def _median_run(root: Path, name: str, repeats: int) -> tuple[dict[str, Any], list[float]]:
-    """The summary of the repetition with the median step time (an odd count picks a real
-    run, so its memory figures are that run's), and every repetition's step time."""
+def _summaries(root: Path, name: str, repeats: int) -> tuple[list[dict[str, Any]], int]:
+    """Every repetition's summary and the index of the one with the median step time (an odd
+    count picks a real run, so its memory figures are that run's)."""
     runs = [
         json.loads((root / _rep_name(name, r, repeats) / "summary.json").read_text())
         for r in range(repeats)
@@ -111,7 +117,51 @@ def _median_run(root: Path, name: str, repeats: int) -> tuple[dict[str, Any], li
         for r in runs
     ]
     order = sorted(range(repeats), key=lambda i: times[i])
-    return runs[order[(repeats - 1) // 2]], times
+    return runs, order[(repeats - 1) // 2]
+
+
+def _replayed(
+    old: dict[str, Any], cfg: Path, name: str, world: int, overrides: list[str]
+) -> list[dict[str, Any]]:
+    """--replay: summaries of the repetitions a previous result measured for run `name`, each
+    with the config this script trains it with, resolved as `hpcml train` resolves it (the
+    model's completed arguments, the input shape, the parameter count), the step times that
+    result recorded (already without the data wait), the threads hpcml gives each rank on that
+    machine (its cores split evenly), and no memory (the memory columns are that result's)."""
+    from hpcml.config import load_config
+    from hpcml.models.zoo import count_parameters
+    from hpcml.train.validate import resolve
+
+    row = next((r for r in old["rows"] if r["run"] == name), None)
+    if row is None:
+        return []
+    c = load_config(cfg, overrides)
+    res = resolve(c, world)
+    cores = int(old["machine"]["cpus"])
+    return [
+        {
+            "status": "finished",
+            "run_dir": f"replayed/{name}-r{i}",
+            "world_size": world,
+            "device": {
+                "type": "cpu",
+                "name": "replayed",
+                "count": cores,
+                "threads": max(1, cores // world),
+            },
+            "precision": c.precision,
+            "model": {
+                "name": c.model.name,
+                "args": res.model_args,
+                "input_shape": list(res.splits.input_shape),
+                "parameters": count_parameters(res.meta_model),
+            },
+            "memory": {},
+            "throughput": {"step_time_s": t, "data_wait_s": 0.0},
+            "config": c.model_dump(mode="json"),
+        }
+        for i, t in enumerate(row["measured_step_times_s"])
+    ]
 
 
 def _jobs(models: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, int, list[str]]]:
@@ -147,27 +197,78 @@ MEMORY = (
 STALE = ("re-measured", "ZeroRedundancyOptimizer gives each rank whole parameter tensors")
 
 
+def _one_collective_cost(setups: list[Any]) -> dict[str, Any]:
+    """Leave-one-model-out step time with one software cost per collective call whatever its
+    kind (the calibration before per-kind costs), for comparison: label -> ratio cell."""
+    from hpcml.plan.calibration import calibrate
+    from hpcml.plan.check import calibration_points, model_key
+    from hpcml.plan.perf import step_time
+
+    out, fits = {}, {}
+    for s in setups:
+        k = model_key(s.model)
+        if k not in fits:
+            others = [o for o in setups if model_key(o.model) != k and o.measured_step_s]
+            fits[k] = calibrate(calibration_points(others), per_kind=False) if others else None
+        if fits[k] is None or not s.measured_step_s:
+            continue
+        pred = step_time(s.model, s.layout, s.training, s.cluster, fits[k]).step_s
+        ratio = pred / s.measured_step_s
+        out[s.label] = {
+            "predicted": pred,
+            "measured": s.measured_step_s,
+            "ratio": ratio,
+            "ok": abs(ratio - 1) <= 0.25,
+        }
+    return out
+
+
+def _median_error(rows: list[dict[str, Any]], column: str) -> float | None:
+    errors = [abs(r[column]["ratio"] - 1) for r in rows if (r.get(column) or {}).get("ratio")]
+    return statistics.median(errors) if errors else None
+
+
+def _coverage(rows: list[dict[str, Any]], column: str) -> dict[str, Any]:
+    """How often the measured step time (the median of the repetitions, and each repetition)
+    falls inside the printed 90% interval, the median |predicted / measured - 1|, and the
+    intervals' median width (high / low)."""
+    cells = [(r, r[column]) for r in rows if (r.get(column) or {}).get("interval")]
+    reps = [(t, c["interval"]) for r, c in cells for t in r["measured_step_times_s"]]
+    widths = [c["interval"]["high_s"] / c["interval"]["low_s"] for _, c in cells]
+    return {
+        "runs": len(rows),
+        "runs_with_interval": len(cells),
+        "inside": sum(1 for _, c in cells if c["inside"]),
+        "repetitions": len(reps),
+        "repetitions_inside": sum(1 for t, iv in reps if iv["low_s"] <= t <= iv["high_s"]),
+        "median_abs_error": _median_error(rows, column),
+        "median_interval_high_over_low": statistics.median(widths) if widths else None,
+    }
+
+
 def _when(path: Path) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
 
 
 def _cells(rows: Any) -> dict[str, Any]:
-    return {
-        r.quantity: {"predicted": r.predicted, "measured": r.measured, "ratio": r.ratio, "ok": r.ok}
-        for r in rows
-    }
+    keep = ("predicted", "measured", "ratio", "ok", "interval", "inside")
+    return {r.quantity: {k: v for k, v in r.to_dict().items() if k in keep} for r in rows}
 
 
 def _markdown(result: dict[str, Any]) -> str:
     lines = [
         "| run | world | "
         + " | ".join(q.replace("_bytes", "") for q in QUANTITIES)
-        + " | step_time_s, family out | measured step ms (no data wait), median [min .. max] |",
-        "|---|---|" + "---|" * (len(QUANTITIES) + 2),
+        + " | step 90% interval / measured | step_time_s, family out"
+        " | measured step ms (no data wait), median [min .. max] |",
+        "|---|---|" + "---|" * (len(QUANTITIES) + 3),
     ]
     for r in result["rows"]:
         cells = []
-        for q in (*QUANTITIES, "step_time_family_out"):
+        for q in (*QUANTITIES, "interval", "step_time_family_out"):
+            if q == "interval":
+                cells.append(_interval_cell(r.get("step_time_s") or {}))
+                continue
             c = r.get(q) or {}
             ratio = c.get("ratio")
             cells.append("-" if ratio is None else f"{ratio:.3f}" + ("" if c["ok"] else " miss"))
@@ -180,6 +281,7 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['run']} | {r['world']} | " + " | ".join(cells) + " |")
     for f in result["failed"]:
         lines.append(f"| {f['run']} | failed: {f['error']} |")
+    lines += _coverage_lines(result.get("step_time_summary") or {})
     for b in result.get("floors") or []:
         lines += [
             "",
@@ -196,6 +298,34 @@ def _markdown(result: dict[str, Any]) -> str:
             for label, m in b["per_model"].items()
         ]
     return "\n".join(lines) + "\n"
+
+
+def _interval_cell(c: dict[str, Any]) -> str:
+    iv, m = c.get("interval"), c.get("measured")
+    if not iv or not m:
+        return "-"
+    return f"{iv['low_s'] / m:.2f} .. {iv['high_s'] / m:.2f}" + ("" if c["inside"] else " OUT")
+
+
+def _coverage_lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, c in summary.items():
+        if "inside" not in c:
+            lines += [
+                "",
+                f"Step time, {name}: median |predicted / measured - 1| "
+                f"{c['median_abs_error']:.1%}.",
+            ]
+            continue
+        lines += [
+            "",
+            f"Step time, {name}: the measured median inside its printed 90% interval in "
+            f"{c['inside']} of {c['runs_with_interval']} runs ({c['repetitions_inside']} of "
+            f"{c['repetitions']} single repetitions); median |predicted / measured - 1| "
+            f"{c['median_abs_error']:.1%}; the intervals' median width (high / low) "
+            f"{c['median_interval_high_over_low']:.2f}x.",
+        ]
+    return lines
 
 
 def _write(result: dict[str, Any], out: Path) -> None:
@@ -275,6 +405,14 @@ def main() -> None:
         help="train every run this many times (order rotated) and predict the one with the "
         "median step time; the table lists every repetition's step time",
     )
+    ap.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        help="train nothing: predict again the step times a previous result (plan_check.json) "
+        "measured, its memory columns kept (a planner change re-checked against archived "
+        "measurements)",
+    )
     ap.add_argument("--models", nargs="+", help="only these model keys (e.g. mlp resnet18)")
     ap.add_argument("--strategies", nargs="+", help="only these (single ddp zero1 ... tp tp+sp)")
     ap.add_argument(
@@ -307,7 +445,8 @@ def main() -> None:
         if (not a.models or j[0]["key"] in a.models) and (not a.strategies or j[1] in a.strategies)
     ]
     errors: dict[str, str] = {}
-    for rep in range(a.repeats):
+    old = json.loads(a.replay.read_text()) if a.replay else None
+    for rep in range(0 if old else a.repeats):
         # Every run once per repetition, the order rotated, so slow spells of a shared machine
         # fall on different runs in each repetition.
         shift = rep * len(jobs) // a.repeats
@@ -323,48 +462,93 @@ def main() -> None:
             )
             if err is not None:
                 errors[name] = err
-    spreads: dict[str, list[float]] = {}
-    for spec, strategy, world, _ in jobs:
+    median_label: dict[str, str] = {}
+    for spec, strategy, world, overrides in jobs:
         name = f"{spec['key']}-{strategy}".replace("+", "")
         if name in errors:
             failed.append({"run": name, "error": errors[name]})
             continue
-        summary, spreads[name] = _median_run(root, name, a.repeats)
-        setups.append(setup_from_summary(summary, catalog, name))
-        labels[name] = (spec["key"], strategy, world)
+        if old is not None:
+            cfg = root / f"{name}.yaml"
+            cfg.write_text(_config(spec, a.steps))
+            runs = _replayed(old, cfg, name, world, overrides)
+            if not runs:
+                failed.append({"run": name, "error": f"not in {a.replay}"})
+                continue
+            times = [r["throughput"]["step_time_s"] for r in runs]
+            mid = sorted(range(len(runs)), key=lambda i: times[i])[(len(runs) - 1) // 2]
+        else:
+            runs, mid = _summaries(root, name, a.repeats)
+        # Every repetition is a run of its own: a calibration fits their median and measures
+        # the noise from their spread (hpcml.plan.check.calibration_points).
+        for r, summary in enumerate(runs):
+            label = _rep_name(name, r, len(runs))
+            setups.append(setup_from_summary(summary, catalog, label))
+            labels[label] = (spec["key"], strategy, world)
+        median_label[name] = _rep_name(name, mid, len(runs))
     if a.memory_only:
-        _merge_memory(setups, labels, failed, a)
+        medians = [
+            replace(s, label=n) for n, m in median_label.items() for s in setups if s.label == m
+        ]
+        _merge_memory(medians, {n: labels[m] for n, m in median_label.items()}, failed, a)
         return
-    rows = []
+    model_out = {r.setup.label: r for r in leave_one_model_out(setups)}
     family_out = {r.setup.label: r for r in leave_one_model_out(setups, hold_out="family")}
-    for rep in leave_one_model_out(setups):
-        key, strategy, world = labels[rep.setup.label]
+    one_cost = _one_collective_cost(setups)
+    rows = []
+    for name, label in median_label.items():
+        rep = model_out[label]
+        key, strategy, world = labels[label]
+        times = [s.measured_step_s for s in setups if labels[s.label] == labels[label]]
+        cells = _cells(rep.rows)
+        if old is not None:  # memory is not replayed: that result's columns, as measured
+            kept = next(r for r in old["rows"] if r["run"] == name)
+            cells.update({q: kept[q] for q in MEMORY if q in kept})
         rows.append(
             {
-                "run": rep.setup.label,
+                "run": name,
                 "model": key,
                 "strategy": strategy,
                 "world": world,
-                **_cells(rep.rows),
-                "step_time_family_out": _cells(family_out[rep.setup.label].rows).get("step_time_s"),
-                "measured_step_times_s": spreads[rep.setup.label],
+                **cells,
+                "step_time_family_out": _cells(family_out[label].rows).get("step_time_s"),
+                "step_time_one_collective_cost": one_cost.get(label),
+                "measured_step_times_s": times,
                 "calibration": rep.calibration.to_dict(),
                 "notes": list(rep.notes),
             }
         )
-    stamps = sorted(
-        _when(root / _rep_name(n, r, a.repeats) / "summary.json")
-        for n in labels
-        for r in range(a.repeats)
-    )
+    if old is not None:
+        stamps = old["runs_finished"]
+    else:
+        stamps = sorted(_when(root / label / "summary.json") for label in labels)
     result = {
         "question": "plan vs measured CPU runs; step time out of sample (leave-one-model-out)",
         "command": "PYTHONPATH=src python benchmarks/plan_check.py " + " ".join(a.argv),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "goals": {"memory": 0.10, "step_time": 0.25},
+        "machine": old["machine"]
+        if old
+        else {"platform": platform.platform(), "cpus": os.cpu_count()},
+        **(
+            {"replayed": f"step times and memory columns measured by: {old['command']}"}
+            if old
+            else {}
+        ),
+        "goals": {
+            "memory": 0.10,
+            "step_time": 0.25,
+            "step_time_inside_interval": 0.90,
+            "step_time_median_error": 0.15,
+        },
         "wall_s": time.perf_counter() - t0,
         "runs_finished": stamps[:1] + stamps[-1:],
         "rows": rows,
+        "step_time_summary": {
+            "model out": _coverage(rows, "step_time_s"),
+            "family out": _coverage(rows, "step_time_family_out"),
+            "model out, one cost for every collective kind": {
+                "median_abs_error": _median_error(rows, "step_time_one_collective_cost")
+            },
+        },
         "failed": failed,
         # The best any single calibration of the model could do on these runs, and on each
         # model's runs alone (hpcml.plan.floor): what the model's form allows, fit aside.

@@ -253,6 +253,12 @@ class TrainConfig(_Section):
     ac_every: int = Field(2, gt=0)
     """With activation_checkpointing `selective`: recompute every N-th block (the first, the
     N+1-th, ...); 1 recomputes all. Ignored by the other policies."""
+    plan_trace: Literal["auto", "always", "never"] = "auto"
+    """Trace one step of the run's own config on fake tensors at its end (as `hpcml plan memory
+    --trace` does) so that summary.json's prediction takes its activations from it: `auto`
+    traces when the planner has no activations of its own for the model (a zoo CNN off its
+    3x32x32 table) or when the training steps took 60 s or more (a trace took 0.06-0.5 s of
+    CPU on the zoo models); `always`; `never`."""
     compile: bool = False
     """torch.compile each block (or the whole model when it has no blocks)."""
     eval_sets: dict[str, str] | None = None

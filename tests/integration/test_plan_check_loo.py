@@ -10,6 +10,7 @@ scales plan.memory's transformer formula by 1.3 and watches the rows turn).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,10 @@ from hpcml.train.engine import run
 
 SYNTH = {"source": "synthetic", "synthetic_samples": 256, "synthetic_shape": [3, 32, 32]}
 MODELS: dict[str, dict[str, Any]] = {
-    "gpt": {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64, "batch_size": 4}},
+    # gpt's run traces its own step (train.plan_trace): its prediction takes the traced
+    # activations, with the formula path's beside them.
+    "gpt": {"model": {"name": "gpt-tiny"}, "data": {"seq_len": 64, "batch_size": 4},
+            "train": {"plan_trace": "always"}},
     "mlp": {"model": {"name": "mlp"}, "data": {**SYNTH, "batch_size": 32}},
     "cnn": {"model": {"name": "simple_cnn"}, "data": {**SYNTH, "batch_size": 4}},
 }
@@ -49,7 +53,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "model": spec["model"],
             "data": data,
             "optim": {"name": "adamw", "lr": 0.001},
-            "train": {"max_steps": 5, "eval_every": 0, "checkpoint_every": 0, "log_every": 5},
+            "train": {"max_steps": 5, "eval_every": 0, "checkpoint_every": 0, "log_every": 5,
+                      **spec.get("train", {})},
             "precision": "fp32",
         }
         out[key] = root / key
@@ -99,14 +104,35 @@ def test_step_time_is_calibrated_on_other_models_only(runs: dict[str, Path]) -> 
 def test_a_planner_30_percent_off_in_activations_fails(
     runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """gpt's run traced its own step: its prediction takes the traced activations, and the
+    formula path is checked beside them (activations_formula_bytes). A formula 30% off fails
+    that row; the traced rows stay within 10%."""
     honest = plan_memory.transformer_activation_bytes
     monkeypatch.setattr(
         plan_memory, "transformer_activation_bytes", lambda *a, **k: 1.3 * honest(*a, **k)
     )
     rep = _reports(runs)["gpt"]
-    assert not _row(rep, "activations_bytes").ok
-    assert not _row(rep, "states_plus_activations_bytes").ok
+    assert not _row(rep, "activations_formula_bytes").ok
+    assert _row(rep, "activations_bytes").ok and _row(rep, "states_plus_activations_bytes").ok
     assert _row(rep, "model_states_bytes").ok  # the bug is in the activations only
+    (drift,) = [float(n.rsplit("= ", 1)[1]) for n in rep.notes if "the traced step =" in n]
+    assert 1.25 < drift < 1.35  # the honest formula is within 1% of the trace here
+
+
+def test_every_run_uses_its_traced_step(runs: dict[str, Path]) -> None:
+    """Issue 37 item 1: the run's prediction block predicts activations from the run's own
+    traced step, for its own input shape, and reports the formula path beside it."""
+    s = json.loads((runs["gpt"] / "summary.json").read_text())
+    traced = s["memory_trace"]["activations_bytes_per_sample"] * s["memory_trace"]["micro_batch"]
+    rows = {r["quantity"]: r for r in s["prediction"]["rows"]}
+    assert rows["activations_bytes"]["predicted"] == pytest.approx(traced)
+    formula = rows["activations_formula_bytes"]
+    assert formula["predicted"] != pytest.approx(traced, rel=1e-4)
+    # Both paths are measured against the probe's saved bytes, within the 10% goal.
+    assert rows["activations_bytes"]["ok"] and formula["ok"]
+    mlp = json.loads((runs["mlp"] / "summary.json").read_text())
+    assert "memory_trace" not in mlp  # plan_trace auto: a few seconds of training, no trace
+    assert "activations_formula_bytes" not in {r["quantity"] for r in mlp["prediction"]["rows"]}
 
 
 def test_a_run_calibrated_on_itself_is_refused(runs: dict[str, Path]) -> None:
@@ -120,13 +146,7 @@ def test_a_run_calibrated_on_itself_is_refused(runs: dict[str, Path]) -> None:
 
 def _ratio_under(setup: Any, calibration: dict[str, Any]) -> float:
     """predicted / measured step time of a run under a calibration given as JSON."""
-    cal = Calibration(
-        calibration["efficiency"],
-        calibration["overhead_s"],
-        collective_overhead_s=calibration["collective_overhead_s"],
-        tensor_overhead_s=calibration["tensor_overhead_s"],
-        tp_tensor_overhead_s=calibration["tp_tensor_overhead_s"],
-    )
+    cal = Calibration.from_dict(calibration)
     est = step_time(setup.model, setup.layout, setup.training, setup.cluster, cal)
     return est.step_s / float(setup.measured_step_s)
 
@@ -158,3 +178,55 @@ def test_the_check_verb_prints_every_run(runs: dict[str, Path]) -> None:
     one = CliRunner().invoke(app, ["plan", "check", str(runs["mlp"])])
     assert one.exit_code == 0, one.output
     assert "uncalibrated" in one.output and "activations_bytes" in one.output
+
+
+def test_a_copied_run_is_refused_as_its_own_calibration(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A copied folder is the same run (its summary keeps the run_dir it was trained in, and
+    its measurements to the last digit): calibrating on it is refused like the folder itself."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["gpt"], copy)
+    res = CliRunner().invoke(app, ["plan", "check", str(runs["gpt"]), "--calibrate-with",
+                                   str(copy)])
+    assert res.exit_code == 2, res.output
+    assert "calibrated on itself" in res.stderr and "Traceback" not in res.output
+    res = CliRunner().invoke(
+        app, ["plan", "check", str(runs["gpt"]), str(runs["mlp"]), str(copy),
+              "--leave-one-model-out"])
+    assert res.exit_code == 2 and "give each run once" in res.stderr, res.output
+
+
+def test_a_saved_calibration_gives_plan_step_its_interval(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`plan check --leave-one-model-out --save-calibration` writes the fit on all runs with
+    its errors out of sample; `plan step --calibration` predicts with it and prints the 90%
+    interval those errors give. Another hardware's calibration is refused in one sentence."""
+    from hpcml.plan.interval import half_width_log
+
+    saved = tmp_path / "cpu.json"
+    res = CliRunner().invoke(app, ["plan", "check", *map(str, runs.values()),
+                                   "--leave-one-model-out", "--save-calibration", str(saved)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(saved.read_text())
+    cal = Calibration.from_dict(doc["calibration"])
+    assert doc["accelerator"] == "cpu" and cal.error_groups == 3 and len(cal.error_log) == 3
+    step = ["plan", "step", "--model", "gpt-tiny", "--gpu", "cpu", "--precision", "fp32",
+            "--calibration", str(saved), "--json"]
+    res = CliRunner().invoke(app, step)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    h = half_width_log(cal)
+    assert h is not None
+    iv = out["step_interval"]
+    assert iv["low_s"] == pytest.approx(out["step"]["step_s"] * math.exp(-h))
+    assert iv["high_s"] == pytest.approx(out["step"]["step_s"] * math.exp(h))
+    text = CliRunner().invoke(app, step[:-1])
+    assert "90% interval" in text.output
+    doc["accelerator"] = "h100-sxm"
+    saved.write_text(json.dumps(doc))
+    res = CliRunner().invoke(app, step)
+    assert res.exit_code == 2 and "fitted on h100-sxm runs, not cpu" in res.stderr, res.output

@@ -218,3 +218,33 @@ def test_zero3_is_traced_sharded_over_a_fake_process_group(tmp_path: Path) -> No
     assert zero3["optimizer"] == pytest.approx(ddp["optimizer"] / 4, rel=0.01)
     assert out["zero3"]["at_peak"]["gathered_params"] > 0
     assert out["zero3"]["formula"]["params_bytes"] == pytest.approx(zero3["params"], rel=0.01)
+
+
+def test_plan_trace_auto_traces_what_the_planner_lacks_and_long_runs() -> None:
+    """train.plan_trace: `auto` traces a zoo CNN off its 3x32x32 table whatever the run's
+    length, any other model once its steps took AUTO_TRACE_AFTER_S (a trace is then about 1%
+    of the run), `never` nothing, `always` every run."""
+    from hpcml.config import build_config
+    from hpcml.train.memtrace import AUTO_TRACE_AFTER_S, summary_trace
+    from hpcml.train.validate import resolve
+
+    def cfg(model: str, side: int, mode: str) -> Any:
+        return build_config({
+            "model": {"name": model},
+            "data": {"source": "synthetic", "synthetic_samples": 16,
+                     "synthetic_shape": [3, side, side], "batch_size": 4},
+            "train": {"max_steps": 1, "plan_trace": mode},
+        })
+
+    mlp = cfg("mlp", 32, "auto")
+    res = resolve(mlp, 1)
+    assert summary_trace(mlp, res, 1, trained_s=AUTO_TRACE_AFTER_S - 1) is None
+    traced = summary_trace(mlp, res, 1, trained_s=AUTO_TRACE_AFTER_S)
+    assert traced is not None and traced["input_shape"] == [3, 32, 32]
+    assert traced["activations_bytes_per_sample"] > 0
+    always = cfg("mlp", 32, "always")
+    assert summary_trace(always, resolve(always, 1), 1) is not None
+    small = cfg("resnet18", 16, "auto")  # off the table: traced however short the run
+    assert summary_trace(small, resolve(small, 1), 1) is not None
+    never = cfg("resnet18", 16, "never")
+    assert summary_trace(never, resolve(never, 1), 1, trained_s=1e6) is None

@@ -7,10 +7,11 @@ import random
 
 import pytest
 
+from hpcml.plan.calibration import CalibrationPoint, calibrate
 from hpcml.plan.floor import step_time_floor
 from hpcml.plan.hardware import load_catalog, resolve_cluster
 from hpcml.plan.memory import Layout, Training
-from hpcml.plan.perf import Calibration, CalibrationPoint, calibrate, step_time
+from hpcml.plan.perf import Calibration, step_time
 from hpcml.plan.shapes import model_shape
 
 CAT = load_catalog()

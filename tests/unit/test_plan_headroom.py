@@ -123,3 +123,49 @@ def test_check_does_not_answer_another_input_size_with_the_32px_table() -> None:
     other = _cnn_summary(32)
     other["model"]["args"]["num_classes"] = 100
     assert setup_from_summary(other, cat).model.activation_bytes_per_sample is None
+
+
+def test_advise_flags_a_winner_with_thin_headroom() -> None:
+    """Issue 37 item 5 in `plan advise`: the winner's margin is stated, and where it is under
+    10% of the budget the fastest layout that leaves more is named with its price in speed.
+    The budget is set so that the unconstrained winner keeps 5%, then 15%."""
+    from hpcml.plan.advise import advise
+    from hpcml.plan.hardware import resolve_cluster
+    from hpcml.plan.memory import Training
+
+    m = model_shape("llama-7b")
+    cluster = resolve_cluster(load_catalog(), 8, node="hgx-h100")
+    cap = cluster.accelerator.memory_bytes
+    first = advise(m, Training(), cluster, global_batch=64, top=1)
+    best = first.candidates[0]
+
+    def at(headroom: float) -> Any:
+        # A budget under the default one: no layout that did not fit before fits now, so the
+        # winner stays the fastest of those that do.
+        budget = best.memory.total_bytes / (1 - headroom)
+        assert budget <= first.usable_bytes
+        return advise(m, Training(), cluster, global_batch=64, top=1,
+                      reserve_bytes=0.9 * cap - budget)
+
+    thin = at(0.05)
+    assert thin.candidates[0].label() == best.label()
+    assert "(5.0% of the budget); under 10%" in thin.why
+    roomy = thin.why.split("the fastest layout with 10% headroom, ")[1].split(", is ")[0]
+    assert roomy != best.label()
+    wide = at(0.15)
+    assert wide.candidates[0].label() == best.label()
+    assert "(15.0% of the budget)" in wide.why and "under 10%" not in wide.why
+    assert "the fastest layout with 10% headroom" not in wide.why
+
+
+def test_advise_json_gives_each_layout_its_headroom() -> None:
+    args = ("advise", "--model", "gpt2-small", "--gpu", "l4", "--devices", "2",
+            "--global-batch", "16", "--top", "3", "--json")
+    result = _plan(*args)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    for c in out["candidates"]:
+        total = c["memory"]["total_bytes"]
+        assert c["headroom_bytes"] == pytest.approx(out["usable_bytes"] - total)
+        assert c["thin_headroom"] == (c["headroom_bytes"] < 0.10 * out["usable_bytes"])
+        assert c["step_interval"] is None  # uncalibrated: no interval, and the reason says so

@@ -7,10 +7,11 @@ from dataclasses import replace
 import pytest
 
 from hpcml.plan.advise import advise
+from hpcml.plan.calibration import CalibrationPoint, calibrate
 from hpcml.plan.common import PlanError
 from hpcml.plan.hardware import load_catalog, resolve_cluster
 from hpcml.plan.memory import Layout, Training
-from hpcml.plan.perf import Calibration, CalibrationPoint, calibrate, scaling_curve, step_time
+from hpcml.plan.perf import Calibration, scaling_curve, step_time
 from hpcml.plan.shapes import model_shape
 
 CAT = load_catalog()

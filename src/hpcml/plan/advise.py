@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from hpcml.plan.common import GB, PlanError, divisors
 from hpcml.plan.hardware import Cluster
+from hpcml.plan.headroom import THIN_HEADROOM, headroom_verdict
 from hpcml.plan.memory import (
     CUDA_RESERVE_BYTES,
     USABLE_FRACTION,
@@ -67,8 +68,34 @@ _TERMS = (
 )
 
 
+def _per_sample(c: Candidate) -> float:
+    return c.estimate.step_s / c.estimate.samples_per_step
+
+
+def _fit_line(best: Candidate, rest: Sequence[Candidate], usable: float | None) -> str:
+    """The winner's memory and headroom; where the margin is thin (under THIN_HEADROOM of the
+    budget), the fastest slower layout that leaves more, and its price in speed."""
+    if not usable:
+        return "fits in host memory"
+    total = best.memory.total_bytes
+    verdict, thin = headroom_verdict(total, usable)
+    line = f"needs {total / GB:.1f} of {usable / GB:.1f} GB usable and {verdict}"
+    roomy = [c for c in rest if not headroom_verdict(c.memory.total_bytes, usable)[1]]
+    if thin and roomy:
+        cost = _per_sample(roomy[0]) / _per_sample(best) - 1.0
+        line += (
+            f"; the fastest layout with {THIN_HEADROOM:.0%} headroom, {roomy[0].label()}, "
+            f"is {cost:.1%} slower"
+        )
+    return line
+
+
 def _why(
-    best: Candidate, others: Sequence[Candidate], model: ModelShape, usable: float | None
+    best: Candidate,
+    others: Sequence[Candidate],
+    model: ModelShape,
+    usable: float | None,
+    rest: Sequence[Candidate] = (),
 ) -> str:
     e = best.estimate
     rate = (
@@ -76,12 +103,7 @@ def _why(
         if model.is_transformer
         else (f"{e.samples_per_s:,.0f} samples/s")
     )
-    fit = (
-        f"fits in {best.memory.total_bytes / GB:.1f} of {usable / GB:.1f} GB usable"
-        if usable
-        else "fits in host memory"
-    )
-    line = f"{best.label()} wins at {rate} (MFU {e.mfu:.0%}): it {fit}"
+    line = f"{best.label()} wins at {rate} (MFU {e.mfu:.0%}): it {_fit_line(best, rest, usable)}"
     if not others:
         return line + "; no other layout fits."
     runner = others[0]
@@ -224,5 +246,5 @@ def advise(
 
     # Explain against the best layout that differs in structure, not only in micro-batch.
     alternatives = [c for c in rest if structure(c) != structure(best)] or rest
-    why = _why(best, alternatives, model, usable)
+    why = _why(best, alternatives, model, usable, rest)
     return Advice(tuple(fitting[:top]), considered, rejected, why, usable)

@@ -7,40 +7,29 @@ the file is the caller's job, so this module stays free of I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hpcml.plan.calibration import CalibrationPoint
 from hpcml.plan.common import PlanError
-from hpcml.plan.hardware import Catalog, Cluster, match_accelerator, resolve_cluster
-from hpcml.plan.memory import Layout, MemoryBreakdown, Training, per_device_bytes
-from hpcml.plan.perf import Calibration, CalibrationPoint, StepEstimate, calibrate, step_time
-from hpcml.plan.run_shape import shape_from_run
+from hpcml.plan.interval import (
+    Interval,
+    calibrate_with_error,
+    model_group,
+    no_interval_reason,
+    step_interval,
+)
+from hpcml.plan.memory import MemoryBreakdown, per_device_bytes
+from hpcml.plan.perf import Calibration, StepEstimate, step_time
+from hpcml.plan.run_setup import RunSetup as RunSetup
+from hpcml.plan.run_setup import refuse_copies, refuse_duplicates
+from hpcml.plan.run_setup import setup_from_summary as setup_from_summary
 from hpcml.plan.shapes import ModelShape
 
 MEMORY_GOAL = 0.10
 STEP_GOAL = 0.25
-
-# hpcml's zero2 is FSDP2 with reshard_after_forward=False: between steps it holds parameter
-# shards like ZeRO-3 (what is measured), and keeps the gathered model from forward to backward.
-_STRATEGY_ZERO = {"ddp": 0, "zero1": 1, "zero2": 3, "fsdp": 3, "zero3": 3}
-
-
-@dataclass(frozen=True)
-class RunSetup:
-    """What the planner needs to know about one measured run."""
-
-    label: str
-    model: ModelShape
-    layout: Layout
-    training: Training
-    cluster: Cluster
-    device_name: str
-    measured_step_s: float | None
-    """Median step time without the time spent waiting for data."""
-    measured_memory: tuple[Mapping[str, Any], ...]
-    status: str = ""
-    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,6 +38,8 @@ class CheckRow:
     predicted: float | None
     measured: float | None
     goal: float
+    interval: Interval | None = None
+    """for step time: the prediction's 90% interval (hpcml.plan.interval)."""
 
     @property
     def ratio(self) -> float | None:
@@ -69,6 +60,16 @@ class CheckRow:
             "ratio": self.ratio,
             "goal": self.goal,
             "ok": self.ok,
+            **(
+                {
+                    "interval": self.interval.to_dict(),
+                    "inside": None
+                    if self.measured is None
+                    else self.interval.contains(self.measured),
+                }
+                if self.interval is not None
+                else {}
+            ),
         }
 
 
@@ -106,166 +107,45 @@ class CheckReport:
         }
 
 
-def _get(d: Mapping[str, Any], *path: str, default: Any = None) -> Any:
-    cur: Any = d
-    for p in path:
-        if not isinstance(cur, Mapping) or p not in cur:
-            return default
-        cur = cur[p]
-    return cur
-
-
-def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
-    """summary.json's memory block, per rank: hpcml train writes rank 0's figures plus a
-    "per_rank" list; also accepted: {"0": {...}}, [{...}], or one flat dict."""
-    if isinstance(memory, Mapping) and isinstance(memory.get("per_rank"), list):
-        return _memory_ranks(memory["per_rank"])
-    if isinstance(memory, Mapping):
-        if "model_states_bytes" in memory or "params_bytes" in memory:
-            return (memory,)
-        ranks = [
-            v
-            for _, v in sorted(memory.items(), key=lambda kv: str(kv[0]).zfill(6))
-            if isinstance(v, Mapping)
-        ]
-        return tuple(ranks)
-    if isinstance(memory, list):
-        return tuple(m for m in memory if isinstance(m, Mapping))
-    return ()
-
-
-def _cpu_threads(device: Mapping[str, Any], world: int) -> int | None:
-    """Threads one CPU rank computed with: recorded by hpcml train, or for summaries written
-    before it was, the rule hpcml's runtime applies (the host's cores split evenly between the
-    ranks, all on one host)."""
-    if device.get("threads"):
-        return int(device["threads"])
-    cores = device.get("count")
-    return max(1, int(cores) // max(1, world)) if cores else None
-
-
-def setup_from_summary(
-    summary: Mapping[str, Any],
-    catalog: Catalog,
-    label: str = "run",
-    include_data_wait: bool = False,
-) -> RunSetup:
-    """Turn a run's summary.json (hpcml train's run-folder contract) into a plan."""
-    status = str(summary.get("status", ""))
-    if status and status != "finished" and "model" not in summary:
-        raise PlanError(
-            f"{label}: the run ended '{status}' and its summary.json holds no measurements; "
-            "check needs a run that finished (resume it with hpcml train --resume auto)."
-        )
-    config = summary.get("config") or {}
-    if not isinstance(config, Mapping):
-        raise PlanError(f"{label}: summary.json 'config' is not a mapping; is it a hpcml run?")
-    world = int(summary.get("world_size") or 1)
-    device = summary.get("device") or {}
-    dev_type = str(_get(device, "type", default="cpu"))
-    dev_name = str(_get(device, "name", default=dev_type))
-    acc_key = "cpu" if dev_type == "cpu" else None
-    if acc_key is None:
-        acc = match_accelerator(catalog, dev_name)
-        if acc is None:
-            raise PlanError(
-                f"{label}: device '{dev_name}' is not in the hardware catalog; add an entry whose "
-                "match pattern fits it to a YAML passed with --catalog."
-            )
-        acc_key = acc.key
-    cluster = resolve_cluster(catalog, world, accelerator=acc_key)
-    threads = _cpu_threads(device, world) if dev_type == "cpu" else None
-    if threads is not None:
-        cluster = replace(cluster, accelerator=cluster.accelerator.per_threads(threads))
-
-    precision = str(summary.get("precision") or config.get("precision") or "fp32")
-    # hpcml train uses torch autocast for bf16/fp16: weights and gradients stay fp32.
-    training_weights = "amp" if precision in ("bf16", "fp16") else "pure"
-    opt_name = str(_get(config, "optim", "name", default="adamw")).lower()
-    if opt_name == "sgd" and float(_get(config, "optim", "momentum", default=0.9) or 0) == 0:
-        opt_name = "sgd-nomomentum"
-    training = Training(precision=precision, optimizer=opt_name, weights=training_weights)
-
-    strategy = str(_get(config, "parallel", "strategy", default="ddp")).lower()
-    if strategy not in _STRATEGY_ZERO:
-        raise PlanError(
-            f"{label}: parallel.strategy '{strategy}' is not one the planner maps; known are "
-            f"{', '.join(_STRATEGY_ZERO)}."
-        )
-    tp = int(_get(config, "parallel", "tp", default=1) or 1)
-    ac = str(_get(config, "train", "activation_checkpointing", default="none"))
-    model, shape_notes = shape_from_run(summary, config)
-    if strategy == "zero2" and world // tp > 1:
-        shape_notes.append(
-            "hpcml's zero2 (FSDP2, reshard_after_forward=False) keeps parameter shards between "
-            "steps, so model states are predicted as ZeRO-3; the whole model gathered during "
-            "forward and backward is not in the prediction's buffers"
-        )
-    decay = float(_get(config, "optim", "weight_decay", default=0.0) or 0.0)
-    if model.param_tensor_sizes and (
-        decay == 0 or bool(_get(config, "optim", "decay_norms_biases_embeddings", default=False))
-    ):
-        # hpcml.train.schedule.param_groups: one group unless some parameters are exempt from
-        # weight decay; ZeroRedundancyOptimizer partitions group by group.
-        one = tuple(n for group in model.param_tensor_sizes for n in group)
-        model = replace(model, param_tensor_sizes=(one,))
-    if ac == "selective":  # hpcml's older name of layer:K, K = train.ac_every
-        ac = f"layer:{int(_get(config, 'train', 'ac_every', default=2) or 2)}"
-    if not model.is_transformer and ac != "none":
-        shape_notes.append(f"recomputation ({ac}) is planned for transformers only")
-        ac = "none"
-    layout = Layout(
-        tp=tp,
-        sp=bool(_get(config, "parallel", "sequence_parallel", default=False)),
-        zero=_STRATEGY_ZERO[strategy] if world // tp > 1 else 0,
-        micro_batch=int(_get(config, "data", "batch_size", default=1)),
-        grad_accum=int(_get(config, "train", "grad_accum", default=1)),
-        recompute=ac,
-        vocab_parallel_loss=False,  # hpcml's gpt TP plan gathers whole logits
-        sp_saves_gathered=True,  # and keeps gathered matmul inputs (torch DTensor SP)
-        # hpcml's zero1 is torch's ZeroRedundancyOptimizer: whole tensors per rank. Measured on
-        # mlp, the busiest rank held 1.84x the even split the planner used to predict.
-        zero1_whole_tensors=strategy == "zero1",
-        accum_reduce=str(_get(config, "parallel", "accum_reduce", default="step")),
-    )
-
-    step = _get(summary, "throughput", "step_time_s")
-    wait = _get(summary, "throughput", "data_wait_s")
-    notes: list[str] = list(shape_notes)
-    measured: float | None = None
-    if step is not None and float(step) > 0:
-        measured = float(step)
-        if wait is not None and not include_data_wait and 0 < float(wait) < measured:
-            measured -= float(wait)
-            notes.append(f"measured step time excludes {float(wait) * 1e3:.1f} ms of data wait")
-    return RunSetup(
-        label=label,
-        model=model,
-        layout=layout,
-        training=training,
-        cluster=cluster,
-        device_name=dev_name,
-        measured_step_s=measured,
-        measured_memory=_memory_ranks(summary.get("memory")),
-        status=str(summary.get("status", "")),
-        notes=tuple(notes),
-    )
+def _config_key(s: RunSetup) -> str:
+    """Runs of one configuration on one hardware (repetitions) share this key."""
+    c = s.cluster
+    return repr((s.model, s.layout, s.training, s.strategy, c.devices, c.accelerator))
 
 
 def calibration_points(setups: Sequence[RunSetup]) -> list[CalibrationPoint]:
-    """The runs that record a step time, as the points a calibration is fitted on."""
-    return [
-        CalibrationPoint(s.model, s.layout, s.training, s.cluster, s.measured_step_s, s.label)
-        for s in setups
-        if s.measured_step_s
-    ]
+    """The runs that record a step time, as the points a calibration is fitted on; repeated
+    runs of one configuration become one point, their median, with every repetition kept
+    (their spread is the calibration's measured noise)."""
+    groups: dict[str, list[RunSetup]] = {}
+    for s in setups:
+        if s.measured_step_s:
+            groups.setdefault(_config_key(s), []).append(s)
+    points = []
+    for runs in groups.values():
+        times = tuple(float(r.measured_step_s or 0.0) for r in runs)
+        s = runs[0]
+        label = s.label if len(runs) == 1 else f"{s.label} (+{len(runs) - 1} repeats)"
+        repeats = times if len(runs) > 1 else ()
+        points.append(
+            CalibrationPoint(
+                s.model, s.layout, s.training, s.cluster, statistics.median(times), label, repeats
+            )
+        )
+    return points
 
 
-def calibrate_from(setups: Sequence[RunSetup], overlap: float = 1.0) -> Calibration:
+def calibrate_from(
+    setups: Sequence[RunSetup],
+    overlap: float = 1.0,
+    group: Callable[[CalibrationPoint], Hashable] = model_group,
+) -> Calibration:
+    """A calibration of these runs, with its errors out of sample when each group of runs
+    (a model, by default) is left out in turn (hpcml.plan.interval)."""
     points = calibration_points(setups)
     if not points:
         raise PlanError("none of the calibration runs records a step time in summary.json.")
-    return calibrate(points, overlap=overlap)
+    return calibrate_with_error(points, overlap=overlap, group=group)
 
 
 def _max_over_ranks(ranks: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -327,19 +207,29 @@ def leave_one_model_out(
     (gpt-tiny at 2 x 64 is then not calibrated with gpt-tiny at 4 x 128). Memory needs no
     calibration."""
     key = model_key if hold_out == "model" else (lambda shape: (shape.name, 0))
+    refuse_duplicates(setups)
+    fits: dict[tuple[Any, str], tuple[Calibration, list[RunSetup]]] = {}
     reports = []
     for s in setups:
-        others = [
-            o
-            for o in setups
-            if key(o.model) != key(s.model)
-            and o.cluster.accelerator.key == s.cluster.accelerator.key
-            and o.measured_step_s
-        ]
+        acc = s.cluster.accelerator.key
+        if (key(s.model), acc) not in fits:
+            others = [
+                o
+                for o in setups
+                if key(o.model) != key(s.model)
+                and o.cluster.accelerator.key == acc
+                and o.measured_step_s
+            ]
+            cal = (
+                calibrate_from(others, overlap, group=lambda p: key(p.model))
+                if others
+                else Calibration(0.0)
+            )
+            fits[(key(s.model), acc)] = cal, others
+        cal, others = fits[(key(s.model), acc)]
         if not others:
             reports.append(check_run(s, overlap=overlap))
             continue
-        cal = calibrate_from(others, overlap)
         rep = check_run(s, calibration=cal, overlap=overlap)
         names = sorted({model_label(o.model) for o in others})
         note = f"step time calibrated on {len(others)} runs of {', '.join(names)} (not this model)"
@@ -363,6 +253,8 @@ def check_run(
         setup.cluster.accelerator.memory_bytes,
     )
     calibrated = False
+    refuse_copies([setup], calibration_runs)
+    refuse_duplicates(calibration_runs)
     if calibration is None and calibration_runs:
         for other in calibration_runs:
             if other.cluster.accelerator.key != setup.cluster.accelerator.key:
@@ -380,8 +272,6 @@ def check_run(
                     "processes; CPU processes share cores, so calibrate with the same "
                     "world size"
                 )
-            if other.label == setup.label:
-                notes.append("the run calibrates itself: its step-time ratio is 1 by construction")
         calibration = calibrate_from(calibration_runs, overlap)
         calibrated = True
     elif calibration is not None:
@@ -395,12 +285,26 @@ def check_run(
     est = step_time(setup.model, setup.layout, setup.training, setup.cluster, calibration, overlap)
     ranks = setup.measured_memory
     rows = memory_rows(mem, ranks)
+    if setup.formula_model is not None:
+        formula = per_device_bytes(
+            setup.formula_model, setup.layout, setup.training, setup.cluster.devices
+        )
+        measured = _max_over_ranks(ranks, "saved_activation_bytes")
+        rows.append(
+            CheckRow("activations_formula_bytes", formula.activations_bytes, measured, MEMORY_GOAL)
+        )
+        if mem.activations_bytes:
+            drift = formula.activations_bytes / mem.activations_bytes
+            notes.append(f"activations: the formula path / the traced step = {drift:.3f}")
     if not any(r.quantity == "peak_allocated_bytes" for r in rows):
         notes.append(
             "no allocator peak measured (CPU run): peak compared as model states plus saved "
             "activations"
         )
-    rows.append(CheckRow("step_time_s", est.step_s, setup.measured_step_s, STEP_GOAL))
+    interval = step_interval(est.step_s, calibration)
+    if interval is None:
+        notes.append(f"no interval on the step time: {no_interval_reason(calibration)}")
+    rows.append(CheckRow("step_time_s", est.step_s, setup.measured_step_s, STEP_GOAL, interval))
     if not ranks:
         notes.append("summary.json has no memory block: memory not compared")
     if setup.status and setup.status != "finished":

@@ -4,7 +4,7 @@
 each run is predicted by a calibration fitted on *other* runs. A miss there has two possible
 causes: the calibration did not transfer (out-of-sample error), or the model's form cannot
 describe the runs at all. This module separates them. It fits every coefficient the model has
-(efficiency, per-step overhead, costs per collective, per parameter tensor and per tensor
+(efficiency, per-step overhead, costs per call of each collective kind, per parameter tensor and per tensor
 under tensor parallelism) on the runs themselves, in-sample, minimising the worst
 |predicted / measured - 1|. No single calibration of the model can put every one of those runs
 closer than that floor. Computed on one model's runs alone, it bounds every calibration's
@@ -24,14 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpcml.plan.calibration import CalibrationPoint, software_counts, with_costs
 from hpcml.plan.check import RunSetup, calibration_points, model_key, model_label
 from hpcml.plan.common import PlanError
-from hpcml.plan.perf import (
-    Calibration,
-    CalibrationPoint,
-    software_counts,
-    step_time,
-)
+from hpcml.plan.perf import Calibration, step_time
 
 
 @dataclass(frozen=True)
@@ -51,9 +47,12 @@ class Floor:
         ]
 
 
-def _counts(p: CalibrationPoint) -> tuple[float, float, float, float]:
-    """The per-step overhead's 1 and the counts the other software costs multiply."""
-    return (1.0, *software_counts(p))
+def _counts(points: Sequence[CalibrationPoint]) -> tuple[list[str], list[list[float]]]:
+    """The software terms some point uses (the per-step overhead's 1, each collective kind
+    issued, tensors, tensors under TP) and each point's counts of them."""
+    counts = [software_counts(p) for p in points]
+    terms = [t for t in counts[0] if any(c[t] for c in counts)]
+    return terms, [[c[t] for t in terms] for c in counts]
 
 
 def _minimax(base: Sequence[float], counts: Sequence[Sequence[float]], measured: Sequence[float]):
@@ -87,7 +86,7 @@ def step_time_floor(points: Sequence[CalibrationPoint], overlap: float = 1.0) ->
     measured = [p.measured_step_s for p in points]
     if not all(m > 0 for m in measured):
         raise PlanError("every run of the floor needs a positive measured step time.")
-    counts = [_counts(p) for p in points]
+    terms, counts = _counts(points)
 
     def at(eff: float) -> tuple[float, list[float]]:
         base = [
@@ -106,13 +105,8 @@ def step_time_floor(points: Sequence[CalibrationPoint], overlap: float = 1.0) ->
     fine = [best * math.exp((i - 40) * step / 40) for i in range(81)]
     eff = min(fine, key=lambda e: at(e)[0])
     worst, x = at(eff)
-    cal = Calibration(
-        eff,
-        x[0],
-        source=f"in-sample minimax over {len(points)} run(s)",
-        collective_overhead_s=x[1],
-        tensor_overhead_s=x[2],
-        tp_tensor_overhead_s=x[3],
+    cal = with_costs(
+        eff, dict(zip(terms, x, strict=True)), f"in-sample minimax over {len(points)} run(s)"
     )
     ratios = tuple(
         step_time(p.model, p.layout, p.training, p.cluster, cal, overlap).step_s / p.measured_step_s
@@ -135,14 +129,14 @@ def floors(setups: Sequence[RunSetup], overlap: float = 1.0) -> list[dict[str, A
             runs = [s for s in mine if model_key(s.model) == key]
             f, p = _floor_of(runs, overlap)
             per_model[model_label(runs[0].model)] = {
-                "runs": len(runs),
+                "runs": len(p),  # repetitions of a configuration are one run: their median
                 "worst": f.worst,
                 "binding": f.binding(p),
             }
         out.append(
             {
                 "accelerator": acc,
-                "runs": len(mine),
+                "runs": len(pts),
                 "worst": whole.worst,
                 "binding": whole.binding(pts),
                 "calibration": whole.calibration.to_dict(),

@@ -474,12 +474,15 @@ def per_device_bytes(
             "micro_batch keeps only the shard"
         )
 
-    if model.is_transformer:
+    if model.activations_traced and model.activation_bytes_per_sample is not None:
+        # Traced at the run's own precision, input shape and recomputation (plan memory --trace).
+        acts = model.activation_bytes_per_sample * layout.micro_batch
+    elif model.is_transformer:
         acts = transformer_activation_bytes(model, layout, training.activation_bytes)
     elif model.activation_bytes_per_sample is not None:
-        acts = model.activation_bytes_per_sample * layout.micro_batch
-        if not model.activations_traced:
-            acts *= training.activation_bytes / 4.0
+        acts = (
+            model.activation_bytes_per_sample * layout.micro_batch * training.activation_bytes / 4
+        )
         if layout.recompute != "none":
             notes.append("recomputation is modelled for transformers only; ignored here")
     else:

@@ -1,9 +1,10 @@
 """Step time, throughput and MFU of a training layout, their scaling over device counts, and
-the calibration of the compute efficiency from measured step times.
+the calibration they are computed with (fitted on measured runs by hpcml.plan.calibration,
+its error out of sample in hpcml.plan.interval).
 
 step = (m + (p-1)/v) x (compute + critical communication per micro-batch)
        + exposed data-parallel communication + optimizer step
-       + software time: a fixed overhead + collectives per step x cost per collective
+       + software time: a fixed overhead + calls of each collective kind x its cost per call
          + parameter tensors x micro-batches x cost per tensor (more under tensor parallelism),
 with the pipeline bubble of Narayanan et al. 2021 (Sec. 2.2) and MFU as PaLM defines it
 (Chowdhery et al. 2022, Appendix B).
@@ -19,13 +20,13 @@ DTensor's sharding propagation on top under tensor parallelism), with a CPU rank
 from the threads it computes with (`Accelerator.per_threads`), took that table to 25 of 29
 (on the AMD EPYC machine of 2026-11-23; 20 of 29 on the 2-core Xeon of 2026-11-26). The form
 of this model cannot do better than `hpcml.plan.floor` says on a set of runs: on that Xeon
-table, no calibration puts the mlp's five runs within 34%.
+table, with one cost for every collective kind no calibration puts the mlp's five runs within
+34%; with a cost per kind, 6.9%.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,31 +54,73 @@ HOST_LINK_BANDWIDTH = 25e9  # PCIe 4.0 x16 in practice, for offload transfers
 
 @dataclass(frozen=True)
 class Calibration:
-    """Compute efficiency (share of dense peak) and a fixed per-step overhead."""
+    """Compute efficiency (share of dense peak) and the software costs of a step."""
 
     efficiency: float
     overhead_s: float = 0.0
     source: str = "catalog default"
     residuals: tuple[float, ...] = field(default=())
-    """measured / predicted of each calibration point after fitting."""
+    """measured / predicted of each calibration point after fitting (in sample)."""
     collective_overhead_s: float = 0.0
-    """software time per collective call, exposed (not hidden behind compute)."""
+    """software time per collective call, exposed (not hidden behind compute); the cost of a
+    kind that `collective_costs_s` does not hold."""
     tensor_overhead_s: float = 0.0
     """software time per parameter tensor and micro-batch: the dispatch and kernel launches of
     the layer that owns it in forward and backward, and its share of the optimizer step."""
     tp_tensor_overhead_s: float = 0.0
     """the same, added under tensor parallelism (DTensor's sharding propagation per op)."""
+    collective_costs_s: tuple[tuple[str, float], ...] = ()
+    """software time per call of each collective kind the calibration runs issued (gloo's
+    all-reduce and FSDP2's all-gather differ by their bookkeeping, not only by their bytes)."""
+    noise_log: float | None = None
+    """run-to-run noise of the calibration runs: the pooled standard deviation of log step time
+    over repeated runs of one configuration (None without repeats)."""
+    error_log: tuple[float, ...] = ()
+    """out-of-sample log(measured / predicted) of the calibration runs, each predicted by a fit
+    on the runs of the other models (hpcml.plan.interval turns them into intervals)."""
+    error_basis: str = ""
+    error_groups: int = 0
+    """how many groups (models, or runs of one model) were left out in turn for error_log."""
+
+    def collective_cost_s(self, op: str) -> float:
+        return dict(self.collective_costs_s).get(op, self.collective_overhead_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "efficiency": self.efficiency,
             "overhead_s": self.overhead_s,
             "collective_overhead_s": self.collective_overhead_s,
+            "collective_costs_s": dict(self.collective_costs_s),
             "tensor_overhead_s": self.tensor_overhead_s,
             "tp_tensor_overhead_s": self.tp_tensor_overhead_s,
             "source": self.source,
             "residuals": list(self.residuals),
+            "noise_log": self.noise_log,
+            "error_log": list(self.error_log),
+            "error_basis": self.error_basis,
+            "error_groups": self.error_groups,
         }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Calibration:
+        """The calibration a `to_dict` (a `plan check --json` report) holds; a value of the
+        wrong type raises ValueError or TypeError."""
+        noise = d.get("noise_log")
+        kinds = d.get("collective_costs_s") or {}
+        return cls(
+            float(d["efficiency"]),
+            float(d.get("overhead_s") or 0.0),
+            str(d.get("source") or ""),
+            tuple(float(r) for r in d.get("residuals") or ()),
+            float(d.get("collective_overhead_s") or 0.0),
+            float(d.get("tensor_overhead_s") or 0.0),
+            float(d.get("tp_tensor_overhead_s") or 0.0),
+            tuple(sorted((str(k), float(v)) for k, v in kinds.items())),
+            None if noise is None else float(noise),
+            tuple(float(e) for e in d.get("error_log") or ()),
+            str(d.get("error_basis") or ""),
+            int(d.get("error_groups") or 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -239,10 +282,9 @@ def step_time(
         dp_comm += sum(c.time_s for c in z3)
 
     opt = optimizer_step_s(model, layout, training, cluster, dp)
-    calls = sum(c.calls_per_step for c in items)
     software = (
         cal.overhead_s
-        + calls * cal.collective_overhead_s
+        + sum(c.calls_per_step * cal.collective_cost_s(c.op) for c in items)
         + tensor_dispatches(model, layout) * cal.tensor_overhead_s
         + tp_tensor_dispatches(model, layout) * cal.tp_tensor_overhead_s
     )
@@ -306,144 +348,6 @@ def scaling_curve(
             "divisible by tp x pp whose replicas split the global batch evenly."
         )
     return out
-
-
-# --- calibration -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CalibrationPoint:
-    model: ModelShape
-    layout: Layout
-    training: Training
-    cluster: Cluster
-    measured_step_s: float
-    label: str = ""
-
-
-def _golden_min(f: Callable[[float], float], lo: float, hi: float, iters: int = 60) -> float:
-    g = (math.sqrt(5) - 1) / 2
-    a, b = lo, hi
-    c, d = b - g * (b - a), a + g * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(iters):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - g * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + g * (b - a)
-            fd = f(d)
-    return (a + b) / 2
-
-
-def _fixed_terms(rel: Sequence[float], cols: Sequence[Sequence[float]]) -> list[float]:
-    """Non-negative coefficients x minimising sum (rel - sum_j x_j cols_j)^2 (scipy's
-    Lawson-Hanson NNLS; scipy comes with scikit-learn, a dependency)."""
-    if not cols:
-        return []
-    import numpy as np
-    from scipy.optimize import nnls
-
-    x, _ = nnls(np.asarray(cols, dtype=float).T, np.asarray(rel, dtype=float))
-    return [float(v) for v in x]
-
-
-def software_counts(p: CalibrationPoint) -> tuple[float, float, float]:
-    """What the software costs of a calibration multiply for one run: collective calls per
-    step, parameter-tensor dispatches, and those dispatches again under tensor parallelism."""
-    calls = sum(
-        c.calls_per_step for c in step_communication(p.model, p.layout, p.training, p.cluster)
-    )
-    return (
-        float(calls),
-        tensor_dispatches(p.model, p.layout),
-        tp_tensor_dispatches(p.model, p.layout),
-    )
-
-
-def calibrate(
-    points: Sequence[CalibrationPoint],
-    fit_overhead: bool | None = None,
-    overlap: float = 1.0,
-    fit_collectives: bool | None = None,
-    fit_tensors: bool | None = None,
-) -> Calibration:
-    """Fit the compute efficiency and the software costs that make predicted step times match
-    measured ones: per collective call (from three or more points whose collective counts
-    differ), per parameter tensor (from three or more points whose tensor counts differ) and
-    per tensor under tensor parallelism (when some points use it and some do not), or, where
-    tensor counts are unknown or all equal, a fixed per-step overhead (from two or more).
-
-    The per-tensor cost replaces the per-step overhead when both could be fitted: a step's
-    framework time grows with the operations it dispatches, and on hpcml's CPU table (29 runs,
-    5 models, benchmarks/plan_check.py) a constant beside it took the rows within 25% out of
-    sample from 25 to 22 (the mlp, with 6 tensors, got the constant as its software time).
-
-    For a given efficiency the software terms enter linearly, so they are solved in closed
-    form (non-negative least squares on relative errors); the efficiency is then the golden-
-    section minimum of the squared log-ratios over (1e-5, 4)."""
-    if not points:
-        raise PlanError("calibration needs at least one measured run.")
-    for p in points:
-        if not p.measured_step_s > 0:
-            raise PlanError(f"run {p.label or '?'} has no positive measured step time.")
-    calls, tensors, tp_tensors = (list(c) for c in zip(*map(software_counts, points), strict=True))
-    if fit_tensors is None:
-        fit_tensors = len(points) >= 3 and len(set(tensors)) > 1
-    fit_tp = fit_tensors and any(tp_tensors) and not all(tp_tensors)
-    if fit_overhead is None:
-        fit_overhead = len(points) >= 2 and not fit_tensors
-    if fit_collectives is None:
-        fit_collectives = len(points) >= 3 and len(set(calls)) > 1
-    measured = [p.measured_step_s for p in points]
-    counts = [
-        ("overhead", fit_overhead, [1.0] * len(points)),
-        ("collective", fit_collectives, calls),
-        ("tensor", fit_tensors, tensors),
-        ("tp_tensor", fit_tp, tp_tensors),
-    ]
-    fitted = [
-        (name, [n / m for n, m in zip(c, measured, strict=True)]) for name, on, c in counts if on
-    ]
-
-    def solve(eff: float) -> tuple[Calibration, float]:
-        base = [
-            step_time(p.model, p.layout, p.training, p.cluster, Calibration(eff), overlap).step_s
-            for p in points
-        ]
-        rel = [1.0 - b / m for b, m in zip(base, measured, strict=True)]
-        x = dict(
-            zip([n for n, _ in fitted], _fixed_terms(rel, [c for _, c in fitted]), strict=True)
-        )
-        cal = Calibration(
-            eff,
-            x.get("overhead", 0.0),
-            collective_overhead_s=x.get("collective", 0.0),
-            tensor_overhead_s=x.get("tensor", 0.0),
-            tp_tensor_overhead_s=x.get("tp_tensor", 0.0),
-        )
-        extra = [
-            cal.overhead_s
-            + cal.collective_overhead_s * n
-            + cal.tensor_overhead_s * t
-            + cal.tp_tensor_overhead_s * tt
-            for n, t, tt in zip(calls, tensors, tp_tensors, strict=True)
-        ]
-        loss = sum(
-            math.log(m / (b + e)) ** 2 for m, b, e in zip(measured, base, extra, strict=True)
-        )
-        return cal, loss
-
-    log_eff = _golden_min(lambda le: solve(math.exp(le))[1], math.log(1e-5), math.log(4.0))
-    cal, _ = solve(math.exp(log_eff))
-    residuals = tuple(
-        p.measured_step_s / step_time(p.model, p.layout, p.training, p.cluster, cal, overlap).step_s
-        for p in points
-    )
-    labels = ", ".join(p.label for p in points if p.label) or f"{len(points)} run(s)"
-    return replace(cal, source=f"fitted to {labels}", residuals=residuals)
 
 
 def group_for(cluster: Cluster) -> Group:

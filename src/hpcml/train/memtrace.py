@@ -143,17 +143,29 @@ def shard_like_training(cfg: RunConfig, model: nn.Module, mesh: Any) -> None:
     apply_fsdp(model, mesh, reshard, mixed_precision_policy(cfg.precision))
 
 
-def summary_trace(cfg: RunConfig, res: Resolved, world_size: int) -> dict[str, Any] | None:
-    """For a run's summary.json: the traced step of a model whose activations the planner's
-    own shapes do not give (a zoo CNN off its 3x32x32 table entry), so that the run's
-    prediction uses them; None for the others. One replica is traced, whatever the strategy:
-    activations per sample do not depend on how the model states are sharded."""
+# `plan_trace: auto` traces a run whose training steps took this long: the trace (0.06-0.5 s
+# of CPU for the zoo models on one core, more for a large model) is then about 1% of the run.
+AUTO_TRACE_AFTER_S = 60.0
+
+
+def summary_trace(
+    cfg: RunConfig, res: Resolved, world_size: int, trained_s: float = 0.0
+) -> dict[str, Any] | None:
+    """For a run's summary.json: the traced step of the run's own config, so that its
+    prediction takes its activations from it (train.plan_trace: `auto` traces models whose
+    activations the planner's own shapes do not give, a zoo CNN off its 3x32x32 table entry,
+    and runs whose steps took AUTO_TRACE_AFTER_S or more); None when not traced. One replica
+    is traced, whatever the strategy: activations per sample do not depend on how the model
+    states are sharded."""
     from hpcml.plan.shapes import cnn_table_covers, is_table_cnn
 
-    name = cfg.model.name
-    if not is_table_cnn(name) or cnn_table_covers(name, res.model_args, res.splits.input_shape):
+    name, mode = cfg.model.name, cfg.train.plan_trace
+    off_table = is_table_cnn(name) and not cnn_table_covers(
+        name, res.model_args, res.splits.input_shape
+    )
+    if mode == "never" or (mode == "auto" and not off_table and trained_s < AUTO_TRACE_AFTER_S):
         return None
-    if cfg.finetune.method != "full" or cfg.parallel.tp > 1:
+    if cfg.finetune.method != "full" or cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
         return None
     try:
         return {**trace_resolved(cfg, res, 1), "world_size": world_size}

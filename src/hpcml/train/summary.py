@@ -106,7 +106,8 @@ def build_summary(t: Any) -> dict[str, Any]:
     }
     if pipeline is not None:
         summary["pipeline"] = pipeline
-    traced = summary_trace(cfg, res, rt.world_size)  # plan memory --trace, where plan needs it
+    # plan memory --trace of the run's own config (train.plan_trace)
+    traced = summary_trace(cfg, res, rt.world_size, sum(t.meter.step_times))
     if traced is not None:
         summary["memory_trace"] = traced
     export = save_export(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 from rich.table import Table
 
@@ -31,6 +33,8 @@ def advise_cmd(
 ) -> None:
     """Search data/tensor/pipeline degrees, ZeRO, micro-batch and recomputation; rank by speed."""
     from hpcml.plan.advise import advise
+    from hpcml.plan.headroom import headroom_verdict
+    from hpcml.plan.interval import no_interval_reason, step_interval
 
     cat = opts.load_catalog()
     shape = opts.shape()
@@ -60,7 +64,18 @@ def advise_cmd(
                 "usable_bytes": result.usable_bytes,
                 "why": result.why,
                 "candidates": [
-                    {"label": c.label(), "memory": c.memory.to_dict(), "step": c.estimate.to_dict()}
+                    {
+                        "label": c.label(),
+                        "memory": c.memory.to_dict(),
+                        "headroom_bytes": None
+                        if result.usable_bytes is None
+                        else result.usable_bytes - c.memory.total_bytes,
+                        "thin_headroom": headroom_verdict(
+                            c.memory.total_bytes, result.usable_bytes
+                        )[1],
+                        "step": c.estimate.to_dict(),
+                        "step_interval": _interval_dict(step_interval(c.estimate.step_s, cal)),
+                    }
                     for c in result.candidates
                 ],
             }
@@ -80,7 +95,9 @@ def advise_cmd(
         "mb x m",
         "recompute",
         "GB",
+        "headroom",
         "step s",
+        "90% interval",
         "comm s",
         "tok/s" if shape.is_transformer else "smp/s",
         "MFU",
@@ -97,10 +114,32 @@ def advise_cmd(
             f"{lay.micro_batch}x{lay.grad_accum}",
             lay.recompute,
             f"{c.memory.total_bytes / GB:.1f}",
+            _headroom_cell(c.memory.total_bytes, result.usable_bytes),
             f"{e.step_s:.3g}",
+            _interval_cell(step_interval(e.step_s, cal)),
             f"{e.exposed_comm_s:.2g}",
             _short(e.tokens_per_s if shape.is_transformer else e.samples_per_s),
             f"{e.mfu:.0%}",
         )
     console.print(t)
     console.print(result.why)
+    if step_interval(result.candidates[0].estimate.step_s, cal) is None:
+        console.print(f"step times without an interval: {no_interval_reason(cal)}")
+
+
+def _headroom_cell(total: float, usable: float | None) -> str:
+    """The share of the budget left, flagged where it is thin (hpcml.plan.headroom)."""
+    from hpcml.plan.headroom import THIN_HEADROOM
+
+    if usable is None or usable <= 0:
+        return "-"
+    share = (usable - total) / usable
+    return f"{share:.0%}" + (" thin" if share < THIN_HEADROOM else "")
+
+
+def _interval_cell(iv: Any) -> str:
+    return "-" if iv is None else f"{iv.low_s:.3g} .. {iv.high_s:.3g}"
+
+
+def _interval_dict(iv: Any) -> dict[str, Any] | None:
+    return None if iv is None else iv.to_dict()

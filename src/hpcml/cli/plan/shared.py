@@ -71,6 +71,7 @@ class PlanOptions:
     efficiency: float | None = None
     overhead: float = 0.0
     overlap: float = 1.0
+    calibration_file: Path | None = None
     catalog: list[Path] | None = None
     json_out: bool = False
 
@@ -193,11 +194,53 @@ class PlanOptions:
     def calibration(self, cluster: Any) -> Any:
         from hpcml.plan.perf import Calibration
 
+        if self.calibration_file is not None:
+            if self.efficiency is not None or self.overhead:
+                raise PlanError(
+                    "--calibration holds a fitted efficiency and software costs; drop "
+                    "--efficiency and --overhead-s."
+                )
+            return load_calibration(self.calibration_file, cluster.accelerator.key)
         if self.efficiency is None:
             return Calibration(cluster.accelerator.default_efficiency, self.overhead)
         if not 0 < self.efficiency <= 1.5:
             raise PlanError(f"--efficiency {self.efficiency} must lie in (0, 1.5].")
         return Calibration(self.efficiency, self.overhead, "--efficiency")
+
+
+def load_calibration(path: Path, accelerator: str) -> Any:
+    """A calibration `plan check --save-calibration` wrote, for `accelerator`'s runs."""
+    import math
+
+    from hpcml.plan.perf import Calibration
+
+    what = f"--calibration {path}"
+    hint = "give the JSON file `hpcml plan check --save-calibration` wrote"
+    try:
+        data = json.loads(path.read_text())
+        cal = Calibration.from_dict(data["calibration"])
+        fitted_on = str(data["accelerator"])
+    except OSError:
+        raise PlanError(f"{what} cannot be read; {hint}.") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise PlanError(f"{what} is not a calibration; {hint}.") from None
+    costs = [
+        cal.overhead_s,
+        cal.collective_overhead_s,
+        cal.tensor_overhead_s,
+        cal.tp_tensor_overhead_s,
+        *(v for _, v in cal.collective_costs_s),
+    ]
+    numbers = [cal.efficiency, *costs, *cal.error_log, cal.noise_log or 0.0]
+    # Costs are never negative; errors (log measured / predicted) are either sign.
+    if not all(math.isfinite(v) for v in numbers) or cal.efficiency <= 0 or min(costs) < 0:
+        raise PlanError(f"{what} holds a negative or non-finite cost; {hint}.")
+    if fitted_on != accelerator:
+        raise PlanError(
+            f"{what} was fitted on {fitted_on} runs, not {accelerator}; fit one on runs of "
+            "this hardware."
+        )
+    return cal
 
 
 # Each shared option: its PlanOptions field and its typer option (flags, default, help).
@@ -241,6 +284,7 @@ OPTIONS: dict[str, Any] = {
     "efficiency": o.EFF_OPT,
     "overhead": o.OVERHEAD_OPT,
     "overlap": o.OVERLAP_OPT,
+    "calibration_file": o.CALIBRATION_FILE_OPT,
     "catalog": o.CATALOG_OPT,
     "json_out": o.JSON_OPT,
 }
@@ -276,7 +320,7 @@ LAYOUT: tuple[str, ...] = (
     "attention",
 )
 TRAINING = ("optimizer", "precision", "weights", "grad_dtype")
-CALIBRATION = ("efficiency", "overhead", "overlap")
+CALIBRATION = ("efficiency", "overhead", "overlap", "calibration_file")
 OUTPUT = ("catalog", "json_out")
 
 _FIELDS = {f.name: f for f in dataclasses.fields(PlanOptions)}

@@ -45,6 +45,7 @@ def step_cmd(
     plot: Path | None = typer.Option(None, "--plot", help="Write the scaling curve as PNG."),
 ) -> None:
     """Predicted step time, throughput and MFU, and a scaling curve over device counts."""
+    from hpcml.plan.interval import no_interval_reason, step_interval
     from hpcml.plan.perf import scaling_curve, step_time
 
     cat = opts.load_catalog()
@@ -54,6 +55,7 @@ def step_cmd(
     cal = opts.calibration(cluster)
     devices, overlap = opts.devices, opts.overlap
     est = step_time(shape, lay, tr, cluster, cal, overlap)
+    interval = step_interval(est.step_s, cal)
     try:
         counts = (
             [int(x) for x in scaling.split(",") if x.strip()]
@@ -64,10 +66,11 @@ def step_cmd(
         raise PlanError(f"--scaling '{scaling}' must be comma-separated integers.") from None
     curve = scaling_curve(shape, lay, tr, cluster, counts, global_batch, cal, overlap)
     base = curve[0]
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "devices": e.devices,
             "step_s": e.step_s,
+            "step_interval_s": _ends(step_interval(e.step_s, cal)),
             "samples_per_s": e.samples_per_s,
             "tokens_per_s": e.tokens_per_s,
             "mfu": e.mfu,
@@ -86,6 +89,8 @@ def step_cmd(
                 "cluster": cluster.describe(),
                 "calibration": cal.to_dict(),
                 "step": est.to_dict(),
+                "step_interval": None if interval is None else interval.to_dict(),
+                "no_interval_reason": None if interval else no_interval_reason(cal),
                 "scaling": rows,
                 "plot": str(plot) if plot else None,
             }
@@ -116,15 +121,33 @@ def step_cmd(
         else f"{est.samples_per_s:,.1f} samples/s"
     )
     console.print(f"{rate}, MFU {est.mfu:.1%} (HFU {est.hfu:.1%})")
+    if interval is None:
+        console.print(f"step time {est.step_s:.4g} s, no interval: {no_interval_reason(cal)}")
+    else:
+        console.print(
+            f"step time {est.step_s:.4g} s, {interval.level:.0%} interval "
+            f"{interval.low_s:.4g} .. {interval.high_s:.4g} s ({interval.basis})"
+        )
     t = Table(
         title="scaling" + (" (fixed global batch)" if global_batch else " (fixed per-device batch)")
     )
-    for col in ("devices", "step s", "samples/s", "tokens/s", "MFU", "speedup", "efficiency"):
+    for col in (
+        "devices",
+        "step s",
+        "90% interval",
+        "samples/s",
+        "tokens/s",
+        "MFU",
+        "speedup",
+        "efficiency",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
+        span = r["step_interval_s"]
         t.add_row(
             str(r["devices"]),
             f"{r['step_s']:.4f}",
+            "-" if span is None else f"{span[0]:.4f} .. {span[1]:.4f}",
             f"{r['samples_per_s']:,.1f}",
             f"{r['tokens_per_s']:,.0f}",
             f"{r['mfu']:.1%}",
@@ -134,6 +157,10 @@ def step_cmd(
     console.print(t)
     if plot:
         console.print(f"plot written to {plot}")
+
+
+def _ends(interval: Any) -> list[float] | None:
+    return None if interval is None else [interval.low_s, interval.high_s]
 
 
 def _plot_scaling(rows: list[dict[str, Any]], path: Path, title: str) -> None:
