@@ -184,8 +184,8 @@ QUESTIONS: tuple[Question, ...] = (
         h.http_spread,
     ),
     Question(
-        "llm_step_profile",
-        "LLM engine steps: work of static vs continuous batching",
+        "llm_step_profile_gpt2_small",
+        "LLM engine steps at GPT-2 small, saturated: work of static vs continuous batching",
         h.step_profile,
         h.no_spread("see the raw numbers"),
     ),
@@ -259,6 +259,7 @@ ARCHIVE: dict[str, str] = {
     "llm_serving_http_long_tailed": "llm_serving_http_both",
     "llm_serving_http_rate4": "llm_serving_http_both",
     "llm_serving_http_small": "llm_serving_http_both",
+    "llm_step_profile": "llm_step_profile_gpt2_small",
 }
 
 
