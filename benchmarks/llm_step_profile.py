@@ -35,8 +35,8 @@ rows: the ceiling where the weights' memory traffic, not arithmetic, sets a step
 fitted (the fit's costs per row and per step, each mode's steps at saturation).
 
     python benchmarks/llm_step_profile.py                 # results/llm_step_profile.{json,md}
-    python benchmarks/llm_step_profile.py --n-layer 12 --d-model 768 --rate inf --requests 48 \
-        --prefill none 32 --repeats 2 --breakdown 6 --tag gpt2_small   # GPT-2 small, saturated
+    python benchmarks/llm_step_profile.py --n-layer 12 --d-model 768 --dtype bf16 --rate inf \
+        --requests 49 --prefill none 32 16 --repeats 3 --breakdown 6 --threads 2 --tag gpt2_small
 """
 
 from __future__ import annotations
