@@ -55,6 +55,7 @@ PLAN = [
     ("memory", 90),
     ("serving", 90),
     ("llm", 150),
+    ("checkpoint", 90),  # issue 40: alone, `bash benchmarks/gpu_run.sh --only checkpoint`
 ]
 MIN_STAGE_S = 20
 

@@ -87,7 +87,20 @@ def _pytest_rows(p: dict[str, Any]) -> list[str]:
     ]
 
 
+def _checkpoint_rows(c: dict[str, Any]) -> list[str]:
+    rows = []
+    for mode, r in c["modes"].items():
+        rows.append(
+            f"| checkpoint {mode}: loop time added per checkpoint | "
+            f"{_n(r['added_s_per_checkpoint']['median'], '.3f')} s | stall "
+            f"{_n(r['stall_s']['median'], '.3f')} s, durable after "
+            f"{_n(r['durable_s']['median'], '.3f')} s ({_n(c['checkpoint_bytes'])} B) |"
+        )
+    return rows
+
+
 ROWS = {
+    "checkpoint": _checkpoint_rows,
     "pytest": _pytest_rows,
     "gpt": _gpt_rows,
     "cnn": _cnn_rows,

@@ -9,6 +9,9 @@ under `timeout`): each measures a GPU claim beside its baseline in the same invo
   memory  the planner's predicted peak vs `torch.cuda.max_memory_allocated` over the training
           steps (evaluation's peak apart) for gpt2-small with and without activation
           checkpointing and the cnn stage's runs (each run's summary holds both).
+  checkpoint  issue 40's question on the GPU: what a sync vs an async checkpoint adds to the
+          run, the loop's stall and the time until durable (benchmarks/checkpoint_stall.py's
+          runs and summary, 2 rounds; the copy to host is what async hides on a GPU).
 
 Dry mode (no CUDA device: `make gpu` on a CPU machine) runs the same functions on the CPU at
 toy sizes up to the point where a device is needed, and says with one line what it skipped,
@@ -289,4 +292,49 @@ def stage_memory(work: Path, dev: torch.device, dry: bool) -> dict[str, Any]:
     return {"runs": rows}
 
 
-STAGES = {"cnn": stage_cnn, "gpt": stage_gpt, "memory": stage_memory}
+def stage_checkpoint(work: Path, dev: torch.device, dry: bool) -> dict[str, Any]:
+    """Sync vs async checkpoints, side by side in rounds (checkpoint_stall.py's own runs)."""
+    import checkpoint_stall as cs
+
+    hidden, depth, steps, every = (64, 2, 6, 2) if dry else (4096, 4, 30, 10)
+    overrides = [
+        "model.name=mlp",
+        f"model.args={{hidden: {hidden}, depth: {depth}}}",
+        "data.source=synthetic",
+        "data.synthetic_samples=2048",
+        "data.batch_size=256",
+        f"train.max_steps={steps}",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "train.keep_last=2",
+        f"train.device={dev.type}",
+    ]
+    modes = ["sync", "async_nice0"]
+    order = ["baseline", *modes]
+    rounds = []
+    for i in range(1 if dry else 2):
+        this_round = {}
+        for mode in order[i % len(order) :] + order[: i % len(order)]:
+            every_k = 0 if mode == "baseline" else every
+            this_round[mode] = cs.one_run([*overrides, *cs.MODES.get(mode, [])], every_k)
+        rounds.append(this_round)
+    result = cs.summarize(rounds, modes)
+    first = rounds[0]["sync"]
+    result.update(
+        params=first["params"], checkpoint_bytes=first["checkpoint_bytes"], steps=steps,
+        every=every, rounds=len(rounds), runs=rounds,
+    )
+    for mode, r in result["modes"].items():
+        say(
+            f"checkpoint {mode}: added {r['added_s_per_checkpoint']['median']:.3f} s, stall "
+            f"{r['stall_s']['median']:.3f} s, durable {r['durable_s']['median']:.3f} s"
+        )
+    return result
+
+
+STAGES = {
+    "cnn": stage_cnn,
+    "gpt": stage_gpt,
+    "memory": stage_memory,
+    "checkpoint": stage_checkpoint,
+}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -34,7 +35,9 @@ from engine_overhead import hpcml_throughput  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 # Prometheus's part: read the target files, GET each target's metrics path, every N seconds.
 SCRAPER = r"""
-import glob, json, sys, time, urllib.request
+import glob, json, signal, sys, time, urllib.request
+# A process started in the background by a shell inherits SIGINT ignored: stop on it anyway.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 folder, every = sys.argv[1], float(sys.argv[2])
 done = took = 0.0
 try:
@@ -98,6 +101,7 @@ def main() -> None:
             on.append(hpcml_throughput([*on_args, f"observe.targets_dir={folder}"], a.warmup))
         scrapes.append(got)
 
+    load_before = os.getloadavg()[0]
     for i in range(a.pairs):
         # ABBA order: a drift of the machine's speed over the run does not favour either side.
         if i % 2 == 0:
@@ -115,6 +119,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
         "platform": platform.platform(),
+        "load_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "settings": vars(a),
         "off_samples_per_s": off,
         "on_samples_per_s": on,

@@ -46,19 +46,18 @@ class Question:
 
 QUESTIONS: tuple[Question, ...] = (
     Question(
-        "serving_xeon_checked",
+        "serving_capacity",
         "serving capacity at p99 ≤ 50 / 100 ms vs LitServe, Ray Serve, plain FastAPI",
         h.serving,
         h.serving_spread,
         Readme(
-            "`python benchmarks/serving.py --peer-path DIR --tag xeon`, then its recheck "
-            "`python benchmarks/serving_integrity.py benchmarks/results/serving_xeon.json`",
+            "`python benchmarks/serving.py --servers hpcml-batched,hpcml-bs1,litserve,fastapi "
+            "--peer-path DIR --tag capacity`",
             h.serving_readme,
             ("serving", "guides/serving.md"),
         ),
-        sources=("serving_xeon",),
-        command="python benchmarks/serving.py --peer-path DIR --tag xeon; python "
-        "benchmarks/serving_integrity.py benchmarks/results/serving_xeon.json",
+        command="python benchmarks/serving.py --servers hpcml-batched,hpcml-bs1,litserve,fastapi "
+        "--peer-path DIR --tag capacity",
     ),
     Question(
         "llm_serving",
@@ -178,7 +177,7 @@ QUESTIONS: tuple[Question, ...] = (
         h.no_spread("ratios of medians"),
     ),
     Question(
-        "llm_serving_http_both",
+        "llm_serving_http_cpu",
         "LLM serving over HTTP, continuous vs static batching",
         h.http,
         h.http_spread,
@@ -243,22 +242,25 @@ QUESTIONS: tuple[Question, ...] = (
 
 ARCHIVE: dict[str, str] = {
     # archived stem -> the stem of the question it was an earlier or exploratory run of
-    "serving": "serving_xeon_checked",
-    "serving_checked": "serving_xeon_checked",
-    "serving_contended": "serving_xeon_checked",
-    "serving_h11_quick": "serving_xeon_checked",
-    "serving_h11_quick_checked": "serving_xeon_checked",
-    "serving_json_batching_contended": "serving_xeon_checked",
-    "serving_shared_2core": "serving_xeon_checked",
-    "serving_shared_2core_checked": "serving_xeon_checked",
-    "serving_uvloop_quick": "serving_xeon_checked",
-    "serving_uvloop_quick_checked": "serving_xeon_checked",
+    "serving": "serving_capacity",
+    "serving_checked": "serving_capacity",
+    "serving_contended": "serving_capacity",
+    "serving_h11_quick": "serving_capacity",
+    "serving_h11_quick_checked": "serving_capacity",
+    "serving_json_batching_contended": "serving_capacity",
+    "serving_shared_2core": "serving_capacity",
+    "serving_shared_2core_checked": "serving_capacity",
+    "serving_uvloop_quick": "serving_capacity",
+    "serving_uvloop_quick_checked": "serving_capacity",
+    "serving_xeon": "serving_capacity",
+    "serving_xeon_checked": "serving_capacity",
     "plan_check_model_bf0e878": "plan_check",
     "plan_check_two_terms": "plan_check",
-    "llm_serving_http_final": "llm_serving_http_both",
-    "llm_serving_http_long_tailed": "llm_serving_http_both",
-    "llm_serving_http_rate4": "llm_serving_http_both",
-    "llm_serving_http_small": "llm_serving_http_both",
+    "llm_serving_http_final": "llm_serving_http_cpu",
+    "llm_serving_http_long_tailed": "llm_serving_http_cpu",
+    "llm_serving_http_rate4": "llm_serving_http_cpu",
+    "llm_serving_http_small": "llm_serving_http_cpu",
+    "llm_serving_http_both": "llm_serving_http_cpu",
     "llm_step_profile": "llm_step_profile_gpt2_small",
 }
 

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-STAGES = ["env", "pytest", "gpt", "cnn", "memory", "serving", "llm"]
+STAGES = ["env", "pytest", "gpt", "cnn", "memory", "serving", "llm", "checkpoint"]
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +54,7 @@ def test_every_stage_runs_to_its_end_in_the_rehearsal(dry_report: dict) -> None:
     assert stages["cnn"]["hpcml"]["fp32_eager"]["samples_per_s"] > 0
     assert stages["llm"]["equal_itl"][0]["continuous"] is not None
     assert set(stages["memory"]["runs"]) >= {"gpt-eager", "gpt-recompute"}
+    assert stages["checkpoint"]["modes"]["async_nice0"]["checkpoints_per_run"] == 2
     for stage in STAGES[1:]:  # the markdown has a row for every stage's result
         assert f"| {stage} | ok |" in dry_report["_md"]
 

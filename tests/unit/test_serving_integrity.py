@@ -42,7 +42,7 @@ def step(rate: float, throughput: float, p99: float, valid: bool = True) -> dict
 def test_the_published_result_was_not_monotone_and_pooled_steps_are() -> None:
     # serving_xeon.json: hpcml-batched binary, repetition 3, 1363/s at p99 <= 50 ms but
     # 1143/s at <= 100 ms (its bisections ran apart). The check refuses that result.
-    runs = json.loads((ROOT / "benchmarks/results/serving_xeon.json").read_text())["runs"]
+    runs = json.loads((ROOT / "benchmarks/results/archive/serving_xeon.json").read_text())["runs"]
     with pytest.raises(SystemExit, match="is below"):
         integrity.check_monotone(runs)
     pooled = {row: integrity.pool_repetition(by, [50.0, 100.0]) for row, by in runs.items()}
@@ -117,7 +117,7 @@ def test_goals_say_met_or_not_from_the_median_ratio() -> None:
 
 
 def test_recheck_of_the_published_result_drops_lagged_steps_and_is_monotone() -> None:
-    report = json.loads((ROOT / "benchmarks/results/serving_xeon.json").read_text())
+    report = json.loads((ROOT / "benchmarks/results/archive/serving_xeon.json").read_text())
     before = copy.deepcopy(report)
     checked = integrity.recheck(report, max_send_lag_ms=10.0)
     assert report == before  # the recorded result is not changed

@@ -16,6 +16,11 @@ from hpcml.plan.flops import (  # noqa: F401  (re-exported)
     megatron_params,
     palm_flops_per_token,
 )
+from hpcml.plan.model_specs import (  # noqa: F401  (ZOO_GPT_* re-exported)
+    TRANSFORMER_SPECS,
+    ZOO_GPT_DEFAULTS,
+    ZOO_GPT_SIZES,
+)
 
 
 @dataclass(frozen=True)
@@ -211,130 +216,6 @@ def transformer(
     )
 
 
-_LLAMA = {
-    "gated_mlp": True,
-    "tied_embeddings": False,
-    "learned_positions": False,
-    "biases": False,
-    "dropout": False,
-}
-
-# name -> (layers, hidden, heads, seq, extra keyword arguments of `transformer`)
-_TRANSFORMER_SPECS: dict[str, tuple[int, int, int, int, dict[str, Any]]] = {
-    "gpt3-175b": (
-        96,
-        12288,
-        96,
-        2048,
-        {"vocab": 50257, "source": "GPT-3 (Brown et al. 2020, Table 2.1)"},
-    ),
-    "llama-7b": (
-        32,
-        4096,
-        32,
-        4096,
-        {
-            **_LLAMA,
-            "ffn_hidden": 11008,
-            "vocab": 32000,
-            "source": "Llama 2 7B (Touvron et al. 2023)",
-        },
-    ),
-    "llama-13b": (
-        40,
-        5120,
-        40,
-        4096,
-        {
-            **_LLAMA,
-            "ffn_hidden": 13824,
-            "vocab": 32000,
-            "source": "Llama 2 13B (Touvron et al. 2023)",
-        },
-    ),
-    "llama-70b": (
-        80,
-        8192,
-        64,
-        4096,
-        {
-            **_LLAMA,
-            "ffn_hidden": 28672,
-            "vocab": 32000,
-            "kv_heads": 8,
-            "source": "Llama 2 70B (Touvron et al. 2023)",
-        },
-    ),
-    "llama3-8b": (
-        32,
-        4096,
-        32,
-        8192,
-        {
-            **_LLAMA,
-            "ffn_hidden": 14336,
-            "vocab": 128256,
-            "kv_heads": 8,
-            "source": "Llama 3 8B (Dubey et al. 2024)",
-        },
-    ),
-    "llama3-70b": (
-        80,
-        8192,
-        64,
-        8192,
-        {
-            **_LLAMA,
-            "ffn_hidden": 28672,
-            "vocab": 128256,
-            "kv_heads": 8,
-            "source": "Llama 3 70B (Dubey et al. 2024)",
-        },
-    ),
-}
-
-# The zoo's gpt models (hpcml.models.gpt: GPTConfig defaults and SIZES), mirrored because plan
-# imports no torch. tests/unit/test_plan_zoo_shapes.py builds every zoo model and checks these
-# numbers, the parameter counts and the saved activations against it.
-ZOO_GPT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 256,
-    "max_seq_len": 256,
-    "n_layer": 2,
-    "n_head": 4,
-    "d_model": 64,
-    "mlp": "gelu",
-    "mlp_ratio": 4.0,
-    "dropout": 0.0,
-    "bias": True,
-    "tie_embeddings": True,
-    "vocab_multiple": 64,
-}
-ZOO_GPT_SIZES: dict[str, dict[str, Any]] = {
-    "gpt-tiny": {"vocab_size": 256, "max_seq_len": 64, "n_layer": 2, "n_head": 4, "d_model": 64},
-    "gpt2-small": {
-        "vocab_size": 50257,
-        "max_seq_len": 1024,
-        "n_layer": 12,
-        "n_head": 12,
-        "d_model": 768,
-    },
-    "gpt-350m": {
-        "vocab_size": 50257,
-        "max_seq_len": 1024,
-        "n_layer": 24,
-        "n_head": 16,
-        "d_model": 1024,
-    },
-    "gpt-1.3b": {
-        "vocab_size": 50257,
-        "max_seq_len": 2048,
-        "n_layer": 24,
-        "n_head": 16,
-        "d_model": 2048,
-    },
-}
-
-
 def zoo_gpt_shape(
     name: str, args: Mapping[str, Any] | None = None, seq: int | None = None
 ) -> ModelShape:
@@ -489,7 +370,7 @@ def mlp_shape(args: Mapping[str, Any]) -> ModelShape:
 
 
 def known_models() -> list[str]:
-    return sorted([*_CNN_TABLE, "mlp", *ZOO_GPT_SIZES, *_TRANSFORMER_SPECS])
+    return sorted([*_CNN_TABLE, "mlp", *ZOO_GPT_SIZES, *TRANSFORMER_SPECS])
 
 
 def model_shape(
@@ -509,8 +390,8 @@ def model_shape(
         return _CNN_TABLE[key]
     if key in ZOO_GPT_SIZES:
         return zoo_gpt_shape(key, args, seq)
-    if key in _TRANSFORMER_SPECS:
-        layers, hidden, heads, default_seq, kw = _TRANSFORMER_SPECS[key]
+    if key in TRANSFORMER_SPECS:
+        layers, hidden, heads, default_seq, kw = TRANSFORMER_SPECS[key]
         kw = dict(kw)
         vocab = int(kw.pop("vocab"))
         return transformer(key, layers, hidden, heads, seq or default_seq, vocab, **kw)
