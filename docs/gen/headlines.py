@@ -238,7 +238,8 @@ def http_spread(d: Doc) -> str:
 
 def step_profile(d: Doc) -> str:
     w = d["work_ratios"]
-    return f"static / continuous work: positions {x(w['positions'])}, FLOPs {x(w['flops'])}"
+    steps = f", decode steps {x(w['steps'])}" if "steps" in w else ""
+    return f"static / continuous work: positions {x(w['positions'])}, FLOPs {x(w['flops'])}{steps}"
 
 
 def metrics(d: Doc) -> str:

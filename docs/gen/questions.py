@@ -187,8 +187,8 @@ QUESTIONS: tuple[Question, ...] = (
         h.http_spread,
     ),
     Question(
-        "llm_step_profile",
-        "LLM engine steps: work of static vs continuous batching",
+        "llm_step_profile_gpt2_small",
+        "LLM engine steps at GPT-2 small, saturated: work of static vs continuous batching",
         h.step_profile,
         h.no_spread("see the raw numbers"),
     ),
@@ -267,6 +267,7 @@ ARCHIVE: dict[str, str] = {
     "llm_serving_http_small": "llm_serving_http_cpu",
     "llm_serving_http_both": "llm_serving_http_cpu",
     "tune_step_budget": "tune",
+    "llm_step_profile": "llm_step_profile_gpt2_small",
 }
 
 

@@ -27,6 +27,7 @@ import os
 import pickle
 import signal
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,14 @@ class QueueFull(Exception):
     """More requests wait for the engine than `generation.max_waiting` (answer 429)."""
 
     retry_after_s = 1
+
+
+ADMISSION_HOLD_S = 5.0
+"""How long an admitted sequence that has not reached `generate` yet counts as waiting: the
+endpoints admit a request, then start its generation a loop iteration or more later (a
+streamed response's body, a non-streamed request's task), so a burst of requests admitted in
+between would each see the others uncounted; a request whose client left before its
+generation began never reaches `generate`, and stops counting after this long."""
 
 
 @dataclass
@@ -187,6 +196,8 @@ class GenerationService:
         self.request_timeout_s = request_timeout_s
         self._running = 0
         """Sequences running in the engine at its last report."""
+        self._admitted: deque[list[float]] = deque()
+        """[when, sequences] admitted by `admit` that have not reached `generate` yet."""
         self._prefix_counted = (0, 0)
         self._progress = time.monotonic()
         """When the engine process last reported a step, or took work while idle."""
@@ -205,9 +216,23 @@ class GenerationService:
 
     @property
     def waiting(self) -> int:
-        """Requests that have no place in the engine yet: queued in it (by its last report, or
-        sent since), or waiting for an engine process to start."""
-        return len(self._streams) - self._running + len(self._waiters)
+        """Sequences that have no place in the engine yet: queued in it (by its last report, or
+        sent since), waiting for an engine process to start, or admitted and not sent yet
+        (for at most `ADMISSION_HOLD_S`)."""
+        return len(self._streams) - self._running + len(self._waiters) + self._not_started()
+
+    def _not_started(self) -> int:
+        expired = time.monotonic() - ADMISSION_HOLD_S
+        while self._admitted and self._admitted[0][0] < expired:
+            self._admitted.popleft()
+        return int(sum(n for _, n in self._admitted))
+
+    def _started(self) -> None:
+        """One admitted sequence reached `generate` (the oldest admission's count drops)."""
+        if self._admitted:
+            self._admitted[0][1] -= 1
+            if self._admitted[0][1] <= 0:
+                self._admitted.popleft()
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise RequestRefused now for a request the engine could never serve."""
@@ -217,7 +242,10 @@ class GenerationService:
         """Raise QueueFull for a request of `sequences` sequences (its prompts times its n, each
         a sequence in the engine) that would make more than `max_waiting` sequences wait, or
         that alone asks for more (checked when the request arrives)."""
-        if self.max_waiting is None or self.waiting + sequences <= self.max_waiting:
+        if self.max_waiting is None:
+            return
+        if self.waiting + sequences <= self.max_waiting:
+            self._admitted.append([time.monotonic(), sequences])
             return
         if self.metrics is not None:
             self.metrics.refused.labels(self.name).inc()
@@ -282,6 +310,7 @@ class GenerationService:
         with the reason, when the engine process died, the server is closing or the request's
         deadline passed). Leaving the loop early (a client that went away) aborts the
         sequence in the engine."""
+        self._started()
         check_request(prompt, params, self.max_seq_len, self.capacity)
         seq_id = next(self._ids)
         arrived = time.perf_counter()
