@@ -255,6 +255,9 @@ def follow_server(store: str, work: Path) -> Iterator[str]:
         os.kill(proc.pid, signal.SIGTERM)
         if forked.ENABLED:
             proc.join(60)
+            if proc.exitcode is None:
+                forked.kill_tree(proc)
+                proc.join()
             forked.add_cpu(usage)
         else:
             proc.wait(60)

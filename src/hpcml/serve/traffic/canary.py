@@ -70,7 +70,8 @@ class Canary:
         starts the next one's window (the caller attaches it to the candidate's stats)."""
         why = breach(self.window, self.slo)
         if why is not None:
-            self.reason = f"at step {self.step + 1} of {len(self.slo.steps)} ({self.share:.0%} of traffic) {why}"
+            where = f"step {self.step + 1} of {len(self.slo.steps)} ({self.share:.0%} of traffic)"
+            self.reason = f"at {where} {why}"
             return "rollback"
         if (
             now_s - self.window.started_s < self.slo.step_s
