@@ -331,19 +331,25 @@ def test_push_to_serve_better_served_worse_refused_slow_rolled_back(
 
             stop = asyncio.Event()
             sender = asyncio.create_task(load(stop))
-            await until(lambda: served("1") >= 10, "version 1 answered")
-            assert await asyncio.to_thread(promote_in, slow)  # version 2, over version 1
-            await until(lambda: "decision" in canary_tags(2), "version 2 judged")
-            assert holder(store, DEPLOYED) == 1  # the alias is back
-            assert await asyncio.to_thread(promote_in, runs["good"])  # version 3
-            await until(lambda: "decision" in canary_tags(3), "version 3 judged")
-            assert not await asyncio.to_thread(promote_in, runs["weak-copy"])  # version 4
-            n = served("3")
-            await until(lambda: served("3") >= n + 10, "version 3 answered on")
-            stop.set()
-            await sender
+            try:
+                await steps(until, served)
+            finally:
+                stop.set()
+                await sender
             versions = (await c.get(f"/v2/models/{DEPLOYED}")).json()["versions"]
         return answers, seen, versions
+
+    async def steps(until: Any, served: Any) -> None:
+        """The CI's pushes, each awaited until the server has acted on it."""
+        await until(lambda: served("1") >= 10, "version 1 answered")
+        assert await asyncio.to_thread(promote_in, slow)  # version 2, over version 1
+        await until(lambda: "decision" in canary_tags(2), "version 2 judged")
+        assert holder(store, DEPLOYED) == 1  # the alias is back
+        assert await asyncio.to_thread(promote_in, runs["good"])  # version 3
+        await until(lambda: "decision" in canary_tags(3), "version 3 judged")
+        assert not await asyncio.to_thread(promote_in, runs["weak-copy"])  # version 4
+        n = served("3")
+        await until(lambda: served("3") >= n + 10, "version 3 answered on")
 
     with follow_server(store, tmp_path) as url:
         answers, seen, versions = asyncio.run(drive(url))
