@@ -174,25 +174,30 @@ def test_trainjob_manifests_are_valid(tmp_path: Path) -> None:
     assert [e["relabelings"][0]["replacement"] for e in eps] == ["$1:9400", "$1:9401"]
 
 
+SERVE_CONFIG = "defaults:\n  canary: {steps: [0.1, 1.0], max_p99_ms: 250}\n"
+
+
 @pytest.mark.parametrize("kind", ["deployment", "inferenceservice"])
 def test_serve_manifests_are_valid(tmp_path: Path, kind: str) -> None:
     out = tmp_path / "serve"
+    (tmp_path / "serve.yaml").write_text(SERVE_CONFIG)
     run_hpcml(
         "launch", "k8s-serve", "models:/digits@production", "--name", "digits", "--kind", kind,
         "--tracking-uri", "http://mlflow.mlops.svc:5000", "--max-replicas", "6",
-        "--out", str(out), cwd=tmp_path,
+        "--serve-config", str(tmp_path / "serve.yaml"), "--out", str(out), cwd=tmp_path,
     )  # fmt: skip
     docs = load_dir(out)
     for doc in docs.values():
         validate(doc)
     if kind == "inferenceservice":
-        pred = docs["InferenceService"]["spec"]["predictor"]
+        pod = pred = docs["InferenceService"]["spec"]["predictor"]
         (c,) = pred["containers"]
         (metric,) = pred["autoScaling"]["metrics"]
         assert "hpcml_queue_depth" in metric["external"]["metric"]["query"]
     else:
-        assert set(docs) == {"Deployment", "Service", "HorizontalPodAutoscaler"}
-        (c,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+        assert set(docs) == {"ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler"}
+        pod = docs["Deployment"]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
         hpa = docs["HorizontalPodAutoscaler"]["spec"]
         assert hpa["maxReplicas"] == 6
         assert hpa["metrics"][0]["pods"]["metric"]["name"] == "hpcml_queue_depth"
@@ -205,6 +210,25 @@ def test_serve_manifests_are_valid(tmp_path: Path, kind: str) -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    # The serve config (here a canary) reaches hpcml serve through a ConfigMap volume.
+    assert docs["ConfigMap"]["data"] == {"serve.yaml": SERVE_CONFIG}
+    assert c["args"][-2:] == ["--config", "/etc/hpcml-serve/serve.yaml"]
+    (mount,) = c["volumeMounts"]
+    (volume,) = pod["volumes"]
+    assert mount["mountPath"] == "/etc/hpcml-serve" and mount["name"] == volume["name"]
+    assert volume["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
+
+
+def test_a_bad_serve_config_is_one_sentence_and_writes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "serve.yaml").write_text("defaults:\n  canary: {steps: [0.5, 0.2]}\n")
+    out = tmp_path / "serve"
+    proc = run_hpcml(
+        "launch", "k8s-serve", "models:/digits@production", "--name", "digits",
+        "--tracking-uri", "http://mlflow.mlops.svc:5000", "--serve-config",
+        str(tmp_path / "serve.yaml"), "--out", str(out), cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "canary steps must increase" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
 
 
 BAD = [

@@ -248,12 +248,22 @@ def k8s_serve(
         "--prometheus-url",
         help="Prometheus KServe's KEDA queries (inferenceservice).",
     ),
+    serve_config: Path | None = typer.Option(
+        None,
+        "--serve-config",
+        help="Serve config YAML (batching, limits, the canary of a followed alias), checked "
+        "here, shipped in a ConfigMap and passed to each pod's hpcml serve as --config.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Write Kubernetes manifests that serve a model: `hpcml serve` with probes on the OIP
     health endpoints, scaled on the batch queue's depth."""
     from hpcml.launch.k8s import write
     from hpcml.launch.k8s_serve import ServeSpec, render
+    from hpcml.serve.config import load_serve_config
+
+    if serve_config is not None:
+        load_serve_config(serve_config)  # a bad file is one sentence here, not a crashing pod
 
     spec = ServeSpec(
         name=name,
@@ -269,6 +279,7 @@ def k8s_serve(
         memory=memory,
         tracking_uri=tracking_uri,
         prometheus_url=prometheus_url,
+        serve_config=serve_config.read_text() if serve_config is not None else None,
     )
     paths = write(render(spec), out, verb="k8s-serve")
     result = {"files": [str(p) for p in paths], "kind": kind, "name": name, "follows": spec.follows}

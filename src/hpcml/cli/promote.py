@@ -44,6 +44,12 @@ def promote(
         None, "--tracking-uri", help="MLflow tracking/registry URI (default $MLFLOW_TRACKING_URI)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the decision as JSON."),
+    trust_code: bool = typer.Option(
+        False,
+        "--trust-code",
+        help="Let exports whose model.json names an import path (pkg.mod:build) run that code, "
+        "to score, smoke-test and serve them; only for models from people you trust.",
+    ),
 ) -> None:
     """Evaluate the candidate and the version behind the alias on the same held-out set, decide
     with a paired test (bootstrap; McNemar for accuracy), check the gates (smoke inference,
@@ -58,8 +64,9 @@ def promote(
         raise ConfigError("--latency-rate and --latency-duration must be above 0.")
     gates = Gates(max_size_mb, latency_budget_ms, latency_rate, latency_duration)
     outcome = promote_run(
-        run_dir, model, alias, metric, min_gain, confidence, eval_config, gates, tracking_uri
-    )
+        run_dir, model, alias, metric, min_gain, confidence, eval_config, gates, tracking_uri,
+        trust_code,
+    )  # fmt: skip
     if json_out:
         print_json(outcome.to_dict())
     else:

@@ -63,7 +63,8 @@ def serve(
         False,
         "--follow",
         help="With models:/NAME@ALIAS: poll the registry and deploy the version the alias "
-        "moves to (load beside, warm, switch, unload the old one).",
+        "moves to (load beside, warm, switch, unload the old one); with a canary section in "
+        "the serve config, in steps, rolled back (alias too) when it breaches the SLO.",
     ),
     poll_s: float = typer.Option(10.0, "--poll-s", help="Seconds between registry polls."),
     tracing: bool = typer.Option(

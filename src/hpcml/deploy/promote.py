@@ -92,7 +92,9 @@ def held_out(summary: dict[str, Any], eval_config: Path | None) -> Any:
     return load_source(data)
 
 
-def scores(export: Path, splits: Any, batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def scores(
+    export: Path, splits: Any, batch: int = 256, trust_code: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-sample correctness (a token model: the share of its positions) and loss."""
     import torch
     import torch.nn.functional as F
@@ -101,7 +103,7 @@ def scores(export: Path, splits: Any, batch: int = 256) -> tuple[np.ndarray, np.
     from hpcml.errors import ModelError
     from hpcml.models.export import load_export
 
-    model, _ = load_export(export)
+    model, _ = load_export(export, trust_code=trust_code)
     correct, losses = [], []
     with torch.no_grad():
         for x, y in DataLoader(splits.val, batch_size=batch):
@@ -124,16 +126,21 @@ def scores(export: Path, splits: Any, batch: int = 256) -> tuple[np.ndarray, np.
     return np.concatenate(correct), np.concatenate(losses)
 
 
-def smoke(export: Path) -> tuple[bool, str]:
-    """One forward of an example batch: it runs and gives finite outputs."""
+def smoke(export: Path, trust_code: bool = False) -> tuple[bool, str]:
+    """One forward of an example batch: it runs and gives finite outputs. A forward pass that
+    raises fails the gate (an export that cannot be loaded is bad input, raised)."""
     import torch
 
     from hpcml.models.export import example_input, load_export
 
-    model, meta = load_export(export)
+    model, meta = load_export(export, trust_code=trust_code)
     torch.manual_seed(0)
-    with torch.no_grad():
-        out = model(example_input(meta, batch=2))
+    try:
+        with torch.no_grad():
+            out = model(example_input(meta, batch=2))
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        return False, f"the forward pass failed ({why})"
     ok = bool(torch.isfinite(out.float()).all())
     return ok, f"output {tuple(out.shape)}" + ("" if ok else " holds NaN or Inf")
 
@@ -148,14 +155,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def latency_p99_ms(export: Path, gates: Gates) -> tuple[float | None, dict[str, Any]]:
+def latency_p99_ms(
+    export: Path, gates: Gates, trust_code: bool = False
+) -> tuple[float | None, dict[str, Any]]:
     """Serve the candidate alone with `hpcml serve` on loopback and drive it with the load
     generator of `hpcml loadtest`; p99 of successful requests (None when none succeeded)."""
     from hpcml.serve.loadtest import loadtest, wait_ready
 
     port = _free_port()
     cmd = [sys.executable, "-m", "hpcml", "serve", str(export), "--name", "candidate",
-           "--port", str(port)]  # fmt: skip
+           "--port", str(port)] + (["--trust-code"] if trust_code else [])  # fmt: skip
     server = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -177,9 +186,10 @@ def latency_p99_ms(export: Path, gates: Gates) -> tuple[float | None, dict[str, 
     return p99, {"ok": result.ok, "errors": sum(result.errors.values()), "valid": result.valid}
 
 
-def check_gates(export: Path, gates: Gates) -> dict[str, Any]:
+def check_gates(export: Path, gates: Gates, trust_code: bool = False) -> dict[str, Any]:
+    """Each gate's result; the latency gate runs only when the smoke inference passed."""
     out: dict[str, Any] = {}
-    ok, detail = smoke(export)
+    ok, detail = smoke(export, trust_code)
     out["smoke"] = {"passed": ok, "detail": detail}
     mb = size_mb(export)
     out["size"] = {
@@ -187,8 +197,8 @@ def check_gates(export: Path, gates: Gates) -> dict[str, Any]:
         "mb": round(mb, 3),
         "budget_mb": gates.max_size_mb,
     }
-    if gates.latency_budget_ms is not None:
-        p99, load = latency_p99_ms(export, gates)
+    if gates.latency_budget_ms is not None and ok:
+        p99, load = latency_p99_ms(export, gates, trust_code)
         passed = p99 is not None and p99 <= gates.latency_budget_ms and load["errors"] == 0
         out["latency"] = {"passed": passed, "p99_ms": p99, "budget_ms": gates.latency_budget_ms,
                           **load}  # fmt: skip
@@ -238,9 +248,11 @@ def promote_run(
     eval_config: Path | None = None,
     gates: Gates | None = None,
     tracking_uri: str | None = None,
+    trust_code: bool = False,
 ) -> Outcome:
     """Compare, check, register, and move `alias` only when the candidate is better and passes
-    every gate. The new version carries the decision and its evidence as tags either way."""
+    every gate. The new version carries the decision and its evidence as tags either way.
+    `trust_code` (`--trust-code`): the exports may name their architecture by import path."""
     from hpcml.deploy.stats import compare
     from hpcml.track.mlflow import EXPORT_DIR
     from hpcml.track.registry import register_run
@@ -249,13 +261,13 @@ def promote_run(
     summary = check_inputs(run_dir, name, alias, confidence, min_gain, metric)
     splits = held_out(summary, eval_config)
     export = run_dir / EXPORT_DIR
-    gate_results = check_gates(export, gates or Gates())
+    gate_results = check_gates(export, gates or Gates(), trust_code)
     inc_version, inc_export = _incumbent(name, alias, tracking_uri)
     comparison = None
-    if inc_export is not None:
+    if inc_export is not None and gate_results["smoke"]["passed"]:
         pick = 0 if metric == "accuracy" else 1
-        cand_scores = scores(export, splits)[pick]
-        inc_scores = scores(inc_export, splits)[pick]
+        cand_scores = scores(export, splits, trust_code=trust_code)[pick]
+        inc_scores = scores(inc_export, splits, trust_code=trust_code)[pick]
         comparison = compare(metric, cand_scores, inc_scores, confidence, min_gain).to_dict()
     failed = [k for k, g in gate_results.items() if not g["passed"]]
     if failed:

@@ -4,7 +4,8 @@ Either a Deployment + Service + HorizontalPodAutoscaler (kind `deployment`) or a
 InferenceService (kind `inferenceservice`, Standard deployment mode scaled by KEDA). The pods
 run `hpcml serve MODEL` (with `--follow` for a `models:/NAME@ALIAS` URI, so a promotion reaches
 them without a restart) on the Open Inference Protocol's port; the startup, readiness and
-liveness probes are its `/v2/health/ready` and `/v2/health/live`. Both autoscalers scale on
+liveness probes are its `/v2/health/ready` and `/v2/health/live`; `--serve-config` ships a
+serve config (batching, the canary of a followed alias) in a ConfigMap. Both autoscalers scale on
 `hpcml_queue_depth`, the samples waiting in the batch queue that every server exports on
 `/metrics`: the HPA reads it as a Pods metric (served by prometheus-adapter), KServe's KEDA by
 a Prometheus query.
@@ -28,6 +29,8 @@ from hpcml.launch.k8s import (
 )
 
 QUEUE_METRIC = "hpcml_queue_depth"
+SERVE_CONFIG_DIR = "/etc/hpcml-serve"
+SERVE_CONFIG_FILE = "serve.yaml"
 SERVE_PORT = 8080
 """KServe's container port; the Deployment uses the same so the two kinds read alike."""
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -51,6 +54,9 @@ class ServeSpec:
     """MLFLOW_TRACKING_URI for a models:/ URI (a Secret is better for credentials; see the guide)."""
     poll_s: float = 10.0
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    serve_config: str | None = None
+    """The text of a checked serve config (batching, canary, ...): a ConfigMap mounted into
+    each pod at SERVE_CONFIG_DIR and passed as `--config`."""
 
     def __post_init__(self) -> None:
         if not RFC1035_LABEL.fullmatch(self.name) or len(self.name) > 45:
@@ -89,7 +95,30 @@ def serve_args(spec: ServeSpec) -> list[str]:
     args = ["serve", spec.model, "--host", "0.0.0.0", "--port", str(SERVE_PORT)]
     if spec.follows:
         args += ["--follow", "--poll-s", f"{spec.poll_s:g}"]
+    if spec.serve_config is not None:
+        args += ["--config", f"{SERVE_CONFIG_DIR}/{SERVE_CONFIG_FILE}"]
     return args
+
+
+def config_map(spec: ServeSpec) -> dict[str, Any]:
+    assert spec.serve_config is not None
+    meta = _meta(spec)
+    meta["name"] = f"{spec.name}-serve-config"
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {SERVE_CONFIG_FILE: spec.serve_config},
+    }
+
+
+def _config_volume(spec: ServeSpec) -> dict[str, Any]:
+    """The pod's volume holding the serve config, if there is one."""
+    if spec.serve_config is None:
+        return {}
+    return {
+        "volumes": [{"name": "serve-config", "configMap": {"name": f"{spec.name}-serve-config"}}]
+    }
 
 
 def _probes() -> dict[str, Any]:
@@ -129,6 +158,10 @@ def _container(spec: ServeSpec, name: str) -> dict[str, Any]:
     }
     if spec.tracking_uri:
         c["env"] = [{"name": "MLFLOW_TRACKING_URI", "value": spec.tracking_uri}]
+    if spec.serve_config is not None:
+        c["volumeMounts"] = [
+            {"name": "serve-config", "mountPath": SERVE_CONFIG_DIR, "readOnly": True}
+        ]
     if _resources(spec):
         c["resources"] = _resources(spec)
     return c
@@ -183,6 +216,7 @@ def deployment(spec: ServeSpec) -> dict[str, Any]:
                     "terminationGracePeriodSeconds": 30,
                     **_placement(spec),
                     "containers": [_container(spec, "server")],
+                    **_config_volume(spec),
                 },
             },
         },
@@ -240,6 +274,7 @@ def inference_service(spec: ServeSpec) -> dict[str, Any]:
         "securityContext": POD_SECURITY,
         **_placement(spec),
         "containers": [_container(spec, "kserve-container")],
+        **_config_volume(spec),
         "autoScaling": {
             "metrics": [
                 {
@@ -272,9 +307,12 @@ def inference_service(spec: ServeSpec) -> dict[str, Any]:
 
 
 def render(spec: ServeSpec) -> dict[str, dict[str, Any]]:
+    # The ConfigMap's file sorts first, so `kubectl apply -f DIR` creates it before the pods.
+    docs = {"00-config.yaml": config_map(spec)} if spec.serve_config is not None else {}
     if spec.kind == "inferenceservice":
-        return {"00-inferenceservice.yaml": inference_service(spec)}
+        return {**docs, "00-inferenceservice.yaml": inference_service(spec)}
     return {
+        **docs,
         "00-deployment.yaml": deployment(spec),
         "01-service.yaml": service(spec),
         "02-hpa.yaml": autoscaler(spec),

@@ -54,6 +54,40 @@ class VersionConfig(_Section):
     """Overrides the model's backend for this version only."""
 
 
+class CanaryConfig(_Section):
+    """How `hpcml serve models:/NAME@ALIAS --follow` moves traffic to a version the alias moved
+    to: in steps, judged on the candidate's own requests (`hpcml.serve.traffic.canary`), and
+    rolled back (traffic, and the alias in the registry) when it breaches the SLO."""
+
+    steps: list[float] = Field(default_factory=lambda: [0.1, 0.5, 1.0])
+    """The candidate's share of unversioned requests at each step, increasing, each in (0, 1];
+    the serving version takes the rest and stays loaded until the last step has passed."""
+    step_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
+    """Least time a step lasts: it passes once this long has gone by and the candidate has
+    answered `min_requests` in it without breaching the SLO. Judged at every registry poll
+    (`--poll-s`)."""
+    min_requests: int = Field(default=20, gt=0)
+    """Candidate requests a step needs before it is judged at all: with fewer (no traffic) the
+    step neither passes nor fails, it holds."""
+    max_error_rate: float = Field(default=0.01, ge=0.0, lt=1.0, allow_inf_nan=False)
+    """SLO: most share of the candidate's requests in a step answered with a server error (5xx:
+    a failed forward pass, a timeout, a full queue); client errors (4xx) do not count."""
+    max_p99_ms: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """SLO: most 99th percentile (nearest rank) of the latency of the candidate's successful
+    requests in a step, from receipt to answer in this server. null: no latency SLO."""
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing_shares(cls, v: list[float]) -> list[float]:
+        if not v:
+            raise ValueError("canary steps need at least one share, e.g. [0.1, 0.5, 1.0]")
+        if any(not math.isfinite(s) or not 0.0 < s <= 1.0 for s in v):
+            raise ValueError("each canary step is a share in (0, 1], e.g. [0.1, 0.5, 1.0]")
+        if any(b <= a for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError("canary steps must increase, e.g. [0.1, 0.5, 1.0]")
+        return v
+
+
 class ModelServeConfig(_Section):
     backend: BackendName = "torch"
     """torch (eager), compile (torch.compile), onnx (model.onnx), onnx-int8 (model.int8.onnx)."""
@@ -96,6 +130,10 @@ class ModelServeConfig(_Section):
     """Mirror a `fraction` of unversioned requests to a candidate `version`, whose answers are
     compared (metrics, admin status) and discarded; it must be served and must not take all the
     traffic. null: no shadow."""
+
+    canary: CanaryConfig | None = None
+    """With `--follow`: move traffic to a version the alias moves to in steps and roll back on
+    an SLO breach (see CanaryConfig). null: all traffic moves at once."""
 
     @field_validator("preferred_batch_sizes")
     @classmethod

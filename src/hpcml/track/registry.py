@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 ALIASES = ("staging", "production")
 EXPORT_META = "model.json"
 SHA256_TAG = "hpcml.artifact_sha256"
+CANARY_TAG = "hpcml.canary"
 # Exit code of `hpcml registry promote --if-better` when the candidate is not promoted.
 EXIT_NOT_PROMOTED = 3
 
@@ -408,6 +409,48 @@ def promote_if_better(
             f"{inc_version} by more than {min_delta:g} ({mode} is better)"
         )
     return decide(better, inc_version, inc_value, why)
+
+
+# -- canary outcomes (written by a server that follows an alias) ---------------------------
+
+
+def record_canary(
+    name: str,
+    version: int | str,
+    decision: Literal["completed", "rolled_back", "abandoned"],
+    reason: str,
+    evidence: dict[str, Any],
+    tracking_uri: str | None = None,
+) -> dict[str, str]:
+    """Tag `version` with its canary's outcome (`hpcml.canary.decision`, `.reason`, and each
+    number of `evidence`), so the registry says why it is or is not serving. The decision is
+    written last: a reader that sees it sees the rest."""
+    client, _ = open_client(tracking_uri)
+    tags = {f"{CANARY_TAG}.{k}": str(v) for k, v in evidence.items() if v is not None}
+    tags[f"{CANARY_TAG}.reason"] = reason[:4000]
+    tags[f"{CANARY_TAG}.decision"] = decision
+    for key, value in tags.items():
+        client.set_model_version_tag(name, str(version), key, value)
+    return tags
+
+
+def roll_back_alias(
+    name: str,
+    alias: str,
+    candidate: int | str,
+    previous: int | str,
+    tracking_uri: str | None = None,
+) -> bool:
+    """Point `alias` back at `previous` if it still names `candidate`; True when it moved it.
+
+    If someone moved the alias since (a newer promotion, a person), that choice stands. The read
+    and the write are two requests (MLflow has no compare-and-set): a promotion landing between
+    them is overwritten, and shows in the candidate's tags."""
+    client, _ = open_client(tracking_uri)
+    if str(_registered_model(client, name).aliases.get(alias)) != str(candidate):
+        return False
+    client.set_registered_model_alias(name, alias, str(previous))
+    return True
 
 
 # -- helpers -------------------------------------------------------------------------------

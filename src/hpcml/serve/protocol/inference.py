@@ -155,9 +155,9 @@ async def run_infer(
             rt.finish(code, "the client went away")
         raise
     except Exception as exc:
-        if chosen is not None:
-            chosen.stats.failed(time.perf_counter() - started)
         failure = failure_of(exc, name, chosen, config)
+        if chosen is not None:
+            chosen.stats.failed(time.perf_counter() - started, server_error=failure.status >= 500)
         code = str(failure.status) if protocol == "http" else failure.grpc_code
         if rt is not None:
             rt.finish(code, failure.message)

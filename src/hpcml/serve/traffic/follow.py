@@ -2,11 +2,17 @@
 
 `AliasFollower` polls the MLflow registry every `poll_s`. When the alias points at another
 version, it resolves it (the artifact's sha256 is checked against the version's tag by
-`resolve_model`), loads it beside the serving version, warms it with one forward pass per
-instance, moves all traffic to it in one policy swap, then retires the old version: requests
-already queued there finish on it, new ones go to the new version, so no request fails. A
-version that cannot be served (checksum mismatch, load error) is logged in one sentence and
-skipped until the alias moves again; the old version keeps serving.
+`resolve_model`), loads it beside the serving version and warms it with one forward pass per
+instance. Without a `canary` in the model's serve config it then moves all traffic to it in one
+policy swap and retires the old version: requests already queued there finish on it, new ones
+go to the new version, so no request fails. With one, the new version is a candidate that
+takes the traffic in steps (`hpcml.serve.traffic.canary`), judged at each poll on its own
+requests: it is served alone once the last step passes (tagged `hpcml.canary.decision:
+completed`), and on an SLO breach the traffic goes back at once, the candidate is retired, the
+alias is moved back to the serving version and the candidate tagged with the reason
+(`rolled_back`). An alias moved elsewhere during a canary ends it (`abandoned`) before the new
+target is deployed. A version that cannot be served (checksum mismatch, load error) or was
+rolled back is skipped until the alias moves again; the old version keeps serving.
 """
 
 from __future__ import annotations
@@ -14,16 +20,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
 from hpcml.errors import HpcmlError
 from hpcml.serve.codec.oip import DATATYPES
+from hpcml.serve.traffic.canary import Canary
 from hpcml.serve.traffic.router import Router
 from hpcml.serve.traffic.versions import ModelVersion, TrafficPolicy
 
 log = logging.getLogger("hpcml.serve.traffic.follow")
+Decision = Literal["completed", "rolled_back", "abandoned"]
 
 
 async def add_version(router: Router, name: str, version: str, path: Path) -> ModelVersion:
@@ -84,12 +94,19 @@ class AliasFollower:
         self.served_name = served_name
         self.uri = uri
         self.version = version
-        """The registry version now served."""
+        """The registry version now served (during a canary: the one it may fall back to)."""
         self.poll_s = poll_s
         self.tracking_uri = tracking_uri
         self.skipped: str | None = None
-        """A version that could not be served; not retried until the alias moves again."""
+        """A version that could not be served or was rolled back; not retried until the alias
+        moves again."""
         self.deploys = 0
+        self.slo = router.config.for_model(served_name).canary
+        self.canary: Canary | None = None
+        """The canary in flight (with a `canary` serve config), else None."""
+        self.unrecorded: Canary | None = None
+        """A rolled-back canary whose registry record (alias back, tags) has yet to succeed."""
+        self.clock = time.monotonic
 
     async def run(self) -> None:
         while True:
@@ -104,10 +121,17 @@ class AliasFollower:
                 )
 
     async def check_once(self) -> bool:
-        """Deploy the version the alias points at if it changed; True when it did."""
+        """Deploy the version the alias points at if it changed, or judge the canary in flight;
+        True when the version served changed or a canary began."""
         from hpcml.track.resolve import resolve_model
 
+        if self.unrecorded is not None:
+            await self._record_rollback()
         target = await asyncio.to_thread(self._alias_version)
+        if self.canary is not None:
+            if target == self.canary.candidate:
+                return await self._judge()
+            await self._abandon(target)
         if target in (self.version, self.skipped):
             return False
         try:
@@ -118,13 +142,125 @@ class AliasFollower:
             self.skipped = target
             log.error("not deploying %s version %s: %s", self.uri, target, exc.message)
             return False
+        if self.slo is not None:
+            self.canary = Canary(new, self.version, self.slo)
+            self._apply_step(new)
+            log.warning(
+                "%s moved to version %s: canary at %.0f%% of traffic (version %s serves the rest)",
+                self.uri, new, 100 * self.canary.share, self.version,
+            )  # fmt: skip
+            return True
+        await self._switch(new)
+        return True
+
+    async def _switch(self, new: str) -> None:
+        """All traffic to `new`, then retire the version served until now."""
         old = self.version
         self.router.set_policy(self.served_name, TrafficPolicy({new: 1.0}))
         self.version, self.skipped = new, None
         await retire_version(self.router, self.served_name, old)
         self.deploys += 1
         log.warning("%s moved: now serving version %s (was %s)", self.uri, new, old)
-        return True
+
+    def _apply_step(self, candidate: str) -> None:
+        """The current step's traffic, and a fresh window on the candidate's own requests."""
+        assert self.canary is not None
+        model = self.router.model(self.served_name)
+        self.canary.window.started_s = self.clock()
+        model.versions[candidate].stats.window = self.canary.window
+        self.router.set_policy(self.served_name, TrafficPolicy(self.canary.weights()))
+        model.canary = self.canary.evidence()
+
+    async def _judge(self) -> bool:
+        canary = self.canary
+        assert canary is not None
+        verdict = canary.check(self.clock())
+        if verdict == "hold":
+            self.router.model(self.served_name).canary = canary.evidence()
+            return False
+        if verdict == "next":
+            self._apply_step(canary.candidate)
+            log.warning(
+                "%s version %s: canary step %d, %.0f%% of traffic",
+                self.uri, canary.candidate, canary.step + 1, 100 * canary.share,
+            )  # fmt: skip
+            return False
+        self.canary = None
+        self.router.model(self.served_name).canary = None
+        if verdict == "done":
+            evidence = canary.evidence()
+            await self._switch(canary.candidate)
+            await self._record(canary.candidate, "completed", "every canary step passed its SLO",
+                               evidence)  # fmt: skip
+            return True
+        await self._roll_back(canary)
+        return False
+
+    async def _roll_back(self, canary: Canary) -> None:
+        """Traffic back first (the next request is safe), then the registry (alias back to the
+        served version, so other servers following it roll back too; the candidate tagged with
+        the reason), then retire the candidate once it has answered what it had queued."""
+        self.router.set_policy(self.served_name, TrafficPolicy({self.version: 1.0}))
+        self.skipped = canary.candidate
+        self.unrecorded = canary
+        log.error(
+            "%s version %s rolled back to version %s: %s",
+            self.uri, canary.candidate, self.version, canary.reason,
+        )  # fmt: skip
+        await self._record_rollback()
+        await retire_version(self.router, self.served_name, canary.candidate)
+
+    async def _record_rollback(self) -> None:
+        """The registry's part of a rollback; retried at the next poll while it fails."""
+        from hpcml.track.registry import roll_back_alias
+        from hpcml.track.resolve import parse_model_uri
+
+        canary = self.unrecorded
+        assert canary is not None
+        name, alias, _ = parse_model_uri(self.uri)
+        assert alias is not None
+        evidence = canary.evidence()
+        try:
+            evidence["alias_moved_back"] = await asyncio.to_thread(
+                roll_back_alias, name, alias, canary.candidate, canary.previous, self.tracking_uri
+            )
+        except Exception as exc:  # noqa: BLE001 - the registry may be briefly unreachable
+            log.error(
+                "could not move %s back to version %s (%s); retrying at the next poll",
+                self.uri, canary.previous, exc,
+            )  # fmt: skip
+            return
+        self.unrecorded = None
+        await self._record(canary.candidate, "rolled_back", canary.reason, evidence)
+
+    async def _abandon(self, target: str) -> None:
+        """The alias left the candidate during its canary: back to the served version."""
+        canary = self.canary
+        assert canary is not None
+        self.canary = None
+        self.router.model(self.served_name).canary = None
+        evidence = canary.evidence()
+        self.router.set_policy(self.served_name, TrafficPolicy({self.version: 1.0}))
+        await retire_version(self.router, self.served_name, canary.candidate)
+        why = f"the alias moved to version {target} during the canary"
+        log.warning("%s version %s: canary ended, %s", self.uri, canary.candidate, why)
+        await self._record(canary.candidate, "abandoned", why, evidence)
+
+    async def _record(
+        self, version: str, decision: Decision, reason: str, evidence: dict[str, Any]
+    ) -> None:
+        """Tag the version with the canary's outcome; a registry that cannot be written is
+        logged (the served traffic is already right)."""
+        from hpcml.track.registry import record_canary
+        from hpcml.track.resolve import parse_model_uri
+
+        name = parse_model_uri(self.uri)[0]
+        try:
+            await asyncio.to_thread(
+                record_canary, name, version, decision, reason, evidence, self.tracking_uri
+            )
+        except Exception as exc:  # noqa: BLE001 - the registry may be briefly unreachable
+            log.error("could not record the canary of %s version %s: %s", self.uri, version, exc)
 
     def _alias_version(self) -> str:
         from hpcml.track.resolve import alias_version

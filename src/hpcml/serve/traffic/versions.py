@@ -107,6 +107,8 @@ class ServedModel:
     policy: TrafficPolicy
     history: list[TrafficPolicy] = field(default_factory=list)
     shadow_stats: dict[str, ShadowStats] = field(default_factory=dict)
+    canary: dict[str, Any] | None = None
+    """The canary in flight under `--follow` (`Canary.evidence()`), else None."""
 
     @property
     def newest(self) -> ModelVersion:
@@ -139,6 +141,7 @@ class ServedModel:
             **self.policy.describe(),
             "can_roll_back": bool(self.history),
             "shadow_stats": {v: s.describe() for v, s in self.shadow_stats.items()},
+            "canary": self.canary,
         }
 
 
