@@ -10,7 +10,8 @@ through torchrun, against one process at the same global batch:
   its own state) and on one process (pp2 -> pp1) with the 1F1B run's losses, and the one
   process's on 2 stages (pp1 -> pp2) with the one process's;
 - SIGUSR1 to the last stage's rank stops both stages at the same step with a checkpoint and
-  exit code 75, and `--resume auto` continues bit for bit like the uninterrupted 1F1B run;
+  exit code 75, and `--resume auto` continues bit for bit like the uninterrupted 1F1B run; the
+  straggler check names the slowed stage, not the one waiting for it;
 - a stage that hangs (2 stages per rank, interleaved) is named by the watchdog, which ends the
   job long before the collective timeout;
 - every schedule (GPipe, 1F1B, interleaved 1F1B, zero-bubble) gives the whole model's loss,
@@ -170,15 +171,18 @@ def test_one_process_checkpoint_resumes_on_two_stages(
 def test_sigusr1_to_one_stage_stops_both_at_one_step_and_resumes_exactly(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The 1F1B run again, rank 0 slowed (0.4 s per micro-batch forward: numerics unchanged)
-    so that steps 4-6 outlast the signal's delivery; once step 3's checkpoint exists, SIGUSR1
-    goes to rank 1 (the last stage) only. The stop is agreed every step
+    """The 1F1B run again with rank 1 (the last stage) slowed: 0.4 s in each micro-batch's
+    forward (numerics unchanged), so that steps 4-6 outlast the signal's delivery. Once step
+    3's checkpoint exists, SIGUSR1 goes to rank 1 only. The stop is agreed every step
     (fault.preempt_check_every=1): both stages stop after the same step, save it, and the job
-    exits 75; the resume ends the run with the uninterrupted run's losses, bit for bit."""
+    exits 75; the resume ends the run with the uninterrupted run's losses, bit for bit.
+    The straggler check (every 2 steps) names rank 1: its compute, not rank 0's wait for it,
+    which a span from a forward to its last gradient would have counted on rank 0 too."""
     run = tmp_path / "run"
-    args = ["train", str(runs["config"]), *PP, "fault.preempt_check_every=1"]
+    faults = ["fault.preempt_check_every=1", "fault.straggler_every=2"]
+    args = ["train", str(runs["config"]), *PP, *faults]
     args += ["--nproc", "2", "--run-dir", str(run), "--quiet"]
-    slow = json.dumps({"slow": {"rank": 0, "seconds": 0.4}})
+    slow = json.dumps({"slow": {"rank": 1, "seconds": 0.4}})
     with ThreadPoolExecutor(1) as pool:
         job = pool.submit(hpcml_proc, args, env=hpcml_env(HPCML_FAULT_INJECT=slow), timeout=300)
         rank1 = run / "pids" / "rank-1.pid"
@@ -196,6 +200,10 @@ def test_sigusr1_to_one_stage_stops_both_at_one_step_and_resumes_exactly(
     saved = run / "checkpoints" / f"step-{at}"
     assert {p.name for p in saved.glob("rank-*.pt")} == {"rank-0.pt", "rank-1.pt"}
     assert max(losses(run)) == at and summary(run)["status"] == "preempted"
+    stragglers = [
+        (r["step"], r["rank"]) for r in records(run, "fault") if r["event"] == "straggler"
+    ]
+    assert stragglers == [(2, 1), (4, 1)]
 
     train(runs["config"], run, 2, *PP, resume="auto")
     assert summary(run)["resumed_from"] == str(saved)

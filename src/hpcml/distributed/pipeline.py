@@ -52,6 +52,8 @@ class StagePart(nn.Module):
     """Its stages, in that order: modules over the part's own submodules."""
     pipeline_group: Any = None
     """The process group of its pipeline (set once the process group exists)."""
+    pipeline_clock: StageClock | None = None
+    """The clock of its stages' compute (set by `build_schedule`)."""
 
 
 class GPTStage(StagePart):
@@ -225,7 +227,7 @@ def build_schedule(
         pipelining.PipelineStage(module, index, n_stages, rt.device, group=group)
         for module, index in zip(modules, mine, strict=True)
     ]
-    clock = StageClock(stages)
+    clock = part.pipeline_clock = StageClock(stages)
     schedule_class = getattr(pipelining, SCHEDULES[cfg.pp_schedule])
     run = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
     timed_loss = clock.timed_loss(loss_fn)
