@@ -12,6 +12,9 @@ it records:
 `replayed()` gives the actions' order of the last recorded step and each action's median CPU
 seconds over the recorded steps, for `hpcml.plan.bubble.replay`: the bubble of the schedule as it
 ran, without waits, insensitive to the machine's load (the share is a ratio of CPU times).
+
+Host times: on a GPU a chunk's wall and CPU time are mostly its kernel launches, so both
+bubbles describe the host there, not the device.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ Action = tuple[int, str, int]
 
 
 class StageClock:
+    """The clock of one rank's stages (the module docstring says what it records)."""
+
     METHODS = {
         "forward_one_chunk": "F",
         "backward_one_chunk": "B",
