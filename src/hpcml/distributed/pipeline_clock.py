@@ -9,9 +9,11 @@ it records:
 - the action (stage, kind, micro-batch) in the order this rank ran it, and its CPU seconds (this
   thread's, `time.thread_time`): what the computation cost whatever else the machine ran.
 
-`replayed()` gives the actions' order of the last recorded step and each action's median CPU
-seconds over the recorded steps, for `hpcml.plan.bubble.replay`: the bubble of the schedule as it
-ran, without waits, insensitive to the machine's load (the share is a ratio of CPU times).
+`replayed()` gives the actions' order of the last recorded step and, for each, the median CPU
+seconds of its stage's actions of that kind (every micro-batch of every recorded step: one
+action's few samples vary by 20% on a loaded machine, a stage's cost per kind much less), for
+`hpcml.plan.bubble.replay`: the bubble of the schedule as it ran, without waits, insensitive to
+the machine's load (the share is a ratio of CPU times).
 
 Host times: on a GPU a chunk's wall and CPU time are mostly its kernel launches, so both
 bubbles describe the host there, not the device.
@@ -38,8 +40,8 @@ class StageClock:
         "backward_one_chunk": "B",
         "backward_weight_one_chunk": "W",
     }
-    KEEP = 64
-    """Recorded steps whose CPU costs are kept per action (for the median)."""
+    KEEP = 4096
+    """CPU costs kept per stage and kind (the newest; for the median)."""
 
     def __init__(self, stages: Sequence[Any]) -> None:
         self.busy_s = 0.0
@@ -47,7 +49,7 @@ class StageClock:
         self._order: list[Action] = []
         self.order: list[Action] = []
         """The actions of the last recorded step, in the order this rank ran them."""
-        self._cpu: dict[Action, deque[float]] = {}
+        self._cpu: dict[tuple[int, str], deque[float]] = {}
         self._last_forward: Action | None = None
         for stage in stages:
             for name, kind in self.METHODS.items():
@@ -85,7 +87,7 @@ class StageClock:
             if self._recording:
                 cpu = time.thread_time() - c0
                 self._order.append(action)
-                self._cpu.setdefault(action, deque(maxlen=self.KEEP)).append(cpu)
+                self._cpu.setdefault(action[:2], deque(maxlen=self.KEEP)).append(cpu)
 
     @contextmanager
     def step(self, record: bool) -> Iterator[None]:
@@ -99,7 +101,7 @@ class StageClock:
             self._recording = False
 
     def replayed(self) -> dict[str, Any]:
-        """{"order": the last recorded step's actions, "cpu_s": each one's median CPU
-        seconds}; both empty before a step was recorded."""
-        cpu = {a: statistics.median(self._cpu[a]) for a in self.order}
-        return {"order": list(self.order), "cpu_s": [cpu[a] for a in self.order]}
+        """{"order": the last recorded step's actions, "cpu_s": the median CPU seconds of
+        each one's stage and kind}; both empty before a step was recorded."""
+        cpu = {k: statistics.median(v) for k, v in self._cpu.items()}
+        return {"order": list(self.order), "cpu_s": [cpu[a[:2]] for a in self.order]}

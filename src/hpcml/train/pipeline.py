@@ -103,8 +103,9 @@ class PipelineStep:
     def summary_block(self) -> dict[str, Any]:
         """The bubble, beside the planner's: measured (each rank's share of its schedule time
         not spent computing, over the steps after the first) and replayed (the idle share of
-        the busiest rank when each pipeline's actions run in their measured order for their
-        median CPU time, without waits: `hpcml.plan.bubble.replay`). Every rank must call it."""
+        the busiest rank when each pipeline's actions run in their measured order, each for
+        the median CPU time of its stage and kind, without waits: `hpcml.plan.bubble.replay`).
+        Every rank must call it."""
         p = self.cfg.parallel
         idle = 1.0 - self.busy_s / self.step_s if self.step_s > 0 else None
         mine = {"idle": idle, "pipeline": self.rt.dp_rank, **self.clock.replayed()}
