@@ -86,8 +86,6 @@ def _worker(rank: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     shutdown(rt)
-    t = os.times()
-    print("RANKCPU", rank, t.user + t.system, flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +130,5 @@ def test_schedule_order_and_replayed_bubble_are_the_planners(
     # 25%: the bound. A last stage costing e more than the first gives it
     # 1 / (1 + (1 + e) m) against the formula's 1 / (1 + m): e = 0.1 moves it 8% at m = 8
     # (measured 3-8% below the formula, 18 cases at load average 11-13).
-    print("BUBBLE", name, m, idle, predicted)
     assert min(idle) == pytest.approx(predicted, rel=0.25), (idle, predicted)
     assert all(0 < share < 1 for share in idle)
