@@ -120,16 +120,17 @@ def run_schedule(rt: Any, name: str, m: int, args: argparse.Namespace) -> dict[s
             chunks.clear()
             waits.clear()
             part.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with clock.step(record=i > 0):
                 schedule.step(*((x,) if first else ()), target=x if last else None, losses=[])
-            step_s = time.perf_counter() - t0
+            step_s, step_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
             if i == 0:
                 continue  # shape inference
             for action, wall_s, _ in chunks:
                 wall_of.setdefault(action, []).append(wall_s)
             steps.append({
                 "step_s": step_s,
+                "step_cpu_s": step_cpu_s,
                 "chunks_wall_s": sum(c[1] for c in chunks),
                 "chunks_cpu_s": sum(c[2] for c in chunks),
                 "p2p_wait_s": sum(waits),
@@ -178,6 +179,11 @@ def analyse(spec: str, res: dict[str, Any]) -> dict[str, Any]:
             "step_s": step,
             "measured_idle": 1 - busy / step,
             "p2p_wait_share": median_of(x["steps"], "p2p_wait_s") / step,
+            # CPU the schedule spent outside the chunks (its own Python, posting messages)
+            "host_outside_chunks_share": (
+                median_of(x["steps"], "step_cpu_s") - median_of(x["steps"], "chunks_cpu_s")
+            ) / step,
+            "step_wall_over_cpu": step / median_of(x["steps"], "step_cpu_s"),
             "chunks_wall_over_cpu": busy / median_of(x["steps"], "chunks_cpu_s"),
             "chunk_wall_s_median": statistics.median(x["wall_s"]),
         })  # fmt: skip
@@ -211,15 +217,17 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"gpt-tiny, batch {args.batch} x {args.seq_len}, 2 stages on 2 gloo processes, "
           f"load average {load:.1f}")  # fmt: skip
-    head = "schedule    pred  measured(r0,r1)  p2p-wait  wall/cpu  chunk-ms  lat-ms  "
-    print(head + "replay:cpu  wall  wall+lat")
+    head = "schedule    pred  measured(r0,r1)  p2p-wait  host-outside  wall/cpu(chunks,step)  "
+    print(head + "chunk-ms  lat-ms  replay:cpu  wall  wall+lat")
     for spec, r in rows.items():
         pr = r["per_rank"]
         print(
             f"{spec:<10} {r['predicted_bubble']:.2f}  "
             f"{pr[0]['measured_idle']:.2f},{pr[1]['measured_idle']:.2f}        "
             f"{pr[0]['p2p_wait_share']:.2f},{pr[1]['p2p_wait_share']:.2f}  "
-            f"{pr[0]['chunks_wall_over_cpu']:.2f},{pr[1]['chunks_wall_over_cpu']:.2f}  "
+            f"{pr[0]['host_outside_chunks_share']:.2f},{pr[1]['host_outside_chunks_share']:.2f}  "
+            f"{pr[0]['chunks_wall_over_cpu']:.2f},{pr[1]['chunks_wall_over_cpu']:.2f} "
+            f"{pr[0]['step_wall_over_cpu']:.2f},{pr[1]['step_wall_over_cpu']:.2f}  "
             f"{1e3 * pr[0]['chunk_wall_s_median']:.2f}  {1e3 * r['latency_s']:.2f}  "
             + "  ".join(
                 ",".join(f"{v:.2f}" for v in r[k].values())
