@@ -7,7 +7,13 @@ through torchrun, against one process at the same global batch:
 - evaluation under pp (a last validation batch smaller than the others) and the export (both
   stages' weights, under the whole model's names) match the one-process run;
 - the 2 stages' checkpoint of step 3 resumes on 2 stages under GPipe (pp2 -> pp2, each rank
-  its own state) and on one process (pp2 -> pp1) with the 1F1B run's losses;
+  its own state) and on one process (pp2 -> pp1) with the 1F1B run's losses, and the one
+  process's on 2 stages (pp1 -> pp2) with the one process's;
+- SIGUSR1 to the last stage's rank stops both stages at the same step with a checkpoint and
+  exit code 75, and `--resume auto` continues bit for bit like the uninterrupted 1F1B run; the
+  straggler check names the slowed stage, not the one waiting for it;
+- a stage that hangs (2 stages per rank, interleaved) is named by the watchdog, which ends the
+  job long before the collective timeout;
 - every schedule (GPipe, 1F1B, interleaved 1F1B, zero-bubble) gives the whole model's loss,
   gradients, global norm and evaluation logits for one step, in one launch of a worker;
 - a layout the stages cannot take is refused by the launcher.
@@ -18,9 +24,14 @@ One module fixture runs each training once; the tests read their run folders.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +40,7 @@ from tests.conftest import hpcml_env, hpcml_proc, run_hpcml, summary
 from tests.conftest import step_losses as losses
 
 from hpcml.data.sources.tokens import prepare_pystdlib
+from hpcml.errors import REQUEUE_EXIT_CODE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,13 +61,13 @@ precision: fp32
 """
 
 
+def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "run.jsonl").read_text().splitlines()
+    return [rec for rec in map(json.loads, lines) if rec.get("kind") == kind]
+
+
 def grad_norms(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "run.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "step":
-            out[int(rec["step"])] = rec["grad_norm"]
-    return out
+    return {int(rec["step"]): rec["grad_norm"] for rec in records(run_dir, "step")}
 
 
 def train(config: Path, run_dir: Path, nproc: int, *overrides: str, resume: str = "") -> None:
@@ -139,6 +151,87 @@ def test_pipeline_checkpoint_resumes_on_two_stages_under_gpipe(
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=REL), step
     assert summary(tmp_path / "gpipe")["pipeline"]["predicted_bubble"] == pytest.approx(1 / 3)
+
+
+def test_one_process_checkpoint_resumes_on_two_stages(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """pp1 -> pp2: the one-process checkpoint of step 3 (one file set of the whole model and its
+    AdamW state) continues on 2 stages, each taking its own entries, with the one-process
+    losses for steps 4-6 (1e-5: the pipeline's sums in another order, as above)."""
+    ckpt = runs["single"] / "checkpoints" / "step-3"
+    train(runs["config"], tmp_path / "pp2", 2, *PP, resume=str(ckpt))
+    want, got = losses(runs["single"]), losses(tmp_path / "pp2")
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=REL), step
+    assert summary(tmp_path / "pp2")["resumed_from"] == str(ckpt)
+
+
+def test_sigusr1_to_one_stage_stops_both_at_one_step_and_resumes_exactly(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The 1F1B run again with rank 1 (the last stage) slowed: 0.4 s in each micro-batch's
+    forward (numerics unchanged), so that steps 4-6 outlast the signal's delivery. Once step
+    3's checkpoint exists, SIGUSR1 goes to rank 1 only. The stop is agreed every step
+    (fault.preempt_check_every=1): both stages stop after the same step, save it, and the job
+    exits 75; the resume ends the run with the uninterrupted run's losses, bit for bit.
+    The straggler check (every 2 steps) names rank 1: its compute, not rank 0's wait for it,
+    which a span from a forward to its last gradient would have counted on rank 0 too."""
+    run = tmp_path / "run"
+    faults = ["fault.preempt_check_every=1", "fault.straggler_every=2"]
+    args = ["train", str(runs["config"]), *PP, *faults]
+    args += ["--nproc", "2", "--run-dir", str(run), "--quiet"]
+    slow = json.dumps({"slow": {"rank": 1, "seconds": 0.4}})
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(hpcml_proc, args, env=hpcml_env(HPCML_FAULT_INJECT=slow), timeout=300)
+        rank1 = run / "pids" / "rank-1.pid"
+        deadline = time.monotonic() + 240
+        while not ((run / "checkpoints" / "step-3").is_dir() and rank1.exists()):
+            assert not job.done() and time.monotonic() < deadline, "no step-3 checkpoint"
+            time.sleep(0.05)
+        os.kill(int(rank1.read_text()), signal.SIGUSR1)
+        out = job.result()
+    assert out.returncode == REQUEUE_EXIT_CODE, out.stderr[-3000:]
+    event = [r for r in records(run, "fault") if r["event"] == "preempted"]
+    assert len(event) == 1
+    at = event[0]["step"]
+    assert 3 < at < STEPS  # after the signal, before the run's end
+    saved = run / "checkpoints" / f"step-{at}"
+    assert {p.name for p in saved.glob("rank-*.pt")} == {"rank-0.pt", "rank-1.pt"}
+    assert max(losses(run)) == at and summary(run)["status"] == "preempted"
+    stragglers = [
+        (r["step"], r["rank"]) for r in records(run, "fault") if r["event"] == "straggler"
+    ]
+    assert stragglers == [(2, 1), (4, 1)]
+
+    train(runs["config"], run, 2, *PP, resume="auto")
+    assert summary(run)["resumed_from"] == str(saved)
+    assert losses(run) == losses(runs["1f1b"])  # every step, bit for bit
+
+
+def test_watchdog_names_a_hung_stage_with_two_stages_per_rank(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rank 1 (stages 1 and 3 of 4, interleaved 1F1B) hangs in its first forward of step 3 (an
+    injected sleep, which fires only if the fault hooks reach the stages the schedule runs);
+    rank 0 waits for it in a pipeline receive. The watchdog (3 s) names rank 1 and ends the job;
+    the collective timeout (300 s) is beyond the command's limit (150 s)."""
+    run = tmp_path / "hung"
+    interleaved = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"]
+    interleaved += ["parallel.virtual_stages=2", "parallel.microbatches=2", "model.args.n_layer=4"]
+    faults = ["fault.watchdog_s=3", "parallel.timeout_s=300", "train.max_steps=50"]
+    args = ["train", str(runs["config"]), *interleaved, *faults, "train.checkpoint_every=0"]
+    stall = json.dumps({"stall": {"rank": 1, "step": 3, "seconds": 3600}})
+    out = hpcml_proc(
+        [*args, "--nproc", "2", "--run-dir", str(run), "--quiet"],
+        env=hpcml_env(HPCML_FAULT_INJECT=stall),
+        timeout=150,
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "rank 1 stopped answering at step 3" in out.stderr
+    failed = summary(run)
+    assert failed["status"] == "failed" and "rank 1 stopped answering" in failed["error"]
 
 
 WORKER = Path(__file__).with_name("pipeline_schedules_worker.py")

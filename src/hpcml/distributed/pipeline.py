@@ -15,7 +15,6 @@ gradient clipping and checkpoints; its stages are views over the same submodules
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcml.config import ParallelConfig
+from hpcml.distributed.pipeline_clock import StageClock
 from hpcml.distributed.runtime import Runtime
 from hpcml.errors import ConfigError
 
@@ -52,6 +52,8 @@ class StagePart(nn.Module):
     """Its stages, in that order: modules over the part's own submodules."""
     pipeline_group: Any = None
     """The process group of its pipeline (set once the process group exists)."""
+    pipeline_clock: StageClock | None = None
+    """The clock of its stages' compute (set by `build_schedule`)."""
 
 
 class GPTStage(StagePart):
@@ -225,34 +227,19 @@ def build_schedule(
         pipelining.PipelineStage(module, index, n_stages, rt.device, group=group)
         for module, index in zip(modules, mine, strict=True)
     ]
-    clock = StageClock(stages)
+    clock = part.pipeline_clock = StageClock(stages)
     schedule_class = getattr(pipelining, SCHEDULES[cfg.pp_schedule])
     run = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
-    return schedule_class(run, microbatches(cfg), loss_fn=loss_fn, scale_grads=False), clock
+    timed_loss = clock.timed_loss(loss_fn)
+    return schedule_class(run, microbatches(cfg), loss_fn=timed_loss, scale_grads=False), clock
 
 
-class StageClock:
-    """Seconds this rank's stages spend computing: forward, backward and weight-gradient chunks,
-    timed around the stage's own per-chunk methods, which every schedule calls (torch 2.13).
-    The rest of a schedule's step is waiting for the neighbours: the measured bubble."""
-
-    METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-    def __init__(self, stages: Sequence[Any]) -> None:
-        self.busy_s = 0.0
-        for stage in stages:
-            for name in self.METHODS:
-                setattr(stage, name, self._timed(getattr(stage, name)))
-
-    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.busy_s += time.perf_counter() - t0
-
-        return timed
+def forward_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose forward runs on each micro-batch: under `parallel.pp` this rank's
+    stages (with several stages per rank the schedule calls each stage, never the part that
+    holds them), otherwise `model` itself. Forward hooks go on these."""
+    views = getattr(model, "pipeline_views", None)
+    return list(views) if views else [model]
 
 
 def is_first(part: StagePart) -> bool:

@@ -105,7 +105,13 @@ def prediction_block(summary: dict[str, Any]) -> dict[str, Any]:
 
     pipeline = summary.get("pipeline")
     if pipeline is not None:  # parallel.pp
-        keys = ("schedule", "microbatches", "predicted_bubble", "measured_bubble")
+        keys = (
+            "schedule",
+            "microbatches",
+            "predicted_bubble",
+            "measured_bubble",
+            "replayed_bubble",
+        )
         return {
             "note": "the planner's run check does not read parallel.pp yet (it would take the "
             "pipeline's stages for data-parallel replicas): only the bubble is compared",

@@ -22,7 +22,7 @@ from hpcml.config import RunConfig
 from hpcml.distributed import pipeline as pp
 from hpcml.distributed.runtime import all_gather_object
 from hpcml.errors import ConfigError
-from hpcml.plan.bubble import bubble_share
+from hpcml.plan.bubble import bubble_share, replay
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -87,6 +87,7 @@ class PipelineStep:
                 trainer.precision.autocast(),
                 trainer.hooks.forward(trainer),
                 trainer.phase("hpcml.pipeline"),
+                self.clock.step(record=self.steps > 0),
             ):
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             if self.steps > 0:
@@ -100,12 +101,18 @@ class PipelineStep:
         return loss_sum, data_wait
 
     def summary_block(self) -> dict[str, Any]:
-        """The measured bubble (each rank's share of schedule time not spent computing, over
-        the steps after the first) beside the planner's; every rank must call it."""
+        """The bubble, beside the planner's: measured (each rank's share of its schedule time
+        not spent computing, over the steps after the first) and replayed (the idle share of
+        the busiest rank when each pipeline's actions run in their measured order, each for
+        the median CPU time of its stage and kind, without waits: `hpcml.plan.bubble.replay`).
+        Every rank must call it."""
         p = self.cfg.parallel
         idle = 1.0 - self.busy_s / self.step_s if self.step_s > 0 else None
-        per_rank = all_gather_object(self.rt, idle)
+        mine = {"idle": idle, "pipeline": self.rt.dp_rank, **self.clock.replayed()}
+        every = all_gather_object(self.rt, mine)
+        per_rank = [r["idle"] for r in every]
         measured = [x for x in per_rank if x is not None]
+        replayed = replayed_idle(every)
         return {
             "schedule": p.pp_schedule,
             "stages": p.pp * p.virtual_stages,
@@ -115,8 +122,24 @@ class PipelineStep:
             ),
             "measured_bubble": sum(measured) / len(measured) if measured else None,
             "measured_bubble_per_rank": per_rank,
+            "replayed_bubble": min(replayed) if replayed else None,
+            "replayed_bubble_per_rank": replayed or None,
         }
 
     def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Logits of `x` on the last stage's rank; None on the others."""
         return pp.forward_only(self.part, x, self.rt, self.cfg.parallel, self.group)
+
+
+def replayed_idle(ranks: list[dict[str, Any]]) -> list[float]:
+    """Each rank's replayed idle share (`hpcml.plan.bubble.replay`, one pipeline at a time),
+    from what `StageClock.replayed` gave on every rank; empty before a step was recorded."""
+    if not all(r["order"] for r in ranks):
+        return []
+    out: dict[int, float] = {}
+    for line in {r["pipeline"] for r in ranks}:
+        members = {i: r for i, r in enumerate(ranks) if r["pipeline"] == line}
+        orders = {i: [tuple(a) for a in r["order"]] for i, r in members.items()}
+        costs = {i: dict(zip(orders[i], r["cpu_s"], strict=True)) for i, r in members.items()}
+        out.update(replay(orders, costs))  # type: ignore[arg-type]
+    return [out[i] for i in range(len(ranks))]

@@ -31,6 +31,7 @@ from torch import nn
 
 from hpcml.config import RunConfig
 from hpcml.distributed.parallel import unwrap
+from hpcml.distributed.pipeline import forward_modules
 from hpcml.distributed.runtime import (
     Runtime,
     all_reduce_max,
@@ -177,8 +178,12 @@ class FaultGuard:
         pid_file.write_text(f"{os.getpid()}\n")
         inner = unwrap(model)  # inside DDP: its pre-forward buffer broadcast is not local time
         self._handles = [
-            inner.register_forward_pre_hook(self._pre_forward),
-            inner.register_forward_hook(self._post_forward),
+            handle
+            for module in forward_modules(inner)  # each pipeline stage of this rank
+            for handle in (
+                module.register_forward_pre_hook(self._pre_forward),
+                module.register_forward_hook(self._post_forward),
+            )
         ]
         if self.fc.straggler_every:
             self.timer.attach(inner)

@@ -17,6 +17,9 @@ spent in FSDP's waiting methods (`hpcml.distributed.parallel.wrap_fsdp_waits`) i
 Under tensor parallelism the forward and backward hold collectives of their own (DTensor's, a
 fast rank waits there for a slow one): the time in their waits
 (`hpcml.distributed.parallel.wrap_dtensor_waits`) inside a span is subtracted too.
+Under pipeline parallelism a stage waits for its neighbours' activations and gradients between
+its own chunks, inside such spans; on the CPU a rank's compute is the time in its stages' chunks
+from the schedule's clock (`hpcml.distributed.pipeline_clock`), plus the optimizer step.
 
 On a GPU the marks are CUDA events recorded on the current stream (no host sync); they are read
 (`Event.elapsed_time`, which waits for them) only at the comparison step. On the CPU the ops are
@@ -68,6 +71,10 @@ class StepTimer:
         self._waits: list[tuple[Mark, Mark]] = []  # of the open forward/backward span
         self._unwrap_fsdp: Callable[[], None] | None = None
         self._unwrap_dtensor: Callable[[], None] | None = None
+        self._clock: Any = None
+        """parallel.pp on the CPU: the stages' clock (hpcml.distributed.pipeline_clock)."""
+        self._clock_at = 0.0
+        self._clock_s = 0.0
 
     # -- marks -----------------------------------------------------------------------------
 
@@ -81,7 +88,14 @@ class StepTimer:
 
     def attach(self, model: nn.Module | None, optimizer: Any = None) -> None:
         """Hooks on every trainable parameter (pruned to the one whose gradient comes last
-        after the first backward) and on the optimizer's step."""
+        after the first backward) and on the optimizer's step. Under parallel.pp a stage
+        waits for its neighbours between its chunks, inside any span from a forward to a last
+        gradient: on the CPU the stages' own clock times their chunks instead (on a GPU its
+        host times are launches, not compute, and the spans stay)."""
+        clock = getattr(model, "pipeline_clock", None)
+        if clock is not None and not self.cuda:
+            self._clock, self._clock_at = clock, clock.busy_s
+            model = None  # no forward spans or gradient hooks; the optimizer's below
         if model is not None:
             self._unwrap_fsdp = wrap_fsdp_waits(model, self._timed_wait)
             self._unwrap_dtensor = wrap_dtensor_waits(model, self._timed_wait)
@@ -130,6 +144,8 @@ class StepTimer:
         return hook
 
     def forward_started(self) -> None:
+        if self._clock is not None:
+            return
         if self._unwrap_fsdp is not None:  # FSDP: one span from the first micro-batch on
             if self._fb_start is None:
                 self._fb_start = self._mark()
@@ -166,6 +182,9 @@ class StepTimer:
         if self._unwrap_fsdp is not None and self._fb_start is not None:
             self._fb_end = self._mark()
             self._close_fb()
+        if self._clock is not None:
+            busy = self._clock.busy_s
+            self._clock_s, self._clock_at = self._clock_s + busy - self._clock_at, busy
         self._steps += 1
         self._extra_s += data_wait_s
 
@@ -177,7 +196,8 @@ class StepTimer:
         self._close_fb()
         spans, steps, extra = self._spans, max(self._steps, 1), self._extra_s
         self._spans, self._steps, self._extra_s = [], 0, 0.0
-        total = sum(self._compute_s(*span) for span in spans)
+        total = sum(self._compute_s(*span) for span in spans) + self._clock_s
+        self._clock_s = 0.0
         return max(total, 0.0) / steps, extra / steps
 
     def _compute_s(self, start: Mark, end: Mark, waits: list[tuple[Mark, Mark]]) -> float:
