@@ -79,16 +79,24 @@ def test_the_step_timer_counts_device_time_of_a_slow_backward_without_a_sync_per
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_profile_on_a_gpu_writes_a_memory_snapshot(tmp_path: Path) -> None:
     """`hpcml profile` on CUDA: the allocator's history for PyTorch's memory viewer (a pickle
-    hpcml writes and never reads) and the peak allocated bytes in the breakdown."""
+    hpcml writes and never reads) and the peak allocated bytes in the breakdown; the step split
+    by the device timeline of the real trace (kernels found, compute seen, no collective on one
+    process) and printed."""
     import json
 
     from tests.conftest import run_hpcml
 
     run = tmp_path / "run"
-    run_hpcml("profile", "examples/digits_cnn.yaml", "train.device=cuda", "--steps", "3",
-              "--run-dir", str(run), "--quiet")
+    proc = run_hpcml("profile", "examples/digits_cnn.yaml", "train.device=cuda", "--steps", "3",
+                     "--run-dir", str(run), "--quiet")
     snap = run / "profile" / "memory-snapshot-rank-0.pickle"
     assert snap.stat().st_size > 1000
     breakdown = json.loads((run / "profile" / "breakdown-rank-0.json").read_text())
     assert breakdown["memory_snapshot"] == snap.name
     assert breakdown["cuda_max_memory_allocated_bytes"] > 0
+    device = breakdown["device"]
+    assert device["steps"] == 3 and device["kernels"] > 0 and device["compute_s"] > 0
+    assert device["communication_in_flight_s"] == 0  # one process: no NCCL kernel
+    for part in ("compute", "communication", "memcpy", "data", "host_overhead", "idle"):
+        assert 0 <= device[f"{part}_s"] <= device["step_s"], part
+    assert "device timeline (median step)" in proc.stdout

@@ -1,12 +1,14 @@
 """A real Prometheus (Debian's `prometheus`) scrapes a real 2-process training run and a real
 `hpcml serve`, both found only through their file_sd target files. Its HTTP query API returns
-the run's series with the job/run/rank/host labels and values the run's own records agree with;
-every panel query of the shipped Grafana dashboards returns data (except the GPU panels: the
-run is gpt-tiny on byte tokens with a peak FLOP rate given, so tokens/s and MFU have data). The server runs with a shadow version
-(the same weights), so the shadow panel has data at 0 disagreements; the error-ratio and
-straggler panels show 0 when nothing failed or was slow, not "No data". A preemption (SIGTERM,
-exit 75) removes both ranks' targets and Prometheus drops them (HpcmlTrainingDown stays
-silent); the server's target goes when it stops."""
+the run's series with the job/run/rank/host labels and values the run's own records agree with.
+Every panel query of the shipped Grafana dashboards returns data: the GPU panels from an
+exporter reading a fake NVML module, the others from the run (gpt-tiny on byte tokens with a
+peak FLOP rate given, so tokens/s and MFU have data) and the server (with a shadow version of
+the same weights, so the shadow panel has data at 0 disagreements; the error-ratio and
+straggler panels show 0 when nothing failed or was slow, not "No data"). Every template
+variable's query lists what it should (job, run, model). A preemption (SIGTERM, exit 75)
+removes both ranks' targets and Prometheus drops them (HpcmlTrainingDown stays silent); the
+server's target goes when it stops."""
 
 from __future__ import annotations
 
@@ -128,6 +130,12 @@ def concrete(expr: str) -> str:
     return expr
 
 
+def query_variables(name: str) -> dict[str, str]:
+    """A dashboard's template variables that Grafana fills from a query, by name."""
+    board = json.loads((DASHBOARDS / name).read_text())
+    return {v["name"]: v["definition"] for v in board["templating"]["list"] if v["type"] == "query"}
+
+
 def label_values(url: str, definition: str) -> set[str]:
     """Grafana's `label_values(SELECTOR, LABEL)` template query, through Prometheus' series API."""
     selector, label = definition.removeprefix("label_values(").removesuffix(")").rsplit(",", 1)
@@ -237,9 +245,8 @@ def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path)
             assert_panels_have_data(url, "training.json")
             assert_panels_have_data(url, "training.json", only=NO_DATA_HERE, job="itest-gpu")
             # The dashboard's template variables list this run and the GPU rank's.
-            board = json.loads((DASHBOARDS / "training.json").read_text())
-            variables = {v["name"]: v["definition"] for v in board["templating"]["list"]
-                         if v["type"] == "query"}  # fmt: skip
+            variables = query_variables("training.json")
+            assert sorted(variables) == ["job", "run"]
             assert {"itest", "itest-gpu"} <= label_values(url, variables["job"])
             assert label_values(url, variables["run"]) == {"run"}
             gpu_rank.close()
@@ -260,6 +267,10 @@ def test_prometheus_scrapes_training_and_serving_through_file_sd(tmp_path: Path)
                 every=0.5,
             )
             assert_panels_have_data(url, "serving.json")
+            # The serving dashboard's one query variable lists the served model.
+            variables = query_variables("serving.json")
+            assert list(variables) == ["model"]
+            assert label_values(url, variables["model"]) == {"digits"}
         finally:
             # A preemption (SLURM's SIGTERM): the run saves, exits 75, and its ranks' targets go
             # with them, so HpcmlTrainingDown does not fire on an orderly stop.

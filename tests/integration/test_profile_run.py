@@ -35,3 +35,21 @@ def test_profile_two_processes_writes_traces_and_a_breakdown(tmp_path):
     assert s["steps"] == 5 and s["profile"]["steps"] == 2  # 2 skipped + 1 warm-up + 2 recorded
     breakdown = json.loads((run / "profile" / "breakdown-rank-0.json").read_text())
     assert s["profile"] == {**breakdown, "top_ops": breakdown["top_ops"][:5]}
+
+
+def test_a_slower_loader_raises_the_data_share(tmp_path):
+    """The property hpcml.train.profile's docstring names: the same model, batch and steps with a
+    loader that does more work per batch (data.augment: a random crop and flip of each sample,
+    in the training process) spend a larger share of the profiled step waiting for data.
+    Shares of two real runs are compared; no time is asserted. The loader's extra time lands in
+    data, not in the rest of the step (a fetch outside the `hpcml.data` range would put it in
+    "other")."""
+    found = {}
+    for name, extra in (("plain", []), ("augmented", ["data.augment=true"])):
+        run = tmp_path / name
+        run_hpcml("profile", "examples/digits_cnn.yaml", "model.name=mlp", "model.args={hidden: 256}",
+                  "data.batch_size=64", *extra, "--steps", "5", "--run-dir", str(run), "--quiet")
+        found[name] = summary(run)["profile"]
+    plain, slow = found["plain"], found["augmented"]
+    assert slow["data_share"] > plain["data_share"] and slow["data_s"] > plain["data_s"]
+    assert slow["data_share"] - plain["data_share"] > slow["other_share"] - plain["other_share"]

@@ -209,6 +209,16 @@ def report(summary: dict[str, Any], json_out: bool) -> None:
             f"{prof['compute_share']:.0%}, other {prof['other_share']:.0%}; a collective in "
             f"flight {prof['communication_in_flight_share']:.0%}",
         )
+        dev = prof.get("device")
+        if dev and dev.get("steps"):
+            table.add_row(
+                "device timeline (median step)",
+                f"compute {dev['compute_share']:.0%}, communication "
+                f"{dev['communication_share']:.0%} (in flight "
+                f"{dev['communication_in_flight_share']:.0%}), memcpy "
+                f"{dev['memcpy_share']:.0%}, idle {dev['idle_share']:.0%}: data "
+                f"{dev['data_share']:.0%}, host overhead {dev['host_overhead_share']:.0%}",
+            )
         for op in prof.get("top_ops") or []:  # the costliest, by device then self CPU time
             cost = op["device_s"] or op["self_cpu_s"]
             where = "device" if op["device_s"] else "self CPU"

@@ -20,6 +20,12 @@ The Trainer marks its phases with `record_function` ranges (`hpcml.data`, `hpcml
 Data, compute and other add up to the step's wall time by definition; what a test can check is
 how they move (no collective on one process; data grows with a slow loader). Top ops are by
 self CPU time (on CUDA, also by device time).
+
+These are host ranges: on a GPU, the host's forward returns once its kernels are queued, so
+time the device spends computing shows up wherever the host waits for it. A CUDA run's
+breakdown therefore has a `device` part from the device timeline of the same steps
+(hpcml.observe.device_timeline): compute, exposed communication, memcpy, and idle split into
+data wait and host overhead.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from hpcml.observe.device_timeline import device_breakdown
 from hpcml.observe.tracing import NO_ENDPOINT
 from hpcml.observe.tracing import flush_tracer as flush_tracer
 from hpcml.observe.tracing import start_tracer as start_tracer_for
@@ -93,7 +100,7 @@ def start_profiler(cfg: Any, rt: Any, out_dir: Path) -> StepProfiler | None:
     p = cfg.train.profile
     if p is None:
         return None
-    return StepProfiler(p.wait, p.warmup, p.active, out_dir / "profile", rt.rank)
+    return StepProfiler(p.wait, p.warmup, p.active, out_dir / "profile", rt.rank, rt.device)
 
 
 def start_exporter(cfg: Any, rt: Any, out_dir: Path, load_s: float | None = None) -> Any:
@@ -172,11 +179,22 @@ def gpu_preflight(cfg: Any, rt: Any) -> None:
 
 
 class StepProfiler:
-    """One rank's profiler: `step()` at each optimizer step, `phase(name)` around phases."""
+    """One rank's profiler: `step()` at each optimizer step, `phase(name)` around phases. On a
+    CUDA `device` it records the device's kernels and copies too (the breakdown's `device`
+    part, hpcml.observe.device_timeline) and the caching allocator's history."""
 
-    def __init__(self, wait: int, warmup: int, active: int, out_dir: Path, rank: int) -> None:
+    def __init__(
+        self,
+        wait: int,
+        warmup: int,
+        active: int,
+        out_dir: Path,
+        rank: int,
+        device: torch.device | None = None,
+    ) -> None:
+        self.device = device if device is not None and device.type == "cuda" else None
         activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        if self.device is not None:
             activities.append(ProfilerActivity.CUDA)
         self.out_dir, self.rank, self.active = out_dir, rank, active
         self.done = False
@@ -189,8 +207,7 @@ class StepProfiler:
             profile_memory=False,
         )
         self.prof.__enter__()
-        self.cuda = torch.cuda.is_available()
-        if self.cuda:
+        if self.device is not None:
             # The CUDA caching allocator's history, for https://pytorch.org/memory_viz.
             torch.cuda.memory._record_memory_history(max_entries=100_000)
 
@@ -221,15 +238,20 @@ class StepProfiler:
     def _ready(self, prof: Any) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         # *.pt.trace.json: the name TensorBoard's profiler plugin looks for.
-        prof.export_chrome_trace(str(self.out_dir / f"trace-rank-{self.rank}.pt.trace.json"))
+        trace = self.out_dir / f"trace-rank-{self.rank}.pt.trace.json"
+        prof.export_chrome_trace(str(trace))
         self.breakdown = breakdown(prof.events())
         self.breakdown["top_ops"] = top_ops(prof)
-        if self.cuda:
+        if self.device is not None:
+            self.breakdown["device"] = device_breakdown(
+                json.loads(trace.read_text()), self.device.index
+            )
             # Written for PyTorch's memory viewer; hpcml never reads it back.
             snapshot = self.out_dir / f"memory-snapshot-rank-{self.rank}.pickle"
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
-            self.breakdown["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.breakdown["cuda_max_memory_allocated_bytes"] = peak
             self.breakdown["memory_snapshot"] = snapshot.name
         (self.out_dir / f"breakdown-rank-{self.rank}.json").write_text(
             json.dumps(self.breakdown, indent=1)
