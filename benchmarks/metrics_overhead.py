@@ -133,12 +133,17 @@ def main() -> None:
         "mean_scrape_ms": 1e3 * sum(g.get("scrape_s", 0) for g in scrapes)
         / max(1.0, sum(g.get("scrapes", 0) for g in scrapes)),
     }
+    # An upper bound on the exporter's share of a scraped run's time: a scrape's whole round
+    # trip (client included) over the interval between scrapes. The training process cannot
+    # lose more than the time its exporter thread spent answering, which the round trip holds.
+    result["scrape_wall_share"] = result["mean_scrape_ms"] / (1e3 * a.scrape_s)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(
         f"on/off: median {result['median_ratio']:.3f} "
         f"(pairs {result['ratio_min']:.3f} .. {result['ratio_max']:.3f}); "
-        f"{sum(result['scrapes_per_on_run']):.0f} scrapes, {result['mean_scrape_ms']:.1f} ms each; "
+        f"{sum(result['scrapes_per_on_run']):.0f} scrapes, {result['mean_scrape_ms']:.1f} ms each "
+        f"({100 * result['scrape_wall_share']:.2f}% of the time between scrapes); "
         f"wrote {a.out}"
     )
 
