@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,17 @@ from hpcml.observe.tracing import start_tracer as start_tracer_for
 
 PHASES = ("hpcml.data", "hpcml.forward", "hpcml.backward", "hpcml.optimizer")
 COMM_MARKERS = (
-    "c10d::", "gloo", "nccl", "allreduce", "all_reduce", "all_gather", "allgather",
-    "reduce_scatter", "broadcast", "record_param_comms", "alltoall",
+    "c10d::",
+    "gloo",
+    "nccl",
+    "allreduce",
+    "all_reduce",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "broadcast",
+    "record_param_comms",
+    "alltoall",
 )
 
 
@@ -178,6 +188,29 @@ def gpu_preflight(cfg: Any, rt: Any) -> None:
         )
 
 
+@contextlib.contextmanager
+def _without_kineto_usdt() -> Iterator[None]:
+    """Kineto (C++, fd 2) prints a `USDT:` line at every profiler start and stop, and no setting
+    turns it off (KINETO_LOG_LEVEL does not): hold fd 2 in a temporary file meanwhile and write
+    every other line back, so a profiled run's stderr carries only what it always did."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [
+                ln for ln in held.read().splitlines(keepends=True) if not ln.startswith(b"USDT:")
+            ]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 class StepProfiler:
     """One rank's profiler: `step()` at each optimizer step, `phase(name)` around phases. On a
     CUDA `device` it records the device's kernels and copies too (the breakdown's `device`
@@ -221,11 +254,13 @@ class StepProfiler:
 
     def step(self) -> None:
         if not self.done:
-            self.prof.step()
+            with _without_kineto_usdt():
+                self.prof.step()
 
     def close(self) -> None:
         if not self.done:
-            self.prof.__exit__(None, None, None)
+            with _without_kineto_usdt():
+                self.prof.__exit__(None, None, None)
             self.done = True
 
     def summary(self) -> dict[str, Any]:
