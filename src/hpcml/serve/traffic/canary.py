@@ -41,7 +41,7 @@ def breach(window: RequestWindow, slo: CanaryConfig) -> str | None:
     p99 = window.p99_ms()
     if slo.max_p99_ms is not None and p99 is not None and p99 > slo.max_p99_ms:
         return (
-            f"p99 latency {p99:.1f} ms (over {len(window.latencies_s)} answered requests) is over "
+            f"p99 latency {p99:.1f} ms (over {window.answered} answered requests) is over "
             f"the SLO's {slo.max_p99_ms:g} ms"
         )
     return None
