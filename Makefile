@@ -40,7 +40,7 @@ docs: $(STAMP)
 # site is built strictly inside the suite (tests/unit/test_docs_generated.py's
 # test_strict_site_build runs what `make docs` runs), not a second time before it.
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 4 --dist loadfile --no-loadscope-reorder --durations=25 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The inner loop while changing code: unit and fuzz tests only (CONTRIBUTING.md gives its time).
 .PHONY: test-fast
