@@ -1,6 +1,10 @@
-"""Shared pieces of the planner: its user error, unit constants and precision names."""
+"""Shared pieces of the planner: its user error, unit constants, precision names and a safe
+lookup into nested run records."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from hpcml.errors import HpcmlError
 
@@ -79,3 +83,14 @@ def human_seconds(s: float | None) -> str:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def get_path(d: Mapping[str, Any], *path: str, default: Any = None) -> Any:
+    """`d[path[0]][path[1]]...`, or `default` where a key is missing or a level is not a
+    mapping (summary.json and config.yaml blocks that older runs lack)."""
+    cur: Any = d
+    for p in path:
+        if not isinstance(cur, Mapping) or p not in cur:
+            return default
+        cur = cur[p]
+    return cur

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hpcml.plan.common import PlanError
+from hpcml.plan.common import PlanError, get_path
 from hpcml.plan.hardware import Catalog, Cluster, match_accelerator, resolve_cluster
 from hpcml.plan.memory import Layout, Training
 from hpcml.plan.run_shape import shape_from_run
@@ -47,15 +47,6 @@ class RunSetup:
     """where the run was trained (summary.json's run_dir: a copied folder keeps it)."""
     record_sha256: str = ""
     """sha256 of the run's measurements (summary.json's throughput and memory blocks)."""
-
-
-def _get(d: Mapping[str, Any], *path: str, default: Any = None) -> Any:
-    cur: Any = d
-    for p in path:
-        if not isinstance(cur, Mapping) or p not in cur:
-            return default
-        cur = cur[p]
-    return cur
 
 
 def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
@@ -105,8 +96,8 @@ def setup_from_summary(
         raise PlanError(f"{label}: summary.json 'config' is not a mapping; is it a hpcml run?")
     world = int(summary.get("world_size") or 1)
     device = summary.get("device") or {}
-    dev_type = str(_get(device, "type", default="cpu"))
-    dev_name = str(_get(device, "name", default=dev_type))
+    dev_type = str(get_path(device, "type", default="cpu"))
+    dev_name = str(get_path(device, "name", default=dev_type))
     acc_key = "cpu" if dev_type == "cpu" else None
     if acc_key is None:
         acc = match_accelerator(catalog, dev_name)
@@ -124,19 +115,19 @@ def setup_from_summary(
     precision = str(summary.get("precision") or config.get("precision") or "fp32")
     # hpcml train uses torch autocast for bf16/fp16: weights and gradients stay fp32.
     training_weights = "amp" if precision in ("bf16", "fp16") else "pure"
-    opt_name = str(_get(config, "optim", "name", default="adamw")).lower()
-    if opt_name == "sgd" and float(_get(config, "optim", "momentum", default=0.9) or 0) == 0:
+    opt_name = str(get_path(config, "optim", "name", default="adamw")).lower()
+    if opt_name == "sgd" and float(get_path(config, "optim", "momentum", default=0.9) or 0) == 0:
         opt_name = "sgd-nomomentum"
     training = Training(precision=precision, optimizer=opt_name, weights=training_weights)
 
-    strategy = str(_get(config, "parallel", "strategy", default="ddp")).lower()
+    strategy = str(get_path(config, "parallel", "strategy", default="ddp")).lower()
     if strategy not in _STRATEGY_ZERO:
         raise PlanError(
             f"{label}: parallel.strategy '{strategy}' is not one the planner maps; known are "
             f"{', '.join(_STRATEGY_ZERO)}."
         )
-    tp = int(_get(config, "parallel", "tp", default=1) or 1)
-    ac = str(_get(config, "train", "activation_checkpointing", default="none"))
+    tp = int(get_path(config, "parallel", "tp", default=1) or 1)
+    ac = str(get_path(config, "train", "activation_checkpointing", default="none"))
     model, shape_notes = shape_from_run(summary, config)
     if strategy == "zero2" and world // tp > 1:
         shape_notes.append(
@@ -144,36 +135,37 @@ def setup_from_summary(
             "steps, so model states are predicted as ZeRO-3; the whole model gathered during "
             "forward and backward is not in the prediction's buffers"
         )
-    decay = float(_get(config, "optim", "weight_decay", default=0.0) or 0.0)
+    decay = float(get_path(config, "optim", "weight_decay", default=0.0) or 0.0)
     if model.param_tensor_sizes and (
-        decay == 0 or bool(_get(config, "optim", "decay_norms_biases_embeddings", default=False))
+        decay == 0
+        or bool(get_path(config, "optim", "decay_norms_biases_embeddings", default=False))
     ):
         # hpcml.train.schedule.param_groups: one group unless some parameters are exempt from
         # weight decay; ZeroRedundancyOptimizer partitions group by group.
         one = tuple(n for group in model.param_tensor_sizes for n in group)
         model = replace(model, param_tensor_sizes=(one,))
     if ac == "selective":  # hpcml's older name of layer:K, K = train.ac_every
-        ac = f"layer:{int(_get(config, 'train', 'ac_every', default=2) or 2)}"
+        ac = f"layer:{int(get_path(config, 'train', 'ac_every', default=2) or 2)}"
     if not model.is_transformer and ac != "none":
         shape_notes.append(f"recomputation ({ac}) is planned for transformers only")
         ac = "none"
     layout = Layout(
         tp=tp,
-        sp=bool(_get(config, "parallel", "sequence_parallel", default=False)),
+        sp=bool(get_path(config, "parallel", "sequence_parallel", default=False)),
         zero=_STRATEGY_ZERO[strategy] if world // tp > 1 else 0,
-        micro_batch=int(_get(config, "data", "batch_size", default=1)),
-        grad_accum=int(_get(config, "train", "grad_accum", default=1)),
+        micro_batch=int(get_path(config, "data", "batch_size", default=1)),
+        grad_accum=int(get_path(config, "train", "grad_accum", default=1)),
         recompute=ac,
         vocab_parallel_loss=False,  # hpcml's gpt TP plan gathers whole logits
         sp_saves_gathered=True,  # and keeps gathered matmul inputs (torch DTensor SP)
         # hpcml's zero1 is torch's ZeroRedundancyOptimizer: whole tensors per rank. Measured on
         # mlp, the busiest rank held 1.84x the even split the planner used to predict.
         zero1_whole_tensors=strategy == "zero1",
-        accum_reduce=str(_get(config, "parallel", "accum_reduce", default="step")),
+        accum_reduce=str(get_path(config, "parallel", "accum_reduce", default="step")),
     )
 
-    step = _get(summary, "throughput", "step_time_s")
-    wait = _get(summary, "throughput", "data_wait_s")
+    step = get_path(summary, "throughput", "step_time_s")
+    wait = get_path(summary, "throughput", "data_wait_s")
     notes: list[str] = list(shape_notes)
     model, formula = _traced_activations(summary, model, layout.tp, notes)
     measured: float | None = None
@@ -206,7 +198,7 @@ def _traced_activations(
     """The run's model with the activations its own traced step measured (summary.json's
     `memory_trace`, one replica: not under tensor parallelism), and the formula path's shape
     beside it where the planner has one; the model unchanged without a trace."""
-    traced = _get(summary, "memory_trace", "activations_bytes_per_sample")
+    traced = get_path(summary, "memory_trace", "activations_bytes_per_sample")
     if traced is None or model.activations_traced or tp > 1:
         return model, None
     has_formula = model.is_transformer or model.activation_bytes_per_sample is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hpcml.plan.common import PlanError
+from hpcml.plan.common import PlanError, get_path
 from hpcml.plan.shapes import (
     CNN_TABLE_INPUT,
     ModelShape,
@@ -26,15 +26,6 @@ _DIM_KEYS = {
 }
 
 
-def _get(d: Mapping[str, Any], *path: str, default: Any = None) -> Any:
-    cur: Any = d
-    for p in path:
-        if not isinstance(cur, Mapping) or p not in cur:
-            return default
-        cur = cur[p]
-    return cur
-
-
 def shape_from_run(
     summary: Mapping[str, Any], config: Mapping[str, Any]
 ) -> tuple[ModelShape, list[str]]:
@@ -42,15 +33,17 @@ def shape_from_run(
     takes its numbers from the run, and the notes say so: a prediction that copies the
     measurement would agree with it by construction."""
     name = str(
-        _get(config, "model", "name", default=_get(summary, "model", "name", default="model"))
+        get_path(
+            config, "model", "name", default=get_path(summary, "model", "name", default="model")
+        )
     )
     args = dict(
-        _get(summary, "model", "args", default=None)
-        or _get(config, "model", "args", default=None)
+        get_path(summary, "model", "args", default=None)
+        or get_path(config, "model", "args", default=None)
         or {}
     )
-    params = _get(summary, "model", "parameters")
-    fwd = _get(summary, "model", "forward_flops_per_sample")
+    params = get_path(summary, "model", "parameters")
+    fwd = get_path(summary, "model", "forward_flops_per_sample")
     notes: list[str] = []
     input_shape = _run_input_shape(summary, config)
     try:
@@ -104,11 +97,11 @@ def shape_from_run(
 def _run_input_shape(summary: Mapping[str, Any], config: Mapping[str, Any]) -> Any:
     """One sample's input shape: recorded by hpcml train, or for older summaries of synthetic
     data, the configured shape; None when neither says."""
-    recorded = _get(summary, "model", "input_shape")
+    recorded = get_path(summary, "model", "input_shape")
     if recorded:
         return recorded
-    if _get(config, "data", "source") == "synthetic":
-        return _get(config, "data", "synthetic_shape")
+    if get_path(config, "data", "source") == "synthetic":
+        return get_path(config, "data", "synthetic_shape")
     return None
 
 
@@ -118,7 +111,7 @@ def _cnn_from_run(
     """A zoo CNN the table does not cover (another input size or class count): its parameter
     count and FLOPs are the run's own (counted by torch at set-up), its activations come from
     the run's traced step when the summary holds one, else they are not predicted."""
-    traced = _get(summary, "memory_trace", "activations_bytes_per_sample")
+    traced = get_path(summary, "memory_trace", "activations_bytes_per_sample")
     where = "x".join(str(d) for d in input_shape) if input_shape else "its input size"
     notes = [
         f"the planner's table holds {name} at {'x'.join(map(str, CNN_TABLE_INPUT))} with "
