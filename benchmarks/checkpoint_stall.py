@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,43 @@ def one_run(overrides: list[str], every: int) -> dict[str, Any]:
         "params": out["model"]["parameters"],
         "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+
+
+def mlp_overrides(hidden: int, depth: int, batch: int, steps: int) -> list[str]:
+    """The benchmark's run: the zoo MLP on synthetic data, a step record every step."""
+    return [
+        "model.name=mlp",
+        f"model.args={{hidden: {hidden}, depth: {depth}}}",
+        "data.source=synthetic",
+        "data.synthetic_samples=2048",
+        f"data.batch_size={batch}",
+        f"train.max_steps={steps}",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "train.keep_last=2",
+    ]
+
+
+def run_rounds(
+    overrides: list[str],
+    modes: list[str],
+    every: int,
+    rounds: int,
+    say: Callable[[int, str, dict[str, Any]], None] | None = None,
+) -> list[dict[str, dict[str, Any]]]:
+    """`rounds` rounds of a run without checkpoints (baseline) and one per mode, the order
+    rotated from round to round so that machine noise hits every mode alike."""
+    order = ["baseline", *modes]
+    out: list[dict[str, dict[str, Any]]] = []
+    for i in range(rounds):
+        this_round: dict[str, dict[str, Any]] = {}
+        for mode in order[i % len(order) :] + order[: i % len(order)]:
+            every_k = 0 if mode == "baseline" else every
+            this_round[mode] = one_run([*overrides, *MODES.get(mode, [])], every_k)
+            if say is not None:
+                say(i, mode, this_round[mode])
+        out.append(this_round)
+    return out
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -160,30 +198,15 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     args = ap.parse_args()
 
-    overrides = [
-        "model.name=mlp",
-        f"model.args={{hidden: {args.hidden}, depth: {args.depth}}}",
-        "data.source=synthetic",
-        "data.synthetic_samples=2048",
-        f"data.batch_size={args.batch}",
-        f"train.max_steps={args.steps}",
-        "train.eval_every=0",
-        "train.log_every=1",
-        "train.keep_last=2",
-    ]
-    order = ["baseline", *args.modes]
-    rounds: list[dict[str, dict[str, Any]]] = []
-    for i in range(args.rounds):
-        this_round: dict[str, dict[str, Any]] = {}
-        for mode in order[i % len(order) :] + order[: i % len(order)]:  # rotated each round
-            every = 0 if mode == "baseline" else args.every
-            this_round[mode] = one_run([*overrides, *MODES.get(mode, [])], every)
-            print(
-                f"round {i + 1} {mode:<13} loop {this_round[mode]['loop_s']:.2f} s "
-                f"(load {this_round[mode]['load_1m']})",
-                flush=True,
-            )
-        rounds.append(this_round)
+    overrides = mlp_overrides(args.hidden, args.depth, args.batch, args.steps)
+
+    def say(i: int, mode: str, run: dict[str, Any]) -> None:
+        print(
+            f"round {i + 1} {mode:<13} loop {run['loop_s']:.2f} s (load {run['load_1m']})",
+            flush=True,
+        )
+
+    rounds = run_rounds(overrides, args.modes, args.every, args.rounds, say)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     first = rounds[0][args.modes[0]]

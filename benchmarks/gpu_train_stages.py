@@ -297,32 +297,18 @@ def stage_checkpoint(work: Path, dev: torch.device, dry: bool) -> dict[str, Any]
     import checkpoint_stall as cs
 
     hidden, depth, steps, every = (64, 2, 6, 2) if dry else (4096, 4, 30, 10)
-    overrides = [
-        "model.name=mlp",
-        f"model.args={{hidden: {hidden}, depth: {depth}}}",
-        "data.source=synthetic",
-        "data.synthetic_samples=2048",
-        "data.batch_size=256",
-        f"train.max_steps={steps}",
-        "train.eval_every=0",
-        "train.log_every=1",
-        "train.keep_last=2",
-        f"train.device={dev.type}",
-    ]
+    overrides = [*cs.mlp_overrides(hidden, depth, 256, steps), f"train.device={dev.type}"]
     modes = ["sync", "async_nice0"]
-    order = ["baseline", *modes]
-    rounds = []
-    for i in range(1 if dry else 2):
-        this_round = {}
-        for mode in order[i % len(order) :] + order[: i % len(order)]:
-            every_k = 0 if mode == "baseline" else every
-            this_round[mode] = cs.one_run([*overrides, *cs.MODES.get(mode, [])], every_k)
-        rounds.append(this_round)
+    rounds = cs.run_rounds(overrides, modes, every, 1 if dry else 2)
     result = cs.summarize(rounds, modes)
     first = rounds[0]["sync"]
     result.update(
-        params=first["params"], checkpoint_bytes=first["checkpoint_bytes"], steps=steps,
-        every=every, rounds=len(rounds), runs=rounds,
+        params=first["params"],
+        checkpoint_bytes=first["checkpoint_bytes"],
+        steps=steps,
+        every=every,
+        rounds=len(rounds),
+        runs=rounds,
     )
     for mode, r in result["modes"].items():
         say(
