@@ -187,6 +187,20 @@ QUESTIONS: tuple[Question, ...] = (
         h.http_spread,
     ),
     Question(
+        "llm_serving_http_gpt2_small",
+        "LLM serving over HTTP at GPT-2 small (124M, bf16), continuous vs static batching, "
+        "tokens/s at equal p99 inter-token latency",
+        h.http,
+        h.http_spread,
+        Readme(
+            "`python benchmarks/llm_serving_http.py --n-layer 12 --d-model 768 --dtype bf16 "
+            "--threads 2 --rates ... --repeats 2 --itl-objectives 100 200 400` (two rate "
+            "ranges joined with `--merge`; the result has both commands)",
+            h.http_readme,
+            ("LLM serving", "guides/llm-serving.md"),
+        ),
+    ),
+    Question(
         "llm_step_profile_gpt2_small",
         "LLM engine steps at GPT-2 small, saturated: work of static vs continuous batching",
         h.step_profile,
@@ -268,6 +282,7 @@ ARCHIVE: dict[str, str] = {
     "llm_serving_http_both": "llm_serving_http_cpu",
     "tune_step_budget": "tune",
     "llm_step_profile": "llm_step_profile_gpt2_small",
+    "llm_step_profile_gpt2_small_loaded": "llm_step_profile_gpt2_small",
 }
 
 
