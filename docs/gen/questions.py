@@ -93,10 +93,8 @@ QUESTIONS: tuple[Question, ...] = (
             h.plan_readme,
             ("planning", "guides/planning.md"),
         ),
-        # The table re-predicts archived measurements (plan_check.py --replay): the result's
-        # own command names the archived file, which the summary must not link.
-        command="python benchmarks/plan_check.py --steps 16 --repeats 3 (measured 2026-11-26), "
-        "then --replay of that result (archived) with the current planner",
+        # The result's own command names the temporary folders it wrote to.
+        command="python benchmarks/plan_check.py --steps 16 --repeats 3",
     ),
     Question(
         "strategies_cpu",
@@ -275,6 +273,7 @@ ARCHIVE: dict[str, str] = {
     "plan_check_model_bf0e878": "plan_check",
     "plan_check_two_terms": "plan_check",
     "plan_check_measured_2026-11-26": "plan_check",
+    "plan_check_replayed_2026-11-27": "plan_check",
     "llm_serving_http_final": "llm_serving_http_cpu",
     "llm_serving_http_long_tailed": "llm_serving_http_cpu",
     "llm_serving_http_rate4": "llm_serving_http_cpu",
