@@ -31,8 +31,10 @@ def test_merge_joins_each_repetition_and_recomputes_the_ratio(tmp_path: Path) ->
     # Low rates: neither server saturated (equal throughput). High rates: continuous keeps up
     # (200 tok/s at 90 ms), static saturates at 80; a merge that kept one file's points only, or
     # paired repetition 0 of one with repetition 1 of the other, gives another ratio.
-    low = [{"continuous": [point(1, 50, 40)], "static": [point(1, 50, 40)]},
-           {"continuous": [point(1, 60, 40)], "static": [point(1, 60, 40)]}]
+    low = [
+        {"continuous": [point(1, 50, 40)], "static": [point(1, 50, 40)]},
+        {"continuous": [point(1, 60, 40)], "static": [point(1, 60, 40)]},
+    ]
     high = [{"continuous": [point(7, 200, 90)], "static": [point(7, 80, 60)]},
             {"continuous": [point(7, 150, 90)], "static": [point(7, 75, 60)]}]  # fmt: skip
     a, b = tmp_path / "a.json", tmp_path / "b.json"
