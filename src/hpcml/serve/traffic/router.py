@@ -27,6 +27,7 @@ from hpcml.serve.runtime.backends import Backend, make_backend
 from hpcml.serve.runtime.batcher import DynamicBatcher, InferResult
 from hpcml.serve.runtime.repository import ModelSource
 from hpcml.serve.traffic.drift import DriftMonitor
+from hpcml.track.audit import AuditLog
 from hpcml.serve.traffic.versions import (
     ModelVersion,
     NotFound,
@@ -80,6 +81,8 @@ class Router:
         """Model name -> readiness of another engine serving it (text generation), which the
         model's and the server's readiness include."""
         self._background_tasks: list[asyncio.Task[None]] = []
+        self.audit = AuditLog(config.audit_log).check("audit_log") if config.audit_log else None
+        """Where admin changes and alias-following deploys are recorded (`audit_log`)."""
         self.drift = DriftMonitor(config.drift, metrics)
         if config.drift.enabled:
             self.background.append(self.drift.run)
