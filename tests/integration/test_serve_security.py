@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,14 @@ def secured(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Secu
         yield Secured(url, f"127.0.0.1:{app.state.grpc_port}", pki, work / "audit.jsonl", mlp)
 
 
+def trusting(pki: Pki, with_client_cert: bool = False) -> ssl.SSLContext:
+    """A client context that trusts the test CA (and presents the client certificate)."""
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    if with_client_cert:
+        context.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    return context
+
+
 def x_of(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((2, 3, 32, 32)).astype(np.float32)
 
@@ -124,14 +133,14 @@ def http_infer(client: thttp.InferenceServerClient, x: np.ndarray, token: str) -
     inp = thttp.InferInput("input", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
     headers = {"Authorization": f"Bearer {TOKENS[token]}"}
-    return client.infer("digits", [inp], headers=headers).as_numpy("output")
+    return client.infer("digits", [inp], headers=headers).as_numpy("logits")
 
 
 def grpc_infer(client: tgrpc.InferenceServerClient, x: np.ndarray, token: str | None) -> np.ndarray:
     inp = tgrpc.InferInput("input", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
     headers = {"authorization": f"Bearer {TOKENS[token]}"} if token else None
-    return client.infer("digits", [inp], headers=headers).as_numpy("output")
+    return client.infer("digits", [inp], headers=headers).as_numpy("logits")
 
 
 def test_tls_clients_with_the_ca_connect_and_without_it_fail(secured: Secured) -> None:
@@ -152,11 +161,14 @@ def test_tls_clients_with_the_ca_connect_and_without_it_fail(secured: Secured) -
         grpc_infer(plain, x, "app")
 
     # The openai client sends its api_key as the bearer token.
-    with httpx.Client(verify=ca) as transport:
+    with httpx.Client(verify=trusting(s.pki)) as transport:
         llm = openai.OpenAI(base_url=f"{s.url}/v1", api_key=TOKENS["app"], max_retries=0,
                             http_client=transport)  # fmt: skip
         done = llm.completions.create(model="tiny", prompt="ab", max_tokens=3, temperature=0)
         assert done.usage is not None and done.usage.completion_tokens == 3
+        stranger = llm.with_options(api_key="tok-nobody-knows-this-2")
+        with pytest.raises(openai.AuthenticationError, match="sent an unknown token"):
+            stranger.completions.create(model="tiny", prompt="ab", max_tokens=3)
     with httpx.Client() as transport:
         llm = openai.OpenAI(base_url=f"{s.url}/v1", api_key=TOKENS["app"], max_retries=0,
                             http_client=transport)  # fmt: skip
@@ -173,7 +185,7 @@ def test_roles_scopes_and_rate_limits_over_http_never_log_a_token(
                         "data": x_of(1)[:1].ravel().tolist()}]}  # fmt: skip
     infer = "/v2/models/digits/infer"
     answers = []
-    with httpx.Client(base_url=s.url, verify=str(s.pki.ca)) as c:
+    with httpx.Client(base_url=s.url, verify=trusting(s.pki)) as c:
 
         def call(method: str, path: str, who: str | None, **kw: object) -> httpx.Response:
             headers = bearer(who) if who in TOKENS else {}
@@ -218,7 +230,8 @@ def test_roles_scopes_and_rate_limits_over_http_never_log_a_token(
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert "over its rate limit of 0.01 requests/s" in r.json()["error"]
         metrics = call("GET", "/metrics", "ops").text
-    assert 'hpcml_requests_total{model="digits",version="",protocol="http",code="401"} 2.0' in metrics
+    refused = 'hpcml_requests_total{model="digits",version="",protocol="http",code="401"} 2.0'
+    assert refused in metrics
     seen = caplog.text + "".join(answers)
     for token in [*TOKENS.values(), "tok-nobody-knows-this-1"]:
         assert token not in seen
@@ -239,11 +252,15 @@ def test_roles_over_grpc(secured: Secured) -> None:
     with pytest.raises(InferenceServerException, match="PERMISSION_DENIED.*needs the read role"):
         client.get_inference_statistics("digits", headers=scoped)  # Triton's extension: read
     assert client.is_server_live()  # probes stay open
+    with httpx.Client(verify=trusting(s.pki), headers=bearer("dash")) as c:
+        metrics = c.get(f"{s.url}/metrics").text
+    for code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):  # refused inference is counted
+        assert f'{{model="digits",version="",protocol="grpc",code="{code}"}} 1.0' in metrics
 
 
 def test_admin_changes_are_audited_under_the_token_name(secured: Secured, tmp_path: Path) -> None:
     s = secured
-    with httpx.Client(base_url=s.url, verify=str(s.pki.ca), headers=bearer("ops")) as c:
+    with httpx.Client(base_url=s.url, verify=trusting(s.pki), headers=bearer("ops")) as c:
         r = c.post("/admin/models/digits/traffic",
                    json={"weights": {"1": 1}, "reason": "pin version 1 for the audit"})  # fmt: skip
         assert r.status_code == 200
@@ -277,8 +294,10 @@ def test_mutual_tls_refuses_clients_without_a_certificate(tmp_path: Path, pki: P
     x = x_of(3)
     with running_server(app) as url:
         s = Secured(url, f"127.0.0.1:{app.state.grpc_port}", pki, tmp_path / "none", mlp)
-        with httpx.Client(verify=str(pki.ca)) as c, pytest.raises(httpx.TransportError):
+        with httpx.Client(verify=trusting(pki)) as c, pytest.raises(httpx.TransportError):
             c.get(f"{url}/v2/health/ready")
+        with httpx.Client(verify=trusting(pki, with_client_cert=True)) as c:
+            assert c.get(f"{url}/v2/health/ready").status_code == 200
         client = triton_http(s, ca_certs=str(pki.ca), certfile=str(pki.client_cert),
                              keyfile=str(pki.client_key))  # fmt: skip
         np.testing.assert_allclose(http_infer(client, x, "app"), s.expected(x), **TOL)
@@ -297,10 +316,10 @@ def test_training_metrics_endpoint_speaks_tls(tmp_path: Path, pki: Pki) -> None:
     exporter = TrainExporter(0, "127.0.0.1", tmp_path / "run", 0, 0, tls=tls)
     try:
         url = f"https://127.0.0.1:{exporter.port}{exporter.metrics_path}"
-        with httpx.Client(verify=str(pki.ca), cert=(str(pki.client_cert), str(pki.client_key))) as c:
+        with httpx.Client(verify=trusting(pki, with_client_cert=True)) as c:
             scrape = c.get(url)
         assert scrape.status_code == 200 and "hpcml_train_step_seconds" in scrape.text
-        with httpx.Client(verify=str(pki.ca)) as c, pytest.raises(httpx.TransportError):
+        with httpx.Client(verify=trusting(pki)) as c, pytest.raises(httpx.TransportError):
             c.get(url)  # no client certificate
         with pytest.raises(httpx.TransportError):
             httpx.get(url.replace("https:", "http:"))  # plain HTTP

@@ -334,7 +334,8 @@ def test_alias_moves_record_who_when_and_why(
 
     def moved(version: int) -> dict[str, str]:
         tags = client.get_model_version("who", str(version)).tags
-        return {k.rsplit(".", 1)[1]: v for k, v in tags.items() if k.startswith("hpcml.alias.production.")}
+        prefix = "hpcml.alias.production."
+        return {k.removeprefix(prefix): v for k, v in tags.items() if k.startswith(prefix)}
 
     assert moved(2)["moved_by"] == os_user()
     assert moved(2)["reason"] == (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,14 @@ from tests import forked
 from tests.conftest import run_hpcml
 
 from hpcml.errors import ConfigError
-from hpcml.serve.tokens import Authorizer, Refusal, load_tokens, model_in_path, required_role
+from hpcml.serve.tokens import (
+    BODY,
+    Authorizer,
+    Refusal,
+    load_tokens,
+    model_in_path,
+    required_role,
+)
 from hpcml.track.audit import AuditLog, verify
 
 
@@ -52,6 +60,7 @@ def test_models_named_by_paths() -> None:
     assert model_in_path("/admin/models/digits/traffic") == "digits"
     assert model_in_path("/v2/models/stats") is None  # every model's statistics
     assert model_in_path("/metrics") is None
+    assert model_in_path("/v1/chat/completions") is BODY  # the handler checks the body's model
 
 
 def _file(tmp_path: Path, entries: list[dict[str, object]]) -> Path:
@@ -88,6 +97,7 @@ def test_the_authorizer_decides_by_role_scope_and_rate(tmp_path: Path) -> None:
     assert status("dash", "admin_read") == "dash" and status("app", "admin_read") == 403
     assert status("scoped", "infer") == "scoped" and status("scoped", "infer", "tiny") == 403
     assert status("scoped", "read", None) == 403 and status("scoped", "meta", None) == "scoped"
+    assert status("scoped", "infer", BODY) == "scoped"  # /v1/completions: checked on its body
     assert status(None, "open") == "anonymous"
     assert [status("slow", "infer") for _ in range(3)] == ["slow", 429, 429]
 
@@ -151,7 +161,8 @@ def test_concurrent_appenders_keep_one_chain(tmp_path: Path) -> None:
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["seq"] for r in records] == list(range(1, 161))
     for w in range(4):  # each writer's records, all there, in its own order
-        assert [r["details"]["n"] for r in records if r["actor"] == f"writer-{w}"] == list(range(40))
+        mine = [r["details"]["n"] for r in records if r["actor"] == f"writer-{w}"]
+        assert mine == list(range(40))
 
 
 def _chain(path: Path, n: int = 5) -> list[str]:
@@ -171,7 +182,9 @@ def _chain(path: Path, n: int = 5) -> list[str]:
         (lambda ls: [*ls[:4], ls[4][:30] + "\n"], 5, "not a JSON record"),
     ],
 )
-def test_verify_names_the_first_broken_line(tmp_path: Path, tamper, line: int, problem: str) -> None:  # type: ignore[no-untyped-def]
+def test_verify_names_the_first_broken_line(
+    tmp_path: Path, tamper: Callable[[list[str]], list[str]], line: int, problem: str
+) -> None:
     path = tmp_path / "audit.jsonl"
     lines = _chain(path)
     assert verify(path).intact and verify(path).records == 5

@@ -156,7 +156,7 @@ def serve(
 
 
 def _tls_section(
-    cert: Path | None, key: Path | None, client_ca: Path | None, from_file: dict | None
+    cert: Path | None, key: Path | None, client_ca: Path | None, from_file: dict[str, Any] | None
 ) -> dict[str, Any]:
     """The `tls` section from the options over the config file's: a certificate and its key
     come together."""

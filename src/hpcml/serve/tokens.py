@@ -48,6 +48,7 @@ _INFER_POST = re.compile(
 )
 _META_GET = re.compile(r"/v2|/v2/models/[^/]+(/versions/[^/]+)?(/ready)?|/v1/models")
 _MODEL_IN_PATH = re.compile(r"/(?:v2|admin)/models/(?P<name>[^/]+)")
+_MODEL_IN_BODY = re.compile(r"/v1/(chat/)?completions")
 _NOT_MODEL_NAMES = {"stats"}  # /v2/models/stats covers every model
 
 
@@ -64,8 +65,15 @@ def required_role(method: str, path: str) -> Need:
     return "read"
 
 
+BODY = "<named in the body>"
+"""`model_in_path` of the OpenAI endpoints: their handlers check the scope (`forbidden_model`)."""
+
+
 def model_in_path(path: str) -> str | None:
-    """The model an HTTP path names, or None for a path about every model (or none)."""
+    """The model an HTTP path names, `BODY` where the body names it, or None for a path about
+    every model (or none)."""
+    if _MODEL_IN_BODY.fullmatch(path):
+        return BODY
     found = _MODEL_IN_PATH.match(path)
     if found is None or found["name"] in _NOT_MODEL_NAMES:
         return None
@@ -242,7 +250,7 @@ class Authorizer:
             role = {"meta": "infer or read", "admin_read": "read"}.get(need, need)
             raise Refusal(403, f"token {principal.name!r} (roles {sorted(principal.roles)}) may "
                           f"not {what}: it needs the {role} role.")  # fmt: skip
-        if not principal.may_use(model, need):
+        if model is not BODY and not principal.may_use(model, need):
             subject = f"model {model!r}" if model else "every model at once"
             raise Refusal(403, f"token {principal.name!r} is limited to models "
                           f"{sorted(principal.models or ())} and may not {what}, which touches "

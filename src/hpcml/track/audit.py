@@ -113,7 +113,10 @@ class AuditLog:
             }
             record["hash"] = _digest(record)
             line = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-            os.write(fd, line.encode() + b"\n")
+            end = os.lseek(fd, 0, os.SEEK_END)
+            # A line cut short by a crash stays a line of its own (which `verify` names).
+            start = b"\n" if end and os.pread(fd, 1, end - 1) != b"\n" else b""
+            os.write(fd, start + line.encode() + b"\n")
             os.fsync(fd)
         finally:
             os.close(fd)  # releases the lock

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from hpcml.config import TrackingConfig
 from hpcml.errors import HpcmlError
 from hpcml.records import RUN_LOG, SUMMARY, read_run_log, read_summary
+from hpcml.track.audit import Attribution
 from hpcml.track.mlflow import (
     EXPORT_DIR,
     MlflowTracker,
     numeric_items,
     read_tracking_state,
 )
-from hpcml.track.audit import Attribution
 from hpcml.track.mlmodel import export_sha256, log_mlmodel
 from hpcml.track.moves import move_alias
 from hpcml.track.provenance import to_tags

@@ -2,10 +2,11 @@
 
 `create_app` wires a `Router` into a FastAPI app whose lifespan loads the models, starts the
 gRPC endpoint when `grpc_port` is set (`grpc`) and, on shutdown, drains the batchers after
-uvicorn has let in-flight requests finish. The token gate (`gate`, roles of `tokens`) answers first; the admin
-endpoints live in `admin`; `tls_options` gives uvicorn the certificate of `tls`. Every error is `{"error": "..."}` as the protocol
-asks. Inference bodies (JSON or binary tensor data) are read as bytes and parsed by `protocol`
-(no per-request pydantic validation: tensors can hold thousands of numbers).
+uvicorn has let in-flight requests finish. The token gate (`gate`, with the roles of
+`hpcml.serve.tokens`) answers first; the admin endpoints live in `admin`; `tls_options` hands
+uvicorn the certificate of `tls`. Every error is `{"error": "..."}` as the protocol asks.
+Inference bodies (JSON or binary tensor data) are read as bytes and parsed by `protocol` (no
+per-request pydantic validation: tensors can hold thousands of numbers).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from hpcml.serve.protocol.inference import (
     run_infer,
 )
 from hpcml.serve.protocol.triton_config import add_triton_routes
+from hpcml.serve.tokens import Authorizer, load_tokens
 from hpcml.serve.traffic.drift import add_drift_routes
 from hpcml.serve.traffic.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
-from hpcml.serve.tokens import Authorizer, load_tokens
 from hpcml.serve.traffic.router import Router
 from hpcml.serve.traffic.versions import NotFound
 

@@ -8,6 +8,7 @@ handlers that name it (the audit log) or check a model named in the body (/v1/co
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -54,12 +55,19 @@ class TokenGate:
 
     @staticmethod
     async def refuse(refusal: Refusal, scope: Any, send: Any) -> None:
+        """The refusal in the error form of the endpoint's protocol: OpenAI's under /v1/,
+        the Open Inference Protocol's elsewhere."""
         headers = [(b"content-type", b"application/json")]
         if refusal.status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
         if refusal.retry_after_s is not None:
             headers.append((b"retry-after", str(math.ceil(refusal.retry_after_s)).encode()))
-        body = oip.error_body(refusal.message)
+        if scope["path"].startswith("/v1/"):
+            error = {"message": refusal.message, "type": "invalid_request_error",
+                     "param": None, "code": None}  # fmt: skip
+            body = json.dumps({"error": error}).encode()
+        else:
+            body = oip.error_body(refusal.message)
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

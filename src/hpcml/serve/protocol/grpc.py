@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -59,7 +60,7 @@ from hpcml.serve.protocol.inference import (
     run_infer,
 )
 from hpcml.serve.protocol.triton_grpc import SERVICE, triton_handlers
-from hpcml.serve.tokens import GRPC_NEEDS, Authorizer, Refusal, bearer
+from hpcml.serve.tokens import GRPC_NEEDS, Authorizer, Need, Refusal, bearer
 from hpcml.serve.traffic.router import Router
 from hpcml.serve.traffic.versions import NotFound
 
@@ -255,20 +256,28 @@ _REFUSAL_CODES = {
 }
 
 
-async def check_caller(authorizer: Authorizer, method: str, request: Any, context: Any) -> None:
+async def check_caller(
+    authorizer: Authorizer,
+    method: str,
+    request: Any,
+    context: Any,
+    on_refused: Callable[[str, str | None, str], None],
+) -> None:
     """The token gate of gRPC: `authorization: Bearer <token>` metadata, the role the method
-    needs and the model the request names; a refusal aborts the call in one sentence."""
+    needs and the model the request names; a refusal (`on_refused(method, model, code)`)
+    aborts the call in one sentence."""
     token = bearer(_metadata(context).get("authorization"))
     model = getattr(request, "model_name", None) or getattr(request, "name", None) or None
+    need: Need = GRPC_NEEDS[method] if method in GRPC_NEEDS else "read"
     try:
-        authorizer.check(token, GRPC_NEEDS.get(method, "read"), model, f"call {method}")
+        authorizer.check(token, need, model, f"call {method}")
     except Refusal as refusal:
+        code = _REFUSAL_CODES[refusal.status]
+        on_refused(method, model, code.name)
         pushback = ()
         if refusal.retry_after_s is not None:
             pushback = (("grpc-retry-pushback-ms", str(int(refusal.retry_after_s * 1000))),)
-        await context.abort(
-            _REFUSAL_CODES[refusal.status], refusal.message, trailing_metadata=pushback
-        )
+        await context.abort(code, refusal.message, trailing_metadata=pushback)
 
 
 class _CheckedRegistrar:
@@ -277,8 +286,10 @@ class _CheckedRegistrar:
     message INVALID_ARGUMENT (grpcio alone answers INTERNAL/UNKNOWN with a Python class name),
     and asks the token gate (`check_caller`) before it runs."""
 
-    def __init__(self, server: Any, on_malformed: Any, authorizer: Authorizer) -> None:
-        self.server, self.on_malformed, self.authorizer = server, on_malformed, authorizer
+    def __init__(
+        self, server: Any, on_malformed: Any, gate: Callable[[str, Any, Any], Awaitable[None]]
+    ) -> None:
+        self.server, self.on_malformed, self.gate = server, on_malformed, gate
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         pass  # the same handlers arrive, checked, through add_registered_method_handlers
@@ -311,7 +322,7 @@ class _CheckedRegistrar:
                     f"the {method} request is not a valid protobuf message of its type "
                     "(inference.GRPCInferenceService); send one built from the service's proto.",
                 )
-            await check_caller(self.authorizer, method, request, context)
+            await self.gate(method, request, context)
             return await behavior(request, context)
 
         return handler._replace(request_deserializer=deserialize, unary_unary=answer)
@@ -398,7 +409,16 @@ async def start_grpc_server(
         if method == "ModelInfer":  # counted like every other inference answer
             metrics.requests.labels("", "", "grpc", "INVALID_ARGUMENT").inc()
 
-    registrar = _CheckedRegistrar(server, malformed, authorizer)
+    def refused(method: str, model: str | None, code: str) -> None:
+        if method == "ModelInfer":  # counted like every other inference answer
+            known = model if model in router.models else ""
+            metrics.requests.labels(known, "", "grpc", code).inc()
+
+    async def gate(method: str, request: Any, context: Any) -> None:
+        if authorizer.tokens_file:  # without one, no gRPC method asks for a token
+            await check_caller(authorizer, method, request, context, refused)
+
+    registrar = _CheckedRegistrar(server, malformed, gate)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceServicer(router, config, metrics), registrar
     )

@@ -27,7 +27,6 @@ from hpcml.serve.runtime.backends import Backend, make_backend
 from hpcml.serve.runtime.batcher import DynamicBatcher, InferResult
 from hpcml.serve.runtime.repository import ModelSource
 from hpcml.serve.traffic.drift import DriftMonitor
-from hpcml.track.audit import AuditLog
 from hpcml.serve.traffic.versions import (
     ModelVersion,
     NotFound,
@@ -37,6 +36,7 @@ from hpcml.serve.traffic.versions import (
     TrafficPolicy,
     check_policy,
 )
+from hpcml.track.audit import AuditLog
 
 
 def worker_restarts_counter(metrics: ServeMetrics) -> Any:
