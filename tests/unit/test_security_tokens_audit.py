@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tests import forked
 from tests.conftest import run_hpcml
 
 from hpcml.errors import ConfigError
@@ -149,7 +149,8 @@ def _append_many(path: str, writer: int, count: int) -> None:
 
 def test_concurrent_appenders_keep_one_chain(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    ctx = forked.server_context()
+    # Forked from this process: the writers need nothing but the standard library.
+    ctx = multiprocessing.get_context("fork")
     writers = [ctx.Process(target=_append_many, args=(str(path), w, 40)) for w in range(4)]
     for p in writers:
         p.start()
