@@ -268,13 +268,13 @@ async def check_caller(
     aborts the call in one sentence."""
     token = bearer(_metadata(context).get("authorization"))
     model = getattr(request, "model_name", None) or getattr(request, "name", None) or None
-    need: Need = GRPC_NEEDS[method] if method in GRPC_NEEDS else "read"
+    need: Need = GRPC_NEEDS.get(method, "read")
     try:
         authorizer.check(token, need, model, f"call {method}")
     except Refusal as refusal:
         code = _REFUSAL_CODES[refusal.status]
         on_refused(method, model, code.name)
-        pushback = ()
+        pushback: tuple[tuple[str, str], ...] = ()
         if refusal.retry_after_s is not None:
             pushback = (("grpc-retry-pushback-ms", str(int(refusal.retry_after_s * 1000))),)
         await context.abort(code, refusal.message, trailing_metadata=pushback)
