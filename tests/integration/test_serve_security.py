@@ -148,8 +148,9 @@ def grpc_infer(client: tgrpc.InferenceServerClient, x: np.ndarray, token: str | 
 def test_tls_clients_with_the_ca_connect_and_without_it_fail(secured: Secured) -> None:
     s, x = secured, x_of(0)
     ca = str(s.pki.ca)
-    out = http_infer(triton_http(s, ca_certs=ca), x, "app")
-    np.testing.assert_allclose(out, s.expected(x), **TOL)
+    trusting_http = triton_http(s, ca_certs=ca)
+    np.testing.assert_allclose(http_infer(trusting_http, x, "app"), s.expected(x), **TOL)
+    trusting_http.close()  # a kept-alive connection would hold the server's shutdown
     with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):  # the system's CAs only
         http_infer(triton_http(s), x, "app")
 
@@ -302,6 +303,7 @@ def test_mutual_tls_refuses_clients_without_a_certificate(tmp_path: Path, pki: P
         client = triton_http(s, ca_certs=str(pki.ca), certfile=str(pki.client_cert),
                              keyfile=str(pki.client_key))  # fmt: skip
         np.testing.assert_allclose(http_infer(client, x, "app"), s.expected(x), **TOL)
+        client.close()  # a kept-alive connection would hold the server's shutdown 30 s
         anonymous = tgrpc.InferenceServerClient(s.grpc, ssl=True, root_certificates=str(pki.ca))
         with pytest.raises(InferenceServerException, match="UNAVAILABLE"):
             grpc_infer(anonymous, x, None)
