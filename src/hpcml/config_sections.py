@@ -18,6 +18,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+class TlsConfig(_Section):
+    """TLS for an endpoint: PEM files read when it starts (`hpcml.observe.tls`)."""
+
+    cert: str
+    """Certificate chain (PEM) the endpoint presents, leaf first."""
+    key: str
+    """Private key (PEM, unencrypted) of that certificate."""
+    client_ca: str | None = None
+    """CA bundle (PEM) that client certificates must chain to: mutual TLS, and a client
+    without such a certificate is refused in the handshake. null: any client may connect."""
+
+
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
 
 
@@ -120,6 +132,10 @@ class ObserveConfig(_Section):
     RUN_DIR/prometheus."""
     metrics_address: str = "0.0.0.0"
     """Address the `/metrics` endpoints bind to (127.0.0.1 keeps them on this machine)."""
+    tls: TlsConfig | None = None
+    """Serve the ranks' `/metrics` over HTTPS with this certificate (and, with `client_ca`,
+    only to clients with a certificate that CA signed); the targets then say `https`. null:
+    plain HTTP."""
     tracing: bool = False
     """OpenTelemetry spans for every step and its phases, evaluation and checkpoints, exported
     by OTLP/HTTP to $OTEL_EXPORTER_OTLP_ENDPOINT (pip install opentelemetry-exporter-otlp-proto-http);

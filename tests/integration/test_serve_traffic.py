@@ -257,18 +257,23 @@ def test_weights_whose_sum_overflows_are_normalised_and_requests_keep_flowing(
     assert versions == {"1", "2"}
 
 
-def test_an_unexpected_error_in_an_admin_route_answers_json(tmp_path: Path) -> None:
+def test_an_unexpected_error_in_an_admin_route_answers_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A route that fails as a bug would (the admin endpoints on main answered a plain-text
     # "Internal Server Error" when a NaN policy made the status unserialisable).
     _versions(tmp_path / "repo")
-    cfg = ServeConfig.model_validate({"defaults": {"isolation": "thread"}})
+    monkeypatch.setenv("HPCML_TEST_ADMIN_TOKEN", TOKEN)  # every /admin path asks for it
+    cfg = ServeConfig.model_validate(
+        {"admin_token_env": "HPCML_TEST_ADMIN_TOKEN", "defaults": {"isolation": "thread"}}
+    )
     app = build_app(tmp_path / "repo", cfg, seed=0)
 
     async def broken() -> None:
         raise ValueError("Out of range float values are not JSON compliant")
 
     app.add_api_route("/admin/broken", broken)
-    with running_server(app) as url, httpx.Client(base_url=url) as c:
+    with running_server(app) as url, httpx.Client(base_url=url, headers=AUTH) as c:
         r = c.get("/admin/broken")
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert r.json() == {"error": "internal error (ValueError); see the server log."}

@@ -308,3 +308,45 @@ def test_cli_register_list_and_gate_exit_codes(
     assert "no registered model named 'nope'" in err and "Traceback" not in err
     code, _, err = cli(monkeypatch, capsys, "registry", "promote", "cli")
     assert code == 2 and "--version V" in err
+
+
+def test_alias_moves_record_who_when_and_why(
+    store: str, client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from hpcml.track.audit import Attribution, AuditLog, os_user, verify
+    from hpcml.track.registry import roll_back_alias
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    audit = tmp_path / "audit.jsonl"
+    monkeypatch.setenv("HPCML_AUDIT_LOG", str(audit))  # the CLI's default --audit-log
+    for d, acc in (("a", 0.6), ("b", 0.7)):
+        make_run(tmp_path / d, acc, 1 - acc)
+        register_run(tmp_path / d, "who", tracking_uri=store)
+    code, _, err = cli(monkeypatch, capsys, "registry", "promote", "who", "--version", "1",
+                       "--to", "production", "--reason", "first release")  # fmt: skip
+    assert code == 0, err
+    code, _, err = cli(monkeypatch, capsys, "registry", "promote", "who", "--if-better",
+                       "val_accuracy", "--reason", "nightly gate")  # fmt: skip
+    assert code == 0, err
+    by = Attribution("canary-bot", "p99 over its SLO", AuditLog(audit))
+    assert roll_back_alias("who", "production", 2, 1, store, by)
+
+    def moved(version: int) -> dict[str, str]:
+        tags = client.get_model_version("who", str(version)).tags
+        prefix = "hpcml.alias.production."
+        return {k.removeprefix(prefix): v for k, v in tags.items() if k.startswith(prefix)}
+
+    assert moved(2)["moved_by"] == os_user()
+    assert moved(2)["reason"] == (
+        "nightly gate; gate: val_accuracy 0.7 > 0.6 (version 1)"
+    )
+    assert (moved(1)["moved_by"], moved(1)["reason"]) == ("canary-bot", "p99 over its SLO")
+    assert moved(1)["moved_at"].endswith("Z")
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [(r["actor"], r["action"], r["target"], r["details"]["version"]) for r in records] == [
+        (os_user(), "registry.promote", "models:/who@production", "1"),
+        (os_user(), "registry.promote", "models:/who@production", "2"),
+        ("canary-bot", "canary.rollback", "models:/who@production", "1"),
+    ]
+    assert records[1]["details"]["previous"] == "1" and verify(audit).intact

@@ -12,6 +12,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from hpcml.cli import audit as audit_cli
 from hpcml.cli import data as data_cli
 from hpcml.cli import launch as launch_cli
 from hpcml.cli import launch_k8s as launch_k8s_cli
@@ -125,6 +126,7 @@ app.add_typer(registry_cli.app, name="registry")
 launch_k8s_cli.register(launch_cli.app)
 app.add_typer(launch_cli.app, name="launch")
 app.add_typer(observe_cli.app, name="observe")
+app.add_typer(audit_cli.app, name="audit")
 serve_cli.register(app)
 app.command("report", help=report_cli.report.__doc__)(report_cli.report)
 app.command("profile", help=profile_cli.profile.__doc__)(profile_cli.profile)

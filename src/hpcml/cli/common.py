@@ -28,3 +28,25 @@ def fail(message: str, exit_code: int = 2) -> None:
         if note is not None:
             err_console.print(note, highlight=False, soft_wrap=True)
     raise SystemExit(exit_code)
+
+
+AUDIT_LOG_ENV = "HPCML_AUDIT_LOG"
+
+
+def reason_option() -> Any:
+    import typer
+
+    return typer.Option(
+        "", "--reason", help="Why: kept with the move in the registry's tags and the audit log."
+    )
+
+
+def audit_log_option() -> Any:
+    import typer
+
+    return typer.Option(
+        None,
+        "--audit-log",
+        envvar=AUDIT_LOG_ENV,
+        help=f"Append a record of the move to this hash-chained audit log (default ${AUDIT_LOG_ENV}).",
+    )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from hpcml.cli.common import console, print_json
+from hpcml.cli.common import audit_log_option, console, print_json, reason_option
 
 
 def promote(
@@ -50,6 +50,8 @@ def promote(
         help="Let exports whose model.json names an import path (pkg.mod:build) run that code, "
         "to score, smoke-test and serve them; only for models from people you trust.",
     ),
+    reason: str = reason_option(),
+    audit_log: Path | None = audit_log_option(),
 ) -> None:
     """Evaluate the candidate and the version behind the alias on the same held-out set, decide
     with a paired test (bootstrap; McNemar for accuracy), check the gates (smoke inference,
@@ -58,14 +60,16 @@ def promote(
     Exit codes: 0 promoted, 3 not promoted (not better, or a gate failed), 2 bad input."""
     from hpcml.deploy.promote import Gates, promote_run
     from hpcml.errors import ConfigError
+    from hpcml.track.audit import Attribution
     from hpcml.track.registry import EXIT_NOT_PROMOTED
 
     if latency_rate <= 0 or latency_duration <= 0:
         raise ConfigError("--latency-rate and --latency-duration must be above 0.")
+    by = Attribution.local(reason, audit_log)  # a bad --audit-log before any evaluation
     gates = Gates(max_size_mb, latency_budget_ms, latency_rate, latency_duration)
     outcome = promote_run(
         run_dir, model, alias, metric, min_gain, confidence, eval_config, gates, tracking_uri,
-        trust_code,
+        trust_code, by,
     )  # fmt: skip
     if json_out:
         print_json(outcome.to_dict())

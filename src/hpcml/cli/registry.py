@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from hpcml.cli.common import console, print_json
+from hpcml.cli.common import audit_log_option, console, print_json, reason_option
 
 app = typer.Typer(
     help=(
@@ -87,12 +87,16 @@ def register_cmd(
     description: str | None = typer.Option(None, "--description", help="Version description."),
     tracking_uri: str | None = _uri_option(),
     json_out: bool = _json_option(),
+    reason: str = reason_option(),
+    audit_log: Path | None = audit_log_option(),
 ) -> None:
     """Register a run's export as a new model version."""
+    from hpcml.track.audit import Attribution
     from hpcml.track.registry import register_run
 
+    by = Attribution.local(reason, audit_log) if alias is not None else None
     info = register_run(
-        run_dir, name, tracking_uri=tracking_uri, alias=alias, description=description
+        run_dir, name, tracking_uri=tracking_uri, alias=alias, description=description, by=by
     )
     if json_out:
         print_json(info)
@@ -151,8 +155,11 @@ def promote_cmd(
     ),
     tracking_uri: str | None = _uri_option(),
     json_out: bool = _json_option(),
+    reason: str = reason_option(),
+    audit_log: Path | None = audit_log_option(),
 ) -> None:
     """Move an alias, explicitly or through the metric gate."""
+    from hpcml.track.audit import Attribution
     from hpcml.track.registry import (
         EXIT_NOT_PROMOTED,
         RegistryError,
@@ -162,12 +169,13 @@ def promote_cmd(
 
     if mode is not None and mode not in ("max", "min"):
         raise RegistryError(f"--mode {mode!r} is not allowed; use max or min.")
+    by = Attribution.local(reason, audit_log)
     if if_better is None:
         if version is None:
             raise RegistryError(
                 "promote needs --version V (explicit promotion) or --if-better METRIC (the gate)."
             )
-        info = promote(name, version, alias=to, tracking_uri=tracking_uri)
+        info = promote(name, version, alias=to, tracking_uri=tracking_uri, by=by)
         if json_out:
             print_json({"promoted": True, **info})
             return
@@ -181,6 +189,7 @@ def promote_cmd(
         mode=mode,  # type: ignore[arg-type]
         min_delta=min_delta,
         tracking_uri=tracking_uri,
+        by=by,
     )
     if json_out:
         print_json(decision.to_dict())

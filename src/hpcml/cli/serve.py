@@ -51,6 +51,29 @@ def serve(
         "--admin-token-env",
         help="Environment variable holding the admin bearer token (admin endpoints are off without it).",
     ),
+    tokens: Path | None = typer.Option(
+        None,
+        "--tokens",
+        help="Tokens file (YAML/JSON: sha256-hashed bearer tokens with roles infer/read/admin, "
+        "model scopes, rate limits); every endpoint but health then needs a token.",
+    ),
+    tls_cert: Path | None = typer.Option(
+        None, "--tls-cert", help="Serve HTTPS and gRPC over TLS with this certificate (PEM)."
+    ),
+    tls_key: Path | None = typer.Option(
+        None, "--tls-key", help="The private key (PEM) of --tls-cert."
+    ),
+    tls_client_ca: Path | None = typer.Option(
+        None,
+        "--tls-client-ca",
+        help="Mutual TLS: refuse clients without a certificate this CA bundle (PEM) signed.",
+    ),
+    audit_log: Path | None = typer.Option(
+        None,
+        "--audit-log",
+        help="Append admin changes and alias-following deploys to this hash-chained JSON-lines "
+        "file (check it with hpcml audit verify).",
+    ),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
     json_out: bool = typer.Option(False, "--json", help="Print the startup summary as JSON."),
     trust_code: bool = typer.Option(
@@ -92,9 +115,13 @@ def serve(
         ("port", port),
         ("grpc_port", grpc_port),
         ("admin_token_env", admin_token_env),
+        ("tokens_file", tokens),
+        ("audit_log", audit_log),
     ):
         if value is not None:
-            data[key] = value
+            data[key] = str(value) if isinstance(value, Path) else value
+    if tls_cert is not None or tls_key is not None or tls_client_ca is not None:
+        data["tls"] = _tls_section(tls_cert, tls_key, tls_client_ca, data.get("tls"))
     if tracing:
         data["tracing"] = True
     per_model = {
@@ -107,6 +134,10 @@ def serve(
     for section in [data["defaults"], *data["models"].values()]:
         section.update({k: v for k, v in per_model.items() if v is not None})
     cfg = build_serve_config(data, "--config and command-line options")
+    from hpcml.serve.protocol.app import authorizer_of, tls_options
+
+    tls_options(cfg)  # a wrong certificate, key or tokens file: one sentence before any load
+    authorizer_of(cfg)
     if cfg.grpc_port:
         _check_port_free(cfg.host, cfg.grpc_port, "--grpc-port")
     app, summary = _build(path, cfg, name, trust_code, poll_s if follow else None)
@@ -122,6 +153,23 @@ def serve(
     finally:
         if target is not None:
             target.unlink(missing_ok=True)
+
+
+def _tls_section(
+    cert: Path | None, key: Path | None, client_ca: Path | None, from_file: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The `tls` section from the options over the config file's: a certificate and its key
+    come together."""
+    tls = dict(from_file or {})
+    for name, value in (("cert", cert), ("key", key), ("client_ca", client_ca)):
+        if value is not None:
+            tls[name] = str(value)
+    if not tls.get("cert") or not tls.get("key"):
+        raise ConfigError(
+            "TLS needs both --tls-cert and --tls-key (or tls.cert and tls.key in --config); "
+            "pass the certificate and its private key."
+        )
+    return tls
 
 
 def _remove_on_stop_signal(target: Path) -> None:
@@ -153,6 +201,8 @@ def _write_prometheus_target(folder: Path, cfg: Any) -> Path:
         raise ConfigError(f"--prometheus-targets {str(folder)!r} is a file; pass a folder.")
     host = socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
     labels = {"job": os.environ.get("HPCML_JOB", "hpcml-serve"), "role": "serve"}
+    if cfg.tls is not None:  # file_sd's way to say how Prometheus must connect
+        labels["__scheme__"] = "https"
     prune_dead(folder)  # targets of servers killed with SIGKILL on this host
     return write_target(folder / f"serve-{host}-{cfg.port}.json", host, cfg.port, labels)
 
@@ -182,10 +232,14 @@ def _build(
     router = app.state.router
     with err_console.status("loading models"):
         router.load()
+    authorizer = app.state.authorizer
     summary = {
-        "url": f"http://{cfg.host}:{cfg.port}",
+        "url": f"{'https' if cfg.tls else 'http'}://{cfg.host}:{cfg.port}",
+        "tls": None if cfg.tls is None else ("mutual" if cfg.tls.client_ca else "server"),
+        "tokens": len(authorizer.principals) if authorizer.tokens_file else None,
+        "audit_log": cfg.audit_log,
         "grpc": f"{cfg.host}:{cfg.grpc_port}" if cfg.grpc_port is not None else None,
-        "admin": bool(cfg.admin_token_env),
+        "admin": authorizer.admin_possible,
         "models": [m.describe() for m in router.models.values()],
         "completions": sorted(app.state.generators),
         "batching": {
@@ -223,6 +277,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"OIP v2 at {summary['url']}/v2 · metrics {summary['url']}/metrics · API docs "
         f"{summary['url']}/docs · admin endpoints {'on' if summary['admin'] else 'off'}"
         + (f" · gRPC {summary['grpc']}" if summary["grpc"] else "")
+        + (f" · TLS ({summary['tls']})" if summary["tls"] else "")
+        + (f" · {summary['tokens']} tokens" if summary["tokens"] else "")
     )
     if summary["completions"]:
         console.print(

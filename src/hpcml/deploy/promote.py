@@ -15,13 +15,15 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hpcml.errors import ConfigError
+from hpcml.track.audit import Attribution
+from hpcml.track.moves import move_alias
 from hpcml.track.registry import RegistryError, check_alias, check_name
 
 TAG = "hpcml.promote"
@@ -249,10 +251,12 @@ def promote_run(
     gates: Gates | None = None,
     tracking_uri: str | None = None,
     trust_code: bool = False,
+    by: Attribution | None = None,
 ) -> Outcome:
     """Compare, check, register, and move `alias` only when the candidate is better and passes
     every gate. The new version carries the decision and its evidence as tags either way.
-    `trust_code` (`--trust-code`): the exports may name their architecture by import path."""
+    `trust_code` (`--trust-code`): the exports may name their architecture by import path.
+    `by`: who promotes and why (default this OS user); the decision's reason follows theirs."""
     from hpcml.deploy.stats import compare
     from hpcml.track.mlflow import EXPORT_DIR
     from hpcml.track.registry import register_run
@@ -285,5 +289,8 @@ def promote_run(
     for key, value in outcome.tags.items():
         client.set_model_version_tag(name, str(version), key, value)
     if promoted:
-        client.set_registered_model_alias(name, alias, str(version))
+        base = by or Attribution.local()
+        why = f"{base.why}; {reason}" if base.why else reason
+        move_alias(client, name, alias, version, replace(base, why=why), "promote",
+                   previous=None if inc_version is None else str(inc_version))  # fmt: skip
     return outcome

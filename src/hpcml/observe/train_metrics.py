@@ -15,7 +15,8 @@ the log flush (`train.log_every`), never per step: the hot path does not touch t
 The GPU series come from NVML (`nvidia-ml-py`, hpcml.observe.nvml_metrics) when a CUDA device
 is in use; they carry `gpu` (the index) and `uuid`. Checked through a fake NVML module; not
 verified on a GPU yet. Local rank 0 also serves its host's CPU, memory, disk and network
-counters (hpcml.observe.host_metrics).
+counters (hpcml.observe.host_metrics). With `observe.tls` the endpoints speak HTTPS (and, with
+a client CA, only to clients holding a certificate it signed); their targets say `https`.
 """
 
 from __future__ import annotations
@@ -24,16 +25,20 @@ import hashlib
 import os
 import re
 import socket
+import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hpcml.config_sections import TlsConfig
 from hpcml.errors import ConfigError
 from hpcml.observe.host_metrics import HostCollector
 from hpcml.observe.nvml_metrics import Reader, gpu_reader
 from hpcml.observe.targets import prune_dead, write_target
+from hpcml.observe.tls import server_context
 
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CHECKPOINT_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
@@ -70,9 +75,11 @@ class TrainExporter:
         targets_dir: Path | None = None,
         nvml: Any = None,
         gpu_uuid: str | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         """`nvml`, `gpu_uuid`: an NVML module and the GPU's uuid (tests pass a fake module);
-        by default nvidia-ml-py and the uuid CUDA reports for `gpu_index`."""
+        by default nvidia-ml-py and the uuid CUDA reports for `gpu_index`. `tls`
+        (`observe.tls`): serve HTTPS with that certificate."""
         try:
             import psutil  # noqa: F401  (host readings, target owners)
             from prometheus_client import CollectorRegistry, Histogram
@@ -131,8 +138,10 @@ class TrainExporter:
             self.registry.register(HostCollector(LABELS, self.label_values))
         self.metrics_path = f"/metrics/{self.run_id}/rank-{rank}"
         want = port + local_rank if port else 0
+        context = None if tls is None else server_context(tls, "observe.tls")
+        self.scheme = "http" if tls is None else "https"
         try:
-            self.server = serve_metrics(self.registry, address, want, self.metrics_path)
+            self.server = serve_metrics(self.registry, address, want, self.metrics_path, context)
         except OSError as exc:
             raise ConfigError(
                 f"observe.metrics_port: rank {rank} cannot listen on port {want} ({exc.strerror}); "
@@ -161,6 +170,8 @@ class TrainExporter:
     def _write_target(self) -> None:
         labels = dict(zip(LABELS, self.label_values, strict=True))
         labels["role"] = "train"
+        if self.scheme == "https":  # file_sd's way to say how Prometheus must connect
+            labels["__scheme__"] = "https"
         write_target(self.target_file, self.address, self.port, labels, self.metrics_path)
 
     def update(
@@ -213,9 +224,13 @@ class TrainExporter:
         self.server.server_close()
 
 
-def serve_metrics(registry: Any, address: str, port: int, own_path: str) -> Any:
+def serve_metrics(
+    registry: Any, address: str, port: int, own_path: str, context: ssl.SSLContext | None = None
+) -> Any:
     """prometheus-client's WSGI app on a daemon thread, answering 404 to `/metrics/...` paths
-    other than `own_path`; the server (`server_address`, `shutdown`, `server_close`)."""
+    other than `own_path`; the server (`server_address`, `shutdown`, `server_close`). With an
+    SSL `context`, HTTPS: each connection's handshake runs in its own handler thread (not in
+    the accepting one, where a client that never finishes it would stall every scrape)."""
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
     from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
@@ -236,11 +251,21 @@ def serve_metrics(registry: Any, address: str, port: int, own_path: str) -> Any:
     class Server(ThreadingWSGIServer):
         address_family = family
 
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            # A client that fails the handshake (no TLS, an unknown CA, no client certificate)
+            # is its own problem: no traceback on the training rank's stderr for it.
+            if not isinstance(sys.exc_info()[1], ssl.SSLError | ConnectionError):
+                super().handle_error(request, client_address)
+
     class Quiet(WSGIRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             pass
 
     server = make_server(str(sockaddr[0]), port, app, Server, handler_class=Quiet)
+    if context is not None:
+        server.socket = context.wrap_socket(
+            server.socket, server_side=True, do_handshake_on_connect=False
+        )
     threading.Thread(target=server.serve_forever, name="hpcml-metrics", daemon=True).start()
     return server
 

@@ -13,6 +13,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hpcml.config_sections import TlsConfig
 from hpcml.errors import ConfigError
 
 BackendName = Literal["torch", "compile", "onnx", "onnx-int8"]
@@ -288,7 +289,18 @@ class ServeConfig(_Section):
     """Seconds sent in the HTTP `Retry-After` header of refusals a retry may cure: a full queue
     (503 or 429), `limit_concurrency` (503) and a restarting inference process (503)."""
     admin_token_env: str | None = None
-    """Environment variable that holds the admin bearer token; unset disables admin endpoints."""
+    """Environment variable that holds the admin bearer token (a caller named `admin-token`
+    with the admin role); with neither it nor `tokens_file`, the admin endpoints are off."""
+    tokens_file: str | None = None
+    """Bearer tokens with roles (infer, read, admin), model scopes and rate limits, by their
+    SHA-256 (`hpcml.serve.tokens`); every endpoint but the health probes then needs one, HTTP
+    and gRPC alike. null: inference and reads are open, admin takes `admin_token_env`."""
+    tls: TlsConfig | None = None
+    """Serve HTTPS and gRPC over TLS with this certificate and key; with `client_ca`, mutual
+    TLS (clients without a certificate that CA signed are refused). null: plain text."""
+    audit_log: str | None = None
+    """Append every admin change (traffic, promote, rollback, shadow) and every canary step,
+    switch and rollback to this hash-chained JSON-lines file (`hpcml audit verify`). null: none."""
     graceful_timeout_s: float = Field(default=30.0, gt=0.0)
     """On SIGTERM, in-flight requests get this long to finish."""
     grpc_port: int | None = Field(default=None, ge=0, lt=65536)

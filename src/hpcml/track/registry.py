@@ -16,7 +16,7 @@ reads that file back, and loading never unpickles (safetensors + model.json).
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from hpcml.config import TrackingConfig
 from hpcml.errors import HpcmlError
 from hpcml.records import RUN_LOG, SUMMARY, read_run_log, read_summary
+from hpcml.track.audit import Attribution
 from hpcml.track.mlflow import (
     EXPORT_DIR,
     MlflowTracker,
@@ -31,6 +32,7 @@ from hpcml.track.mlflow import (
     read_tracking_state,
 )
 from hpcml.track.mlmodel import export_sha256, log_mlmodel
+from hpcml.track.moves import move_alias
 from hpcml.track.provenance import to_tags
 from hpcml.track.store import open_client
 
@@ -103,8 +105,10 @@ def register_run(
     tracking_uri: str | None = None,
     alias: str | None = None,
     description: str | None = None,
+    by: Attribution | None = None,
 ) -> dict[str, Any]:
-    """Create a version of model `name` from RUN_DIR/export, linked to the run's MLflow run.
+    """Create a version of model `name` from RUN_DIR/export, linked to the run's MLflow run;
+    with `alias`, point it there too (attributed to `by`, see `hpcml.track.moves`).
 
     A run folder trained with tracking on this store is linked to its MLflow run; one trained
     without tracking (or tracked elsewhere) is first logged as a new MLflow run here, with its
@@ -148,7 +152,7 @@ def register_run(
         description=description or f"{arch or 'model'} trained in {run_dir.resolve()}",
     )
     if alias is not None:
-        client.set_registered_model_alias(name, alias, str(version.version))
+        move_alias(client, name, alias, version.version, by, "registry.register")
     return version_info(client, name, int(version.version), tracking_uri=uri)
 
 
@@ -316,13 +320,20 @@ def list_versions(name: str, tracking_uri: str | None = None) -> list[dict[str, 
 
 
 def promote(
-    name: str, version: int, alias: str = "production", tracking_uri: str | None = None
+    name: str,
+    version: int,
+    alias: str = "production",
+    tracking_uri: str | None = None,
+    by: Attribution | None = None,
 ) -> dict[str, Any]:
-    """Point `alias` at `version` (moving it away from whichever version held it)."""
+    """Point `alias` at `version` (moving it away from whichever version held it); the move
+    is attributed to `by` (default: this OS user)."""
     check_alias(alias)
     client, uri = open_client(tracking_uri)
     _get_version(client, name, version)
-    client.set_registered_model_alias(name, alias, str(version))
+    previous = _registered_model(client, name).aliases.get(alias)
+    move_alias(client, name, alias, version, by, "registry.promote",
+               previous=None if previous is None else str(previous))  # fmt: skip
     return version_info(client, name, version, tracking_uri=uri)
 
 
@@ -355,9 +366,11 @@ def promote_if_better(
     mode: Literal["max", "min"] | None = None,
     min_delta: float = 0.0,
     tracking_uri: str | None = None,
+    by: Attribution | None = None,
 ) -> Decision:
     """Move `alias` to the candidate (`version`, default the newest) only when its `metric`
-    beats the current holder's by more than `min_delta`; a model with no holder is promoted."""
+    beats the current holder's by more than `min_delta`; a model with no holder is promoted.
+    A move is attributed to `by` (default: this OS user), with the gate's reason after it."""
     check_alias(alias)
     client, _ = open_client(tracking_uri)
     rm = _registered_model(client, name)
@@ -380,7 +393,11 @@ def promote_if_better(
 
     def decide(promoted: bool, inc: int | None, inc_value: float | None, why: str) -> Decision:
         if promoted:
-            client.set_registered_model_alias(name, alias, str(cand_version))
+            base = by or Attribution.local()
+            gate = f"gate: {why}"
+            attributed = replace(base, why=f"{base.why}; {gate}" if base.why else gate)
+            move_alias(client, name, alias, cand_version, attributed, "registry.promote",
+                       previous=None if inc is None else str(inc))  # fmt: skip
         return Decision(
             promoted, name, alias, metric, mode, cand_version, cand_value, inc, inc_value, why
         )
@@ -440,6 +457,7 @@ def roll_back_alias(
     candidate: int | str,
     previous: int | str,
     tracking_uri: str | None = None,
+    by: Attribution | None = None,
 ) -> bool:
     """Point `alias` back at `previous` if it still names `candidate`; True when it moved it.
 
@@ -449,7 +467,7 @@ def roll_back_alias(
     client, _ = open_client(tracking_uri)
     if str(_registered_model(client, name).aliases.get(alias)) != str(candidate):
         return False
-    client.set_registered_model_alias(name, alias, str(previous))
+    move_alias(client, name, alias, previous, by, "canary.rollback", candidate=str(candidate))
     return True
 
 

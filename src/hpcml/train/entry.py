@@ -13,10 +13,15 @@ from hpcml.train import rundir
 
 
 def preflight(cfg: RunConfig, world_size: int | None = None) -> None:
-    """Cheap checks (model name, data location); with `world_size`, the whole resolved config
-    as the workers will see it (data sizes, the model built on meta, tp/heads/batch)."""
+    """Cheap checks (model name, data location, the metrics endpoints' TLS files); with
+    `world_size`, the whole resolved config as the workers will see it (data sizes, the model
+    built on meta, tp/heads/batch)."""
     get_spec(cfg.model.name)
     check_source(cfg.data)
+    if cfg.observe.tls is not None:
+        from hpcml.observe.tls import server_context
+
+        server_context(cfg.observe.tls, "observe.tls")
     if world_size is not None:
         from hpcml.train.validate import resolve
 

@@ -130,6 +130,7 @@ def start_exporter(cfg: Any, rt: Any, out_dir: Path, load_s: float | None = None
         o.job,
         rt.device.index if rt.device.type == "cuda" else None,
         Path(o.targets_dir).expanduser() if o.targets_dir else None,
+        tls=o.tls,
     )
     history = {"elastic": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)}
     if rt.is_main:  # the run log's writer; its counts are the run's, once

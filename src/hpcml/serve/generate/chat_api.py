@@ -65,6 +65,7 @@ from hpcml.serve.generate.openai_api import (
 )
 from hpcml.serve.generate.sampling import SamplingParams
 from hpcml.serve.generate.service import GenerationService, QueueFull
+from hpcml.serve.tokens import forbidden_model
 
 
 class TextPart(BaseModel):
@@ -228,7 +229,10 @@ def chat_choices(service: GenerationService, req: ChatRequest) -> list[Choice]:
 
 
 def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]) -> None:
-    def service_of(name: str) -> GenerationService:
+    def service_of(name: str, request: Request | None = None) -> GenerationService:
+        denied = forbidden_model(request.scope, name, "POST /v1/chat/completions") if request else None
+        if denied is not None:  # a token scoped to other models (hpcml.serve.tokens)
+            raise BadRequest(denied, "model", 403)
         found = services.get(name)
         if found is None:
             known = ", ".join(sorted(services)) or "none"
@@ -240,7 +244,7 @@ def mount_chat_and_generate(app: FastAPI, services: dict[str, GenerationService]
     async def chat(request: Request) -> Response:
         try:
             req = parse_chat(await request.body())
-            service = service_of(req.model)
+            service = service_of(req.model, request)
             choices = chat_choices(service, req)
         except BadRequest as exc:
             return error(exc.status, exc.message, exc.param)

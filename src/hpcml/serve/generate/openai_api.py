@@ -43,6 +43,7 @@ from hpcml.serve.generate.disconnect import Disconnected, unless_disconnected
 from hpcml.serve.generate.engine import RequestRefused
 from hpcml.serve.generate.sampling import SamplingParams, TextStream, Tokenizer
 from hpcml.serve.generate.service import GenerationService, QueueFull
+from hpcml.serve.tokens import forbidden_model
 
 Stop = Annotated[str, Field(min_length=1)]
 M = TypeVar("M", bound=BaseModel)
@@ -302,7 +303,10 @@ async def text_deltas(
 
 
 def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
-    def service_of(name: str) -> GenerationService:
+    def service_of(name: str, request: Request | None = None) -> GenerationService:
+        denied = forbidden_model(request.scope, name, "POST /v1/completions") if request else None
+        if denied is not None:  # a token scoped to other models (hpcml.serve.tokens)
+            raise BadRequest(denied, "model", 403)
         found = services.get(name)
         if found is None:
             known = ", ".join(sorted(services)) or "none"
@@ -316,7 +320,7 @@ def mount_openai(app: FastAPI, services: dict[str, GenerationService]) -> None:
     async def completions(request: Request) -> Response:
         try:
             req = parse_request(await request.body())
-            service = service_of(req.model)
+            service = service_of(req.model, request)
             choices = checked_choices(service, req)
         except BadRequest as exc:
             return error(exc.status, exc.message, exc.param)

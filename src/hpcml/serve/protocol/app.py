@@ -2,28 +2,28 @@
 
 `create_app` wires a `Router` into a FastAPI app whose lifespan loads the models, starts the
 gRPC endpoint when `grpc_port` is set (`grpc`) and, on shutdown, drains the batchers after
-uvicorn has let in-flight requests finish. Every error is `{"error": "..."}` as the protocol
-asks. Inference bodies (JSON or binary tensor data) are read as bytes and parsed by `protocol`
-(no per-request pydantic validation: tensors can hold thousands of numbers).
+uvicorn has let in-flight requests finish. The token gate (`gate`, with the roles of
+`hpcml.serve.tokens`) answers first; the admin endpoints live in `admin`; `tls_options` hands
+uvicorn the certificate of `tls`. Every error is `{"error": "..."}` as the protocol asks.
+Inference bodies (JSON or binary tensor data) are read as bytes and parsed by `protocol` (no
+per-request pydantic validation: tensors can hold thousands of numbers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Body, Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
@@ -32,6 +32,8 @@ from hpcml.serve.codec import oip
 from hpcml.serve.config import ServeConfig
 from hpcml.serve.metrics import ServeMetrics
 from hpcml.serve.protocol import schemas
+from hpcml.serve.protocol.admin import add_admin_routes
+from hpcml.serve.protocol.gate import TokenGate
 from hpcml.serve.protocol.infer_route import InferRoute
 from hpcml.serve.protocol.inference import (
     EXTENSIONS,
@@ -41,10 +43,11 @@ from hpcml.serve.protocol.inference import (
     run_infer,
 )
 from hpcml.serve.protocol.triton_config import add_triton_routes
+from hpcml.serve.tokens import Authorizer, load_tokens
 from hpcml.serve.traffic.drift import add_drift_routes
 from hpcml.serve.traffic.limits import BodyLimit, BodyTooLarge, BodyTooSlow, ConcurrencyLimit
 from hpcml.serve.traffic.router import Router
-from hpcml.serve.traffic.versions import NotFound, PolicyError
+from hpcml.serve.traffic.versions import NotFound
 
 JSON = "application/json"
 OCTET = "application/octet-stream"
@@ -54,28 +57,17 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return Response(oip.error_body(message), status_code=status, media_type=JSON, headers=headers)
 
 
-Weight = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-
-
-class TrafficBody(BaseModel):
-    weights: dict[str, Weight] = Field(
-        description='Version -> finite, non-negative weight, e.g. {"1": 90, "2": 10}.'
-    )
-
-
-class PromoteBody(BaseModel):
-    version: str
-
-
-class ShadowBody(BaseModel):
-    version: str | None = Field(description="Candidate version; null turns shadowing off.")
-    fraction: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+def authorizer_of(config: ServeConfig) -> Authorizer:
+    """Who may call what: the tokens file's principals and the `admin_token_env` token."""
+    admin_token = os.environ.get(config.admin_token_env) if config.admin_token_env else None
+    principals = load_tokens(config.tokens_file) if config.tokens_file else []
+    return Authorizer(principals, admin_token)
 
 
 def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> FastAPI:
     from hpcml.serve.generate.mount import text_services
 
-    admin_token = os.environ.get(config.admin_token_env) if config.admin_token_env else None
+    authorizer = authorizer_of(config)
     # gpt exports over bytes also generate text (/v1/completions); loaded now, like the CLI
     # loads the router before serving, so a bad export fails before the server starts.
     generators = text_services(router, config, metrics.registry)
@@ -91,7 +83,9 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
         if config.grpc_port is not None:
             from hpcml.serve.protocol.grpc import start_grpc_server
 
-            grpc_endpoint, app.state.grpc_port = await start_grpc_server(router, config, metrics)
+            grpc_endpoint, app.state.grpc_port = await start_grpc_server(
+                router, config, metrics, authorizer
+            )
         # Everything allocated so far (torch, FastAPI, models) lives as long as the server;
         # frozen, the cyclic GC stops rescanning it, which otherwise shows up as p99 spikes.
         gc.freeze()
@@ -135,12 +129,15 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             retry_after_s=config.retry_after_s,
             on_refused=count_refused,
         )
+    # Added last of all, so it runs first: a caller without the role costs nothing more.
+    app.add_middleware(TokenGate, authorizer=authorizer, on_refused=count_refused)
     metrics.watch_readiness(
         lambda: [(mv.model, mv.version, mv.ready) for mv in router.all_versions()]
     )
     app.state.router = router
     app.state.metrics = metrics
     app.state.config = config
+    app.state.authorizer = authorizer
     add_drift_routes(app, router.drift)
     app.state.grpc_port = None
     app.state.generators = generators
@@ -341,54 +338,7 @@ def create_app(router: Router, config: ServeConfig, metrics: ServeMetrics) -> Fa
             for mv in router.all_versions()
         ]
 
-    def require_admin(authorization: str | None = Header(None)) -> None:
-        if not admin_token:
-            raise HTTPException(
-                403,
-                "admin endpoints are disabled: start the server with admin_token_env naming an "
-                "environment variable that holds a token.",
-            )
-        given = authorization[7:] if authorization and authorization.startswith("Bearer ") else ""
-        if not hmac.compare_digest(given.encode(), admin_token.encode()):
-            raise HTTPException(
-                401,
-                "admin endpoints need 'Authorization: Bearer <token>' with the configured token.",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    def admin(call: Callable[[], dict[str, Any]]) -> Response:
-        try:
-            return JSONResponse(call())
-        except NotFound as exc:
-            return _error(404, str(exc))
-        except PolicyError as exc:
-            return _error(400, str(exc))
-
-    admin_doc: dict[str, Any] = {"tags": ["admin"], "dependencies": [Depends(require_admin)]}
-
-    @app.get("/admin/models", **admin_doc)
-    async def admin_models() -> Response:
-        return admin(lambda: {"models": [m.describe() for m in router.models.values()]})
-
-    @app.get("/admin/models/{name}", **admin_doc)
-    async def admin_model(name: str) -> Response:
-        return admin(lambda: router.model(name).describe())
-
-    @app.post("/admin/models/{name}/traffic", **admin_doc)
-    async def admin_traffic(name: str, body: TrafficBody = Body(...)) -> Response:
-        return admin(lambda: router.set_traffic(name, body.weights))
-
-    @app.post("/admin/models/{name}/promote", **admin_doc)
-    async def admin_promote(name: str, body: PromoteBody = Body(...)) -> Response:
-        return admin(lambda: router.promote(name, body.version))
-
-    @app.post("/admin/models/{name}/rollback", **admin_doc)
-    async def admin_rollback(name: str) -> Response:
-        return admin(lambda: router.rollback(name))
-
-    @app.post("/admin/models/{name}/shadow", **admin_doc)
-    async def admin_shadow(name: str, body: ShadowBody = Body(...)) -> Response:
-        return admin(lambda: router.set_shadow(name, body.version, body.fraction))
+    add_admin_routes(app, router, _error)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -472,6 +422,22 @@ def http_protocol(config: ServeConfig) -> Any:
     return header_timeout_protocol(config.header_timeout_s)
 
 
+def tls_options(config: ServeConfig) -> dict[str, Any]:
+    """uvicorn's TLS settings for `config.tls` (none without it); the files are checked first,
+    so a wrong one is a sentence, not a failed startup."""
+    if config.tls is None:
+        return {}
+    import ssl
+
+    from hpcml.observe.tls import server_context
+
+    server_context(config.tls, "--tls-cert/--tls-key/--tls-client-ca")
+    options: dict[str, Any] = {"ssl_certfile": config.tls.cert, "ssl_keyfile": config.tls.key}
+    if config.tls.client_ca is not None:
+        options.update(ssl_ca_certs=config.tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
 def uvicorn_server(app: FastAPI, config: ServeConfig, log_level: str = "warning") -> Any:
     import uvicorn
 
@@ -487,5 +453,6 @@ def uvicorn_server(app: FastAPI, config: ServeConfig, log_level: str = "warning"
             timeout_keep_alive=30,
             backlog=4096,
             http=http_protocol(config),
+            **tls_options(config),
         )
     )

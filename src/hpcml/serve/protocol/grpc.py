@@ -14,12 +14,18 @@ service "" is SERVING while every model is ready, each model name while its vers
 traffic are; Watch streams the changes. Only ModelInfer counts against `limit_concurrency`, so
 probes answer while inference is saturated; refusals a retry may cure carry Retry-After's
 gRPC form, `grpc-retry-pushback-ms` trailing metadata.
+
+With `tls` the port speaks TLS only (mutual TLS with a client CA). Every method but the health
+service asks the token gate first (`check_caller`, `authorization: Bearer <token>` metadata):
+UNAUTHENTICATED, PERMISSION_DENIED or RESOURCE_EXHAUSTED in the same sentences as HTTP's
+401, 403 and 429.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -54,6 +60,7 @@ from hpcml.serve.protocol.inference import (
     run_infer,
 )
 from hpcml.serve.protocol.triton_grpc import SERVICE, triton_handlers
+from hpcml.serve.tokens import GRPC_NEEDS, Authorizer, Need, Refusal, bearer
 from hpcml.serve.traffic.router import Router
 from hpcml.serve.traffic.versions import NotFound
 
@@ -242,13 +249,47 @@ class _Malformed:
 _MALFORMED = _Malformed()
 
 
+_REFUSAL_CODES = {
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+async def check_caller(
+    authorizer: Authorizer,
+    method: str,
+    request: Any,
+    context: Any,
+    on_refused: Callable[[str, str | None, str], None],
+) -> None:
+    """The token gate of gRPC: `authorization: Bearer <token>` metadata, the role the method
+    needs and the model the request names; a refusal (`on_refused(method, model, code)`)
+    aborts the call in one sentence."""
+    token = bearer(_metadata(context).get("authorization"))
+    model = getattr(request, "model_name", None) or getattr(request, "name", None) or None
+    need: Need = GRPC_NEEDS.get(method, "read")
+    try:
+        authorizer.check(token, need, model, f"call {method}")
+    except Refusal as refusal:
+        code = _REFUSAL_CODES[refusal.status]
+        on_refused(method, model, code.name)
+        pushback: tuple[tuple[str, str], ...] = ()
+        if refusal.retry_after_s is not None:
+            pushback = (("grpc-retry-pushback-ms", str(int(refusal.retry_after_s * 1000))),)
+        await context.abort(code, refusal.message, trailing_metadata=pushback)
+
+
 class _CheckedRegistrar:
     """Stands in for the server while the generated code registers the service: each method's
     handler gets a deserializer that cannot raise and a behavior that answers a malformed
-    message INVALID_ARGUMENT (grpcio alone answers INTERNAL/UNKNOWN with a Python class name)."""
+    message INVALID_ARGUMENT (grpcio alone answers INTERNAL/UNKNOWN with a Python class name),
+    and asks the token gate (`check_caller`) before it runs."""
 
-    def __init__(self, server: Any, on_malformed: Any) -> None:
-        self.server, self.on_malformed = server, on_malformed
+    def __init__(
+        self, server: Any, on_malformed: Any, gate: Callable[[str, Any, Any], Awaitable[None]]
+    ) -> None:
+        self.server, self.on_malformed, self.gate = server, on_malformed, gate
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         pass  # the same handlers arrive, checked, through add_registered_method_handlers
@@ -281,6 +322,7 @@ class _CheckedRegistrar:
                     f"the {method} request is not a valid protobuf message of its type "
                     "(inference.GRPCInferenceService); send one built from the service's proto.",
                 )
+            await self.gate(method, request, context)
             return await behavior(request, context)
 
         return handler._replace(request_deserializer=deserialize, unary_unary=answer)
@@ -336,10 +378,24 @@ class GrpcEndpoint:
         await self.server.stop(grace_s)
 
 
+def _credentials(config: ServeConfig) -> Any:
+    """TLS credentials for `config.tls` (mutual TLS with a client CA), or None."""
+    tls = config.tls
+    if tls is None:
+        return None
+    from hpcml.observe.tls import read_pem
+
+    where = "--tls-cert/--tls-key/--tls-client-ca"
+    pair = (read_pem(tls.key, where), read_pem(tls.cert, where))
+    ca = read_pem(tls.client_ca, where) if tls.client_ca else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=bool(ca))
+
+
 async def start_grpc_server(
-    router: Router, config: ServeConfig, metrics: ServeMetrics
+    router: Router, config: ServeConfig, metrics: ServeMetrics, authorizer: Authorizer
 ) -> tuple[GrpcEndpoint, int]:
-    """Start the gRPC endpoint on `config.host:config.grpc_port`; returns it and its port."""
+    """Start the gRPC endpoint on `config.host:config.grpc_port`; returns it and its port.
+    `authorizer` (`app.authorizer_of`): who may call what."""
     assert config.grpc_port is not None
     server = grpc.aio.server(
         options=[
@@ -353,7 +409,16 @@ async def start_grpc_server(
         if method == "ModelInfer":  # counted like every other inference answer
             metrics.requests.labels("", "", "grpc", "INVALID_ARGUMENT").inc()
 
-    registrar = _CheckedRegistrar(server, malformed)
+    def refused(method: str, model: str | None, code: str) -> None:
+        if method == "ModelInfer":  # counted like every other inference answer
+            known = model if model in router.models else ""
+            metrics.requests.labels(known, "", "grpc", code).inc()
+
+    async def gate(method: str, request: Any, context: Any) -> None:
+        if authorizer.tokens_file:  # without one, no gRPC method asks for a token
+            await check_caller(authorizer, method, request, context, refused)
+
+    registrar = _CheckedRegistrar(server, malformed, gate)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceServicer(router, config, metrics), registrar
     )
@@ -362,8 +427,13 @@ async def start_grpc_server(
     health_servicer = HealthServicer(router)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host = f"[{config.host}]" if ":" in config.host else config.host
+    credentials = _credentials(config)
+    address = f"{host}:{config.grpc_port}"
     try:
-        port = server.add_insecure_port(f"{host}:{config.grpc_port}")
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError:
         port = 0
     if port == 0:

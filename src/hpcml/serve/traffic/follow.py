@@ -145,6 +145,8 @@ class AliasFollower:
         if self.slo is not None:
             self.canary = Canary(new, self.version, self.slo)
             self._apply_step(new)
+            await self._audit("canary.start", f"the alias moved to version {new}",
+                              version=new, share=self.canary.share)  # fmt: skip
             log.warning(
                 "%s moved to version %s: canary at %.0f%% of traffic (version %s serves the rest)",
                 self.uri, new, 100 * self.canary.share, self.version,
@@ -158,6 +160,8 @@ class AliasFollower:
         old = self.version
         self.router.set_policy(self.served_name, TrafficPolicy({new: 1.0}))
         self.version, self.skipped = new, None
+        await self._audit("deploy.switch", f"the alias moved to version {new}",
+                          version=new, previous=old)  # fmt: skip
         await retire_version(self.router, self.served_name, old)
         self.deploys += 1
         log.warning("%s moved: now serving version %s (was %s)", self.uri, new, old)
@@ -180,6 +184,8 @@ class AliasFollower:
             return False
         if verdict == "next":
             self._apply_step(canary.candidate)
+            await self._audit("canary.step", "the step before passed its SLO",
+                              version=canary.candidate, share=canary.share)  # fmt: skip
             log.warning(
                 "%s version %s: canary step %d, %.0f%% of traffic",
                 self.uri, canary.candidate, canary.step + 1, 100 * canary.share,
@@ -203,6 +209,8 @@ class AliasFollower:
         self.router.set_policy(self.served_name, TrafficPolicy({self.version: 1.0}))
         self.skipped = canary.candidate
         self.unrecorded = canary
+        await self._audit("canary.rollback", canary.reason, version=canary.candidate,
+                          back_to=self.version)  # fmt: skip
         log.error(
             "%s version %s rolled back to version %s: %s",
             self.uri, canary.candidate, self.version, canary.reason,
@@ -212,6 +220,7 @@ class AliasFollower:
 
     async def _record_rollback(self) -> None:
         """The registry's part of a rollback; retried at the next poll while it fails."""
+        from hpcml.track.audit import Attribution, os_user
         from hpcml.track.registry import roll_back_alias
         from hpcml.track.resolve import parse_model_uri
 
@@ -220,10 +229,12 @@ class AliasFollower:
         name, alias, _ = parse_model_uri(self.uri)
         assert alias is not None
         evidence = canary.evidence()
+        by = Attribution(os_user(), f"canary rolled back: {canary.reason}", self.router.audit)
         try:
             evidence["alias_moved_back"] = await asyncio.to_thread(
-                roll_back_alias, name, alias, canary.candidate, canary.previous, self.tracking_uri
-            )
+                roll_back_alias, name, alias, canary.candidate, canary.previous,
+                self.tracking_uri, by,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the registry may be briefly unreachable
             log.error(
                 "could not move %s back to version %s (%s); retrying at the next poll",
@@ -244,6 +255,7 @@ class AliasFollower:
         await retire_version(self.router, self.served_name, canary.candidate)
         why = f"the alias moved to version {target} during the canary"
         log.warning("%s version %s: canary ended, %s", self.uri, canary.candidate, why)
+        await self._audit("canary.abandon", why, version=canary.candidate, back_to=self.version)
         await self._record(canary.candidate, "abandoned", why, evidence)
 
     async def _record(
@@ -261,6 +273,20 @@ class AliasFollower:
             )
         except Exception as exc:  # noqa: BLE001 - the registry may be briefly unreachable
             log.error("could not record the canary of %s version %s: %s", self.uri, version, exc)
+
+    async def _audit(self, action: str, reason: str, **details: Any) -> None:
+        """A traffic change of this follower in the audit log (when the server keeps one),
+        under the OS user running the server."""
+        audit = self.router.audit
+        if audit is None:
+            return
+        from hpcml.track.audit import os_user
+
+        try:
+            await asyncio.to_thread(audit.append, os_user(), action, self.served_name, reason,
+                                    uri=self.uri, **details)  # fmt: skip
+        except OSError as exc:  # a full disk must not stop a rollback halfway
+            log.error("could not append to the audit log %s: %s", audit.path, exc)
 
     def _alias_version(self) -> str:
         from hpcml.track.resolve import alias_version

@@ -36,6 +36,7 @@ from hpcml.serve.traffic.versions import (
     TrafficPolicy,
     check_policy,
 )
+from hpcml.track.audit import AuditLog
 
 
 def worker_restarts_counter(metrics: ServeMetrics) -> Any:
@@ -80,6 +81,8 @@ class Router:
         """Model name -> readiness of another engine serving it (text generation), which the
         model's and the server's readiness include."""
         self._background_tasks: list[asyncio.Task[None]] = []
+        self.audit = AuditLog(config.audit_log).check("audit_log") if config.audit_log else None
+        """Where admin changes and alias-following deploys are recorded (`audit_log`)."""
         self.drift = DriftMonitor(config.drift, metrics)
         if config.drift.enabled:
             self.background.append(self.drift.run)
