@@ -90,6 +90,27 @@ def first_rung(tune: TuneConfig, cfg: RunConfig, dists: dict[str, BaseDistributi
     return min((warmup // every + 1) * every, trial_steps(cfg, dists))
 
 
+def reduction_factor(tune: TuneConfig, cfg: RunConfig, dists: dict[str, BaseDistribution]) -> int:
+    """The pruners' factor between rungs: `tune.reduction_factor`, or 3 (Optuna's default)
+    unless 3 leaves a single rung that acts before the longest trial's end and 2 leaves more.
+    A rung acts at the first evaluation at or after its step; one that acts only at the end
+    stops nothing (the trial has run all its steps). In examples/tune_digits.yaml (first rung
+    20, an evaluation every 20, 60 steps) 3 puts the second rung at 60, the end, and 2 at 40."""
+    if tune.reduction_factor is not None:
+        return tune.reduction_factor
+    first, end = first_rung(tune, cfg, dists), trial_steps(cfg, dists)
+    every = cfg.train.eval_every or end
+
+    def rungs(eta: int) -> int:
+        acting, rung = set(), first
+        while rung < end:
+            acting.add(min(-(-rung // every) * every, end))  # the evaluation at or after it
+            rung *= eta
+        return len(acting - {end})
+
+    return 2 if rungs(3) < 2 <= rungs(2) else 3
+
+
 def check(tune: TuneConfig, cfg: RunConfig, dists: dict[str, BaseDistribution]) -> None:
     """A first rung past every trial's end, or a budget smaller than one trial: ConfigError."""
     longest = trial_steps(cfg, dists)
