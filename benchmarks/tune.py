@@ -6,7 +6,7 @@ The arms: ASHA + TPE (the example's search: 3 random start-up trials, rungs at s
 and 40), the same before this session's change (`asha+tpe before`: 5 start-up trials, rungs
 at 20 and 60, the end), and random search without pruning, each trial evaluated once, at its
 end (it needs no evaluation before); `--arms` adds Hyperband + TPE (two brackets here: one
-prunes at the first rung as ASHA does, one runs its trials to the end). Random search's
+with ASHA's rungs at 20 and 40, one with a rung at 40 only). Random search's
 `tune.seed` is the seed, the model-guided arms' the seed + 1000, so TPE's random start-up
 trials are not random search's first points (they were, until this session: a head start
 the method did not earn); the model-guided arms share theirs, a paired comparison of them.

@@ -1,5 +1,6 @@
-"""How far a study may go: where its pruners' first rung is (`tune.first_rung`) and how many
-training steps or samples its trials may take in all (`tune.step_budget`, `tune.sample_budget`).
+"""How far a study may go: where its pruners' rungs are (`tune.first_rung`,
+`tune.reduction_factor`) and how many training steps or samples its trials may take in all
+(`tune.step_budget`, `tune.sample_budget`).
 
 The first rung defaults to the first evaluation after the longest learning-rate warmup the
 space allows: during its warmup a trial trains at a fraction of its learning rate, so a longer
@@ -102,7 +103,8 @@ def reduction_factor(tune: TuneConfig, cfg: RunConfig, dists: dict[str, BaseDist
     every = cfg.train.eval_every or end
 
     def rungs(eta: int) -> int:
-        acting, rung = set(), first
+        acting: set[int] = set()
+        rung = first
         while rung < end:
             acting.add(min(-(-rung // every) * every, end))  # the evaluation at or after it
             rung *= eta
