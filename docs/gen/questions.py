@@ -267,6 +267,7 @@ ARCHIVE: dict[str, str] = {
     "llm_serving_http_small": "llm_serving_http_cpu",
     "llm_serving_http_both": "llm_serving_http_cpu",
     "tune_step_budget": "tune",
+    "tune_shared_startup": "tune",
     "llm_step_profile": "llm_step_profile_gpt2_small",
 }
 
