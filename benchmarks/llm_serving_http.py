@@ -355,6 +355,9 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--note", default="")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--merge", type=Path, nargs="+", default=[],
+                    help="run nothing: join these results' sweeps (same model and workloads, "
+                    "other rates) into one, repetition by repetition, and write it under --tag")
     a = ap.parse_args()
     if a.dtype == "auto":
         a.dtype = "bf16" if has_amx() else "float32"
@@ -372,8 +375,46 @@ def has_amx() -> bool:
         return False
 
 
+def merge(a: argparse.Namespace) -> dict[str, Any]:
+    """One result from several invocations at other rates: repetition i of each joined into
+    one sweep (its points sorted by rate), every ratio recomputed from the joined curves."""
+    parts = [json.loads(p.read_text()) for p in a.merge]
+    result = {**parts[0], "workloads": {}}
+    for name, first in parts[0]["workloads"].items():
+        reps = min(len(p["workloads"][name]["curves"]) for p in parts)
+        curves = []
+        for i in range(reps):
+            modes = {m for p in parts for m in p["workloads"][name]["curves"][i]}
+            curves.append({m: sorted((pt for p in parts
+                                      for pt in p["workloads"][name]["curves"][i].get(m, [])),
+                                     key=lambda pt: pt["rate"]) for m in sorted(modes)})
+        result["workloads"][name] = {
+            **first, "curves": curves,
+            "equal_itl": [equal_itl_repeated(curves, o) for o in a.itl_objectives]}
+    result["title"] = parts[0]["title"] + (
+        f" (merged from {len(parts)} invocations' rates: each one's seconds of arrivals per "
+        "rate are in its command below)")
+    result["note"] = " ".join(p["note"] for p in parts)
+    result["command"] = " ; ".join(
+        [p["command"] for p in parts]
+        + [shlex.join(["python", "benchmarks/llm_serving_http.py", *sys.argv[1:]])])
+    return result
+
+
+def write(result: dict[str, Any], a: argparse.Namespace) -> None:
+    name = "llm_serving_http" + (f"_{a.tag}" if a.tag else "")
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    (a.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (a.out_dir / f"{name}.md").write_text(markdown(result))
+    plot(result, a.out_dir / f"{name}.png")
+    print(markdown(result))
+
+
 def main() -> None:
     a = arguments()
+    if a.merge:
+        write(merge(a), a)
+        return
     load_before = os.getloadavg()[0]
     result: dict[str, Any] = {"benchmark": "llm_serving_http", "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -423,17 +464,12 @@ def main() -> None:
     )
     result["note"] = (a.note + " " if a.note else "") + (
         f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at "
-        "the end (the machine was shared)."
+        "the end."
     )
     result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
                          "cpu_capability": cpu, "torch": torch.__version__}
     result["command"] = shlex.join(["python", "benchmarks/llm_serving_http.py", *sys.argv[1:]])
-    name = "llm_serving_http" + (f"_{a.tag}" if a.tag else "")
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    (a.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (a.out_dir / f"{name}.md").write_text(markdown(result))
-    plot(result, a.out_dir / f"{name}.png")
-    print(markdown(result))
+    write(result, a)
 
 
 if __name__ == "__main__":

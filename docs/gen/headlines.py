@@ -236,6 +236,23 @@ def http_spread(d: Doc) -> str:
     return ", ".join(f"{w} {span(http_ratio(d, w))}" for w in d["workloads"]) + " over repetitions"
 
 
+def http_readme(d: Doc) -> str:
+    lt, un = http_ratio(d, "long-tailed"), http_ratio(d, "uniform")
+    bound = d["workloads"]["long-tailed"]["positions_bound"]
+    ub = d["workloads"]["uniform"]["positions_bound"]
+    share = lt["median"] / bound
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "not met"
+
+    return (
+        f"long-tailed {x(lt['median'])} [{x(lt['min'])} .. {x(lt['max'])}] static batching "
+        f"(positions bound {x(bound)}: {share:.1%} of it), uniform {x(un['median'])} (bound "
+        f"{x(ub)}); goals on the long-tailed workload: >= 2x {met(lt['median'] >= 2)}, within "
+        f"10% of the bound {met(share >= 0.9)}"
+    )
+
+
 def step_profile(d: Doc) -> str:
     w = d["work_ratios"]
     steps = f", decode steps {x(w['steps'])}" if "steps" in w else ""

@@ -93,10 +93,8 @@ QUESTIONS: tuple[Question, ...] = (
             h.plan_readme,
             ("planning", "guides/planning.md"),
         ),
-        # The table re-predicts archived measurements (plan_check.py --replay): the result's
-        # own command names the archived file, which the summary must not link.
-        command="python benchmarks/plan_check.py --steps 16 --repeats 3 (measured 2026-11-26), "
-        "then --replay of that result (archived) with the current planner",
+        # The result's own command names the temporary folders it wrote to.
+        command="python benchmarks/plan_check.py --steps 16 --repeats 3",
     ),
     Question(
         "strategies_cpu",
@@ -187,6 +185,20 @@ QUESTIONS: tuple[Question, ...] = (
         h.http_spread,
     ),
     Question(
+        "llm_serving_http_gpt2_small",
+        "LLM serving over HTTP at GPT-2 small (124M, bf16), continuous vs static batching, "
+        "tokens/s at equal p99 inter-token latency",
+        h.http,
+        h.http_spread,
+        Readme(
+            "`python benchmarks/llm_serving_http.py --n-layer 12 --d-model 768 --dtype bf16 "
+            "--threads 2 --rates ... --repeats 2 --itl-objectives 100 200 400` (two rate "
+            "ranges joined with `--merge`; the result has both commands)",
+            h.http_readme,
+            ("LLM serving", "guides/llm-serving.md"),
+        ),
+    ),
+    Question(
         "llm_step_profile_gpt2_small",
         "LLM engine steps at GPT-2 small, saturated: work of static vs continuous batching",
         h.step_profile,
@@ -261,14 +273,17 @@ ARCHIVE: dict[str, str] = {
     "plan_check_model_bf0e878": "plan_check",
     "plan_check_two_terms": "plan_check",
     "plan_check_measured_2026-11-26": "plan_check",
+    "plan_check_replayed_2026-11-27": "plan_check",
     "llm_serving_http_final": "llm_serving_http_cpu",
     "llm_serving_http_long_tailed": "llm_serving_http_cpu",
     "llm_serving_http_rate4": "llm_serving_http_cpu",
     "llm_serving_http_small": "llm_serving_http_cpu",
     "llm_serving_http_both": "llm_serving_http_cpu",
+    "llm_serving_http_gpt2_small_hf": "llm_serving_http_gpt2_small",
     "tune_step_budget": "tune",
     "tune_shared_startup": "tune",
     "llm_step_profile": "llm_step_profile_gpt2_small",
+    "llm_step_profile_gpt2_small_loaded": "llm_step_profile_gpt2_small",
 }
 
 
