@@ -69,7 +69,7 @@ def test_a_retried_trial_is_judged_from_the_first_rung_and_starts_clean(
 
     # The RDB storage's heartbeat queues a stale trial through the callback open_storage gave it.
     if kind == "sqlite":
-        storage = st.open_storage(url)
+        storage = study._storage  # the RDBStorage open_storage made, behind Optuna's cache
         again = study.ask(LR)
         again.report(0.99, 20)
         assert not again.should_prune()
