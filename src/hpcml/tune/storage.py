@@ -87,12 +87,13 @@ class Requeue(RetryHeartbeatStaleTrialCallback):
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         clean = copy.copy(trial)
-        clean.system_attrs = {
+        system: dict[str, Any] = {
             k: v for k, v in trial.system_attrs.items() if not k.startswith(ATTEMPT_SYSTEM_ATTRS)
         }
         # Optuna's callback appends to the history list it finds: give it a copy.
-        if "retry_history" in clean.system_attrs:
-            clean.system_attrs["retry_history"] = list(clean.system_attrs["retry_history"])
+        if "retry_history" in system:
+            system["retry_history"] = list(system["retry_history"])
+        clean.system_attrs = system
         clean.user_attrs = {
             k: v for k, v in trial.user_attrs.items() if k not in ATTEMPT_USER_ATTRS
         }
