@@ -2,10 +2,15 @@
 (examples/tune_digits.yaml), through the real `hpcml tune`, one worker per tune, at an equal
 budget of training samples (or steps).
 
-The arms: ASHA + TPE (the example's search), Hyperband + TPE (two brackets here: one prunes
-at the first rung as ASHA does, one runs its trials to the end, so some slow starters are
-kept) and random search without pruning, each trial evaluated once, at its end (it needs no
-evaluation before). The budget: every arm gets the same `tune.sample_budget`, B =
+The arms: ASHA + TPE (the example's search: 3 random start-up trials, rungs at steps 20
+and 40), the same before this session's change (`asha+tpe before`: 5 start-up trials, rungs
+at 20 and 60, the end), and random search without pruning, each trial evaluated once, at its
+end (it needs no evaluation before); `--arms` adds Hyperband + TPE (two brackets here: one
+with ASHA's rungs at 20 and 40, one with a rung at 40 only). Random search's
+`tune.seed` is the seed, the model-guided arms' the seed + 1000, so TPE's random start-up
+trials are not random search's first points (they were, until this session: a head start
+the method did not earn); the model-guided arms share theirs, a paired comparison of them.
+The budget: every arm gets the same `tune.sample_budget`, B =
 `--budget-trials` trials of `--steps` steps at the example's batch of 32 (23,040 samples =
 12 x 60 x 32 by default): a step of batch 64 costs twice one of 32, as it does on the machine.
 A trial starts only if the largest trial (60 steps at batch 64) still fits, so no arm spends
@@ -23,7 +28,8 @@ and after half the budget (the latter free of the machine's load). Then the medi
 spread (min to max) over the seeds. With --side-by-side every tune (every arm of every seed)
 runs at once, so a change in the machine's load hits every arm alike.
 
-    python benchmarks/tune.py [--budget-trials 12] [--steps 60] [--seeds 0 1 2] [--side-by-side]
+    python benchmarks/tune.py --seeds 0 1 2 --side-by-side  # the committed result
+    python benchmarks/tune.py [--budget-trials 12] [--steps 60] [--arms ...] [--side-by-side]
     python benchmarks/tune.py --from-json benchmarks/results/tune.json  # the tables again
 
 `--startup N` first measures what starting one trial costs, N alternating rounds of a 1-step
@@ -56,7 +62,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = ROOT / "examples" / "tune_digits.yaml"
 ASHA, HYPERBAND, RANDOM = "asha+tpe", "hyperband+tpe", "random, no pruning"
-ARMS = (ASHA, HYPERBAND, RANDOM)
+ASHA_BEFORE = "asha+tpe before"
+ARMS = (ASHA, ASHA_BEFORE, HYPERBAND, RANDOM)
+SEED_OFFSET = 1000
+"""The model-guided arms' `tune.seed` is the seed plus this, random search's the seed: TPE's
+random start-up trials would otherwise be random search's first points, a head start the
+method did not earn. The model-guided arms share theirs (a paired comparison of them)."""
 BATCH = 32
 """The example's data.batch_size, the middle of its space's choices: what a budget of N trials
 is counted at in samples."""
@@ -66,9 +77,16 @@ def arm_overrides(arm: str, steps: int) -> list[str]:
     """What each arm changes in the example (whose tune section is the ASHA + TPE search)."""
     if arm == ASHA:
         return ["tune.sampler=tpe", "tune.pruner=asha"]
+    if arm == ASHA_BEFORE:  # the example's search before 3 start-up trials and rungs at 20, 40
+        return ["tune.sampler=tpe", "tune.pruner=asha", "tune.startup_trials=5",
+                "tune.reduction_factor=3"]  # fmt: skip
     if arm == HYPERBAND:
         return ["tune.sampler=tpe", "tune.pruner=hyperband"]
     return ["tune.sampler=random", "tune.pruner=none", f"train.eval_every={steps}"]
+
+
+def tune_seed(arm: str, seed: int) -> int:
+    return seed if arm == RANDOM else seed + SEED_OFFSET
 
 
 def budget_of(args: argparse.Namespace) -> tuple[str, int]:
@@ -154,7 +172,8 @@ def tune(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         out = Path(tmp) / "study"
         cmd = [
             sys.executable, "-m", "hpcml", "tune", str(CONFIG), *arm_overrides(arm, args.steps),
-            f"tune.seed={seed}", f"train.max_steps={args.steps}", f"{key}={budget}",
+            f"tune.seed={tune_seed(arm, seed)}", f"train.max_steps={args.steps}",
+            f"{key}={budget}",
             "--trials", str(budget), "--out", str(out), "--json",  # the budget ends it first
         ]  # fmt: skip
         load = os.getloadavg()[0]
@@ -175,6 +194,7 @@ def tune(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         n_val = val_samples(out)
     return {
         "seed": seed,
+        "tune_seed": tune_seed(arm, seed),
         "best_val_accuracy": result["best_value"],
         "best_params": result["best_params"],
         "val_samples": n_val,
@@ -259,7 +279,7 @@ if mode in ("cold", "warm"):
     cmd = trial.train_command(Path(sys.argv[3]), ["train.max_steps=1", "train.eval_every=1"],
                               out, 1)
     start = time.time()
-    outcome = trial.run(cmd, out, "val_accuracy", lambda p: False, launcher=launcher)
+    outcome = trial.run(cmd, out, "val_accuracy", lambda p: False, 1, launcher=launcher)
     assert outcome.state == "complete", outcome
     print(json.dumps({"ready_s": ready, "trial_s": time.time() - start, "start": start}))
 else:
@@ -322,7 +342,7 @@ def main() -> None:
     p.add_argument("--budget-unit", choices=("samples", "steps"), default="samples")
     p.add_argument("--steps", type=int, default=60, help="train.max_steps of a trial")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--arms", nargs="*", choices=ARMS, default=list(ARMS))
+    p.add_argument("--arms", nargs="*", choices=ARMS, default=[ASHA, ASHA_BEFORE, RANDOM])
     p.add_argument("--side-by-side", action="store_true", help="run every tune at once")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     p.add_argument("--startup", type=int, default=0, help="rounds of the start-up measurement")
@@ -446,7 +466,8 @@ def tune_lines(out: dict[str, Any]) -> list[str]:
         f"`{out['command']}`: every arm gets a budget of {out['budget']} training {unit} "
         f"(`tune.{unit[:-1]}_budget`), trials of at most {out['max_steps']} steps, one worker, "
         f"OMP_NUM_THREADS={out['omp_num_threads']}; random search evaluates each trial once, "
-        "at its end. Median (min to max) over the seeds. Machine: "
+        "at its end. Random search's `tune.seed` is the seed, the model-guided arms' the seed + "
+        f"{SEED_OFFSET} (no shared start-up points). Median (min to max) over the seeds. Machine: "
         f"{out['machine']['cpu_count']} cores; load average (1 min) before each tune in the "
         "last column" + (f", {cell(during)} while they ran." if during else "."),
         "",

@@ -281,6 +281,8 @@ ARCHIVE: dict[str, str] = {
     "llm_serving_http_both": "llm_serving_http_cpu",
     "llm_serving_http_gpt2_small_hf": "llm_serving_http_gpt2_small",
     "tune_step_budget": "tune",
+    "tune_shared_startup": "tune",
+    "tune_seeds_3_5": "tune",
     "llm_step_profile": "llm_step_profile_gpt2_small",
     "llm_step_profile_gpt2_small_loaded": "llm_step_profile_gpt2_small",
 }

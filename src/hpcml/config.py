@@ -397,6 +397,10 @@ class TuneConfig(_Section):
     """First step at which a trial may be pruned (`asha`'s and `hyperband`'s first rung); null:
     the first evaluation after the longest `optim.warmup_steps` the space allows (a trial still
     warming up looks worse than it is)."""
+    reduction_factor: int | None = Field(None, ge=2)
+    """`asha`, `hyperband`: each rung is this many times the step of the one before, and keeps
+    1 in this many trials; null: 3, or 2 where 3 leaves one rung that acts (at an evaluation)
+    before the longest trial's end and 2 leaves more."""
     startup_trials: int | None = Field(None, ge=0)
     """`tpe`, `cmaes`: random trials before the sampler models the space; null: Optuna's."""
     space: dict[str, TuneParam] = Field(default_factory=dict)

@@ -61,7 +61,7 @@ def start():
     # numpy: a launcher with threads, as the real one has (the run must not be their child)
     launcher = Launcher(preload=("numpy",)) if sys.argv[3] == "warm" else None
     trial.run([sys.executable, "-c", sys.argv[2], str(out)], out / "run", "val_loss",
-              lambda points: False, heartbeat=beat, heartbeat_s=0.0, launcher=launcher)
+              lambda points: False, 1, heartbeat=beat, heartbeat_s=0.0, launcher=launcher)
 threading.Thread(target=start).start()
 threading.Event().wait()
 """

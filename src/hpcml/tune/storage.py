@@ -12,12 +12,17 @@ process is gone and fails the trial at once. Elsewhere its heartbeat tells: the 
 has Optuna's (a thread in the worker); the journal storage has none, so the tuner writes the
 trial's `heartbeat` user attribute every `HEARTBEAT_S` and a trial whose last beat is
 `GRACE_S` old is failed. Either way the trial is queued again with the same parameters
-(Optuna's RetryHeartbeatStaleTrialCallback) and only its retry counts.
+(Optuna's RetryHeartbeatStaleTrialCallback) and only its retry counts. The retry starts clean:
+Optuna's callback copies the dead attempt's system and user attributes, among them the
+pruner's `completed_rung_N` (a retry that inherited rung 0 was first judged at rung 1, so it
+passed the rung where it should have been pruned) and its `heartbeat` (a retry on another host
+looked dead before its own first beat); `Requeue` drops what belonged to that attempt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -56,13 +61,43 @@ def open_storage(url: str) -> BaseStorage:
             engine_kwargs=engine,
             heartbeat_interval=HEARTBEAT_S,
             grace_period=GRACE_S,
-            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(MAX_RETRY),
+            heartbeat_stale_trial_callback=Requeue(MAX_RETRY),
         )
     except Exception as exc:  # SQLAlchemy's errors for a URL or server that cannot be used
         raise ConfigError(
             f"study storage {url} cannot be opened ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200]}); check the --storage URL and that it is reachable."
         ) from None
+
+
+ATTEMPT_SYSTEM_ATTRS = ("completed_rung_", "constraints:")
+"""Prefixes of system attributes that one attempt of a trial wrote: successive halving's rungs
+(hyperband's brackets keep theirs under the same keys) and the planner's constraint, which the
+retry sets again."""
+ATTEMPT_USER_ATTRS = frozenset(
+    {"worker", "heartbeat", "run_dir", "steps", "samples", "samples_per_step", "error",
+     "predicted_bytes", "infeasible"}
+)  # fmt: skip
+"""User attributes of one attempt (hpcml.tune.study sets each again for the retry)."""
+
+
+class Requeue(RetryHeartbeatStaleTrialCallback):
+    """Optuna's retry of a trial whose worker died (same parameters, its retry history), less
+    what the dead attempt wrote (see the module docstring)."""
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        clean = copy.copy(trial)
+        system: dict[str, Any] = {
+            k: v for k, v in trial.system_attrs.items() if not k.startswith(ATTEMPT_SYSTEM_ATTRS)
+        }
+        # Optuna's callback appends to the history list it finds: give it a copy.
+        if "retry_history" in system:
+            system["retry_history"] = list(system["retry_history"])
+        clean.system_attrs = system
+        clean.user_attrs = {
+            k: v for k, v in trial.user_attrs.items() if k not in ATTEMPT_USER_ATTRS
+        }
+        super().__call__(study, clean)
 
 
 def _journal(path: Path) -> JournalStorage:
@@ -108,7 +143,7 @@ def dead(t: FrozenTrial, beats: bool, now: float) -> bool:
 def fail_dead_trials(study: optuna.Study) -> None:
     """Fail (and queue again) RUNNING trials whose worker is gone."""
     optuna.storages.fail_stale_trials(study)  # the RDB storage's heartbeat
-    retry = RetryHeartbeatStaleTrialCallback(MAX_RETRY)
+    retry = Requeue(MAX_RETRY)
     storage, beats, now = study._storage, beats_itself(study._storage), time.time()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if not dead(t, beats, now):

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from hpcml.config import RunConfig, TuneConfig, apply_overrides, build_config, load_yaml
@@ -40,7 +39,14 @@ from hpcml.tune import budget, feasible, guard, space, tracking
 from hpcml.tune import trial as trial_run
 from hpcml.tune.launcher import OnDemand, preload_for
 from hpcml.tune.report import counts, summary, write_report
-from hpcml.tune.storage import HEARTBEAT_S, MAX_RETRY, fail_dead_trials, heartbeat, open_storage
+from hpcml.tune.storage import (
+    HEARTBEAT_S,
+    MAX_RETRY,
+    Requeue,
+    fail_dead_trials,
+    heartbeat,
+    open_storage,
+)
 
 WAIT_S = 0.5
 """A worker with nothing to start (the others' trials fill the budget) looks again this often."""
@@ -161,17 +167,19 @@ def make_sampler(tune: TuneConfig, dists: dict[str, Any], worker: int, known: in
 def make_pruner(
     tune: TuneConfig, cfg: RunConfig, dists: dict[str, Any] | None = None
 ) -> optuna.pruners.BasePruner:
-    """Rungs start at budget.first_rung (by default the first evaluation after the warmup);
-    hyperband's largest budget is the longest trial."""
+    """Rungs start at budget.first_rung (by default the first evaluation after the warmup),
+    each budget.reduction_factor times the one before; hyperband's largest budget is the
+    longest trial."""
     first = budget.first_rung(tune, cfg, dists or {})
+    eta = budget.reduction_factor(tune, cfg, dists or {})
     p = optuna.pruners
     if tune.pruner == "asha":
-        return p.SuccessiveHalvingPruner(min_resource=first, reduction_factor=3)
+        return p.SuccessiveHalvingPruner(min_resource=first, reduction_factor=eta)
     if tune.pruner == "hyperband":
         return p.HyperbandPruner(
             min_resource=first,
             max_resource=budget.trial_steps(cfg, dists or {}),
-            reduction_factor=3,
+            reduction_factor=eta,
         )
     if tune.pruner == "median":
         return p.MedianPruner(n_startup_trials=2, n_warmup_steps=first)
@@ -285,7 +293,7 @@ def run_one(
     except KeyboardInterrupt:
         # The run was stopped at a step boundary; queue the trial again for the next tune.
         if started:
-            RetryHeartbeatStaleTrialCallback(MAX_RETRY)(study, study._storage.get_trial(started[0]))
+            Requeue(MAX_RETRY)(study, study._storage.get_trial(started[0]))
         raise
 
 
@@ -322,7 +330,7 @@ def objective_body(
     info = {"study": job.study, "storage": job.storage, "trial": t.number, "params": params}
     try:
         outcome = trial_run.run(
-            command, run_dir, prep.tune.metric, report,
+            command, run_dir, prep.tune.metric, report, cfg.train.max_steps,
             heartbeat(t, t.study._storage), HEARTBEAT_S, launcher.get() if launcher else None,
         )  # fmt: skip
     except BaseException:

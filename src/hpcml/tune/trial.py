@@ -3,7 +3,8 @@
 The tuner reads the run's `run.jsonl` as the run appends to it: each evaluation record is
 reported to the study (Optuna's intermediate values), and when the pruner says stop, the run
 gets SIGINT, which `hpcml train` acts on at the next step boundary (on every rank with
-`--nproc`), writing no checkpoint; the folder's `trial.json` then says `pruned`. The process
+`--nproc`), writing no checkpoint; the folder's `trial.json` then says `pruned`. A run that has
+trained its last step is not stopped: it is complete, with its final evaluation. The process
 is tied to the tuner through a one-thread parent (hpcml.tune.guard, Linux's parent-death
 signal): a tuner killed with kill -9 leaves no training behind, and the run gets one SIGINT.
 """
@@ -142,15 +143,18 @@ def run(
     run_dir: Path,
     metric: str,
     report: Callable[[list[tuple[int, float]]], bool],
+    last_step: int,
     heartbeat: Callable[[], None] = lambda: None,
     heartbeat_s: float = 5.0,
     launcher: Launcher | None = None,
 ) -> Outcome:
-    """Run `command` (an `hpcml train` writing into `run_dir`) and pass each evaluation's
-    `metric` to `report([(step, value), ...])`, which returns True to prune the trial there.
-    Evaluations that arrived together are reported in one call (asking the pruner costs a
-    read of the study, and a tuner that asked once per evaluation fell behind a fast run). A
-    run that ends before the answer is complete, whatever the answer."""
+    """Run `command` (an `hpcml train` writing into `run_dir`, `last_step` steps) and pass each
+    evaluation's `metric` to `report([(step, value), ...])`, which returns True to prune the
+    trial there. Evaluations that arrived together are reported in one call (asking the pruner
+    costs a read of the study, and a tuner that asked once per evaluation fell behind a fast
+    run). A run that ends before the answer is complete, whatever the answer; so is one that
+    has trained its last step (a verdict at its final evaluation saves no step: stopped in its
+    last moments, it ended `interrupted` with all its training done and was recorded pruned)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tail = RecordTail(run_dir / RUN_LOG)
     curve: list[tuple[int, float]] = []
@@ -169,12 +173,16 @@ def run(
             done = proc.poll() is not None
             points = _eval_points(read(), metric, proc)
             curve += points
-            if points and report(points) and not done:
+            trained = max(steps, points[-1][0] if points else 0) >= last_step
+            if points and report(points) and not done and not trained:
                 _stop(proc)
-                curve += _eval_points(read(), metric, proc)  # what it did before it stopped
-                if _status(run_dir) != "finished":  # it may have finished meanwhile
+                late = _eval_points(read(), metric, proc)  # what it did before it stopped
+                curve += late
+                if not _ended(run_dir, curve, last_step):  # it may have finished meanwhile
                     value, step = points[-1][1], points[-1][0]
                     return Outcome("pruned", value, step, curve=curve, steps=steps)
+                if late:
+                    report(late)
                 done = True
             if done:
                 break
@@ -187,9 +195,15 @@ def run(
             _stop(proc)
         raise
     assert proc.returncode is not None
-    outcome = _finished(proc.returncode, run_dir, metric, curve)
+    outcome = _finished(proc.returncode, run_dir, metric, curve, last_step)
     outcome.steps = steps
     return outcome
+
+
+def _ended(run_dir: Path, curve: list[tuple[int, float]], last_step: int) -> bool:
+    """Whether the run finished, or evaluated its last step (a SIGINT that came after it then
+    stopped only the writing of its summary: `interrupted`, its training done)."""
+    return _status(run_dir) == "finished" or bool(curve and curve[-1][0] >= last_step)
 
 
 def _eval_points(
@@ -222,10 +236,15 @@ def _status(run_dir: Path) -> str | None:
     return _summary(run_dir).get("status")
 
 
-def _finished(rc: int, run_dir: Path, metric: str, curve: list[tuple[int, float]]) -> Outcome:
+def _finished(
+    rc: int, run_dir: Path, metric: str, curve: list[tuple[int, float]], last_step: int
+) -> Outcome:
     """A run that wrote its finished summary is complete, even if a SIGINT sent as it ended
-    made its exit code 130."""
+    made its exit code 130; so is one interrupted after it evaluated its last step, with
+    that evaluation's value."""
     summary = _summary(run_dir)
+    if summary.get("status") == "interrupted" and _ended(run_dir, curve, last_step):
+        return Outcome("complete", curve[-1][1], curve[-1][0], curve=curve)
     if summary.get("status") != "finished":
         return Outcome("failed", error=f"exit code {rc}: {_last_error(run_dir / LOG_FILE)}")
     final = summary.get("final") or {}
