@@ -47,6 +47,9 @@ class RunSetup:
     """where the run was trained (summary.json's run_dir: a copied folder keeps it)."""
     record_sha256: str = ""
     """sha256 of the run's measurements (summary.json's throughput and memory blocks)."""
+    traced_peak_bytes: float | None = None
+    """the peak per rank of the run's own step traced on fake tensors for its own layout
+    (summary.json's memory_trace, when it traced this world size and strategy)."""
 
 
 def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
@@ -189,7 +192,20 @@ def setup_from_summary(
         strategy=strategy,
         run_dir=str(summary.get("run_dir") or ""),
         record_sha256=_record_sha256(summary),
+        traced_peak_bytes=_traced_peak(summary, world, strategy, tp),
     )
+
+
+def _traced_peak(summary: Mapping[str, Any], world: int, strategy: str, tp: int) -> float | None:
+    """memory_trace's peak where it traced the run's own layout: its world size, and its
+    strategy (one process: `single`)."""
+    trace = summary.get("memory_trace")
+    if not isinstance(trace, Mapping) or trace.get("peak_bytes") is None or tp > 1:
+        return None
+    same = int(trace.get("devices") or 0) == world and (
+        world == 1 or str(trace.get("strategy")) == strategy
+    )
+    return float(trace["peak_bytes"]) if same else None
 
 
 def _traced_activations(
