@@ -259,7 +259,7 @@ class TrainConfig(_Section):
     process or ddp, its peak) from it: `auto` takes the trace from the per-user cache
     (`$HPCML_CACHE_DIR`, else `~/.cache/hpcml`) when the same step was traced before, else
     traces it and stores it; `always` traces afresh; `never` traces nothing. On the CPU,
-    anything but `never` also traces the run's own second step as it runs (live tensor bytes
+    anything but `never` also traces the run's own third step as it runs (live tensor bytes
     at their peak, summary.json's `traced_peak_bytes`), which `plan check` compares with the
     predicted peak."""
     compile: bool = False

@@ -111,11 +111,11 @@ CASES = {
 
 def _live_step_peak(parts: dict[str, Any]) -> int:
     """The run's own measurement (hpcml.train.peaktrace, what every CPU run records): the
-    second real step traced by the dispatcher, its batch made inside it as a run loads it."""
+    third real step traced by the dispatcher, its batch made inside it as a run loads it."""
     model = parts["build"]()
     optimizer = parts["make_optimizer"](model)
-    peak = StepPeak(model, optimizer, last=2, enabled=True)
-    for n in (1, 2):
+    peak = StepPeak(model, optimizer, last=3, enabled=True)
+    for n in (1, 2, 3):
         with peak.step(n):
             run_step(model, optimizer, parts["make_batches"](), parts["loss_fn"])
     return int(peak.result()["traced_peak_bytes"])
@@ -195,13 +195,13 @@ def test_trace_refuses_options_the_config_sets(tmp_path: Path) -> None:
 def test_a_run_off_the_cnn_table_is_predicted_from_its_own_traced_step(tmp_path: Path) -> None:
     """resnet18 on 3x16x16 images: the planner's table is 3x32x32 (4x the activations); the
     run traces its own step and its prediction block uses it. Its peak, predicted by that
-    trace, is checked against the run's second step, traced by allocation as it ran."""
+    trace, is checked against the run's third step, traced by allocation as it ran."""
     config = tmp_path / "cnn16.yaml"
     config.write_text(
         "model: {name: resnet18}\n"
         "data: {source: synthetic, synthetic_samples: 32, synthetic_shape: [3, 16, 16], "
         "batch_size: 4}\n"
-        "train: {max_steps: 2, eval_every: 0}\n"
+        "train: {max_steps: 3, eval_every: 0}\n"
         "precision: fp32\n"
     )
     run = tmp_path / "run"
@@ -217,7 +217,7 @@ def test_a_run_off_the_cnn_table_is_predicted_from_its_own_traced_step(tmp_path:
     assert abs(acts["ratio"] - 1) <= GOAL, acts
     assert any("at 3x16x16" in n for n in summary["prediction"]["notes"])
     memory = summary["memory"]
-    assert memory["traced_peak_step"] == 2
+    assert memory["traced_peak_step"] == 3
     peak = rows["peak_bytes"]
     assert peak["measured"] == memory["traced_peak_bytes"]
     assert peak["predicted"] == summary["memory_trace"]["peak_bytes"]

@@ -40,13 +40,13 @@ def test_peak_follows_allocations_frees_views_and_resizes() -> None:
 
 
 def test_a_steady_step_is_traced_with_its_states_and_gradients() -> None:
-    """The second step of a Linear under SGD with momentum: parameters, momentum and the
+    """The third step of a Linear under SGD with momentum: parameters, momentum and the
     previous step's gradient alive at its start; zero_grad frees that gradient before the
     forward, so the peak holds one gradient, not two."""
     torch.manual_seed(0)
     model = nn.Linear(1000, 1000, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
-    peak = StepPeak(model, opt, last=3, enabled=True)
+    peak = StepPeak(model, opt, last=4, enabled=True)
 
     def step(n: int) -> None:
         with peak.step(n):
@@ -55,10 +55,10 @@ def test_a_steady_step_is_traced_with_its_states_and_gradients() -> None:
             model(x).square().mean().backward()
             opt.step()
 
-    for n in (1, 2, 3):
+    for n in (1, 2, 3, 4):
         step(n)
     out = peak.result()
-    assert out["traced_peak_step"] == 2
+    assert out["traced_peak_step"] == 3
     # weight + momentum + one gradient, plus the 8 x 1000 input, output and its gradient
     # (32 KB each) and a few scalars: 12 MB and under 0.2 MB more.
     assert 3 * MB4 <= out["traced_peak_bytes"] < 3 * MB4 + 200_000

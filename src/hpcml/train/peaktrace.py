@@ -57,7 +57,7 @@ class LiveBytes(TorchDispatchMode):
         self.total = 0
         self.peak = 0
         self.at_peak: dict[str, int] = dict(self.by_kind)
-        self.in_optimizer = False
+        self.in_optimizer = 0  # optimizer steps running (ZeroRedundancyOptimizer nests one)
         self._undo: list[Any] = []
 
     # --- the count -------------------------------------------------------------------------
@@ -80,8 +80,9 @@ class LiveBytes(TorchDispatchMode):
             self.total -= entry[1]
 
     def phase(self) -> str:
-        """What is creating storages now: forward, backward (autograd's engine is running a
-        node: recomputation of checkpointed activations included) or the optimizer step."""
+        """What is creating storages now: backward (autograd's engine is running a node:
+        recomputation of checkpointed activations included), the optimizer step, or else
+        `forward` (the loss and gradient clipping too)."""
         if self.in_optimizer:
             return "optimizer_step"
         return "forward" if torch._C._current_autograd_node() is None else "backward"
@@ -143,17 +144,17 @@ class LiveBytes(TorchDispatchMode):
             tracer._resized(st)
             return out
 
-        def optimizing(on: bool) -> Any:
+        def optimizing(change: int) -> Any:
             def hook(*_: Any) -> None:
-                tracer.in_optimizer = on
+                tracer.in_optimizer += change
 
             return hook
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
         self._undo = [
             lambda: setattr(torch.UntypedStorage, "resize_", orig),
-            register_optimizer_step_pre_hook(optimizing(True)).remove,
-            register_optimizer_step_post_hook(optimizing(False)).remove,
+            register_optimizer_step_pre_hook(optimizing(1)).remove,
+            register_optimizer_step_post_hook(optimizing(-1)).remove,
         ]
         super().__enter__()
         return self
@@ -166,9 +167,10 @@ class LiveBytes(TorchDispatchMode):
 
 
 class StepPeak:
-    """Traces one chosen step of the Trainer's loop (the second this process runs, the first
-    when it runs one: the second is steady, its optimizer states exist from its start) on the
-    CPU; `result()` is the summary's memory fields for this rank."""
+    """Traces one step of the Trainer's loop on the CPU: the third this process runs (steady:
+    its optimizer states exist from its start, and DDP rebuilt its buckets in the second),
+    or its last when it runs fewer; `result()` is the summary's memory fields for this rank.
+    Steps up to the third are warm-up to the step-time median (StepMeter.throughput)."""
 
     def __init__(self, model: nn.Module, optimizer: Any, last: int, enabled: bool) -> None:
         self.model, self.optimizer = model, optimizer
@@ -210,7 +212,7 @@ class StepPeak:
     def step(self, number: int) -> Iterator[None]:
         """Wraps the Trainer's whole step `number` (forward, backward, optimizer)."""
         if self.when is None:
-            self.when = min(number + 1, self.last)
+            self.when = min(number + 2, self.last)
         if not self.enabled or number != self.when:
             yield
             return
