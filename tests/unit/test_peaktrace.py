@@ -75,3 +75,19 @@ def test_off_steps_are_not_traced() -> None:
         with peak.step(n):
             model(torch.ones(1, 4)).sum().backward()
     assert peak.result() == {"traced_peak_bytes": None}
+
+
+def test_an_output_it_cannot_read_ends_the_count_not_the_step() -> None:
+    """A sparse tensor has no storage to follow: the count stops and says why, and the step
+    it measured runs to its end (a measurement must never fail a run)."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    peak = StepPeak(model, opt, last=1, enabled=True)
+    with peak.step(1):
+        sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,))
+        model(sparse.to_dense().unsqueeze(0)).sum().backward()
+        opt.step()
+    assert model.weight.grad is not None
+    out = peak.result()
+    assert out["traced_peak_bytes"] is None
+    assert "RuntimeError" in out["traced_peak_error"], out

@@ -160,6 +160,9 @@ class Layout:
     """ZeRO-2/3 (FSDP2) with grad_accum > 1: `step` keeps unsharded gradients through the
     accumulation (reduced once per step); `micro_batch` reduce-scatters every micro-batch and
     keeps only the shard (hpcml's parallel.accum_reduce)."""
+    keep_gathered: bool = False
+    """ZeRO-3 as FSDP2 with reshard_after_forward=False (hpcml's zero2): every unit stays
+    gathered from its forward to its backward, the whole model at backward's start."""
     zero1_whole_tensors: bool = False
     """ZeRO-1 as torch's ZeroRedundancyOptimizer (hpcml's zero1) shards the optimizer state:
     whole parameter tensors per rank (hpcml.plan.zero1). False: by elements, 1/dp each
@@ -521,7 +524,8 @@ def per_device_bytes(
         # estimator counts the largest layer, deepspeed/runtime/zero/stage3.py), gathered in
         # the compute type: FSDP2's MixedPrecisionPolicy casts fp32 shards to bf16 before the
         # all-gather (hpcml's bf16), and DeepSpeed's bf16 weights are bf16 already.
-        buffers += 2.0 * largest_layer_params(model, layout) * training.compute_bytes
+        gathered = n_params if layout.keep_gathered else 2.0 * largest_layer_params(model, layout)
+        buffers += gathered * training.compute_bytes
 
     # torch's foreach Adam builds one state-sized temporary (the sqrt of the second moment).
     opt_temp = 0.0

@@ -135,8 +135,8 @@ def setup_from_summary(
     if strategy == "zero2" and world // tp > 1:
         shape_notes.append(
             "hpcml's zero2 (FSDP2, reshard_after_forward=False) keeps parameter shards between "
-            "steps, so model states are predicted as ZeRO-3; the whole model gathered during "
-            "forward and backward is not in the prediction's buffers"
+            "steps, so model states are predicted as ZeRO-3, and the whole model gathered from "
+            "forward to backward as its buffers"
         )
     decay = float(get_path(config, "optim", "weight_decay", default=0.0) or 0.0)
     if model.param_tensor_sizes and (
@@ -164,6 +164,7 @@ def setup_from_summary(
         # hpcml's zero1 is torch's ZeroRedundancyOptimizer: whole tensors per rank. Measured on
         # mlp, the busiest rank held 1.84x the even split the planner used to predict.
         zero1_whole_tensors=strategy == "zero1",
+        keep_gathered=strategy == "zero2",
         accum_reduce=str(get_path(config, "parallel", "accum_reduce", default="step")),
     )
 

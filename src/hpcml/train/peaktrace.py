@@ -58,6 +58,8 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.at_peak: dict[str, int] = dict(self.by_kind)
         self.in_optimizer = 0  # optimizer steps running (ZeroRedundancyOptimizer nests one)
+        self.failed: str | None = None
+        """why counting stopped (an operator's output it could not read), or None"""
         self._undo: list[Any] = []
 
     # --- the count -------------------------------------------------------------------------
@@ -120,16 +122,24 @@ class LiveBytes(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which are seen
         out = func(*args, **(kwargs or {}))
-        fresh = _fresh_outputs(func)
-        if fresh is not False:
-            kind = self.phase()
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    for st in get_untyped_storages(t):
-                        if fresh or st._cdata not in self.live:
-                            self.add(st, kind)
-            self.note_peak()
+        if self.failed is None:
+            try:
+                self._count(func, out)
+            except Exception as exc:  # a measurement must never fail the step it measures
+                self.failed = f"{type(exc).__name__}: {exc}"[:200]
         return out
+
+    def _count(self, func: Any, out: Any) -> None:
+        fresh = _fresh_outputs(func)
+        if fresh is False:
+            return
+        kind = self.phase()
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                for st in get_untyped_storages(t):
+                    if fresh or st._cdata not in self.live:
+                        self.add(st, kind)
+        self.note_peak()
 
     def __enter__(self) -> LiveBytes:
         from torch.optim.optimizer import (
@@ -141,7 +151,11 @@ class LiveBytes(TorchDispatchMode):
 
         def resize_(st: torch.UntypedStorage, size: int) -> Any:
             out = orig(st, size)
-            tracer._resized(st)
+            if tracer.failed is None:
+                try:
+                    tracer._resized(st)
+                except Exception as exc:  # as in __torch_dispatch__
+                    tracer.failed = f"{type(exc).__name__}: {exc}"[:200]
             return out
 
         def optimizing(change: int) -> Any:
@@ -229,6 +243,8 @@ class StepPeak:
     def result(self) -> dict[str, Any]:
         if self.tracer is None:
             return {"traced_peak_bytes": None}
+        if self.tracer.failed is not None:
+            return {"traced_peak_bytes": None, "traced_peak_error": self.tracer.failed}
         return {
             "traced_peak_bytes": int(self.tracer.peak),
             "traced_peak_step": self.traced_step,
