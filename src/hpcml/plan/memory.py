@@ -72,6 +72,9 @@ class Training:
     grad_dtype: str | None = None
     """Gradient (and reduce) element type: fp32 as FSDP2's MixedPrecisionPolicy with
     reduce_dtype=float32 and Megatron-LM's main_grads keep them; default: the weights' type."""
+    fused: bool = False
+    """The optimizer's fused kernel (hpcml train's, where torch has one): one kernel per step
+    and no temporaries; False: torch's foreach implementation (its default on CUDA)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", normalize_precision(self.precision))
@@ -529,7 +532,7 @@ def per_device_bytes(
 
     # torch's foreach Adam builds one state-sized temporary (the sqrt of the second moment).
     opt_temp = 0.0
-    if training.optimizer in ("adamw", "adam") and layout.offload == "none":
+    if training.optimizer in ("adamw", "adam") and layout.offload == "none" and not training.fused:
         opt_temp = opt_elements * 4.0
 
     # DDP (ZeRO-1 under it) reduces in buckets that hold every gradient from the first

@@ -121,7 +121,10 @@ def setup_from_summary(
     opt_name = str(get_path(config, "optim", "name", default="adamw")).lower()
     if opt_name == "sgd" and float(get_path(config, "optim", "momentum", default=0.9) or 0) == 0:
         opt_name = "sgd-nomomentum"
-    training = Training(precision=precision, optimizer=opt_name, weights=training_weights)
+    # hpcml.train.schedule.build_optimizer takes torch's fused kernel (CPU and CUDA have one)
+    training = Training(
+        precision=precision, optimizer=opt_name, weights=training_weights, fused=True
+    )
 
     strategy = str(get_path(config, "parallel", "strategy", default="ddp")).lower()
     if strategy not in _STRATEGY_ZERO:
