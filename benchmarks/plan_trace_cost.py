@@ -3,9 +3,10 @@ taken from the per-user cache after the first run of a config) and the allocatio
 one real step (hpcml.train.peaktrace), in CPU seconds of this process.
 
 For each zoo model at the test suite's sizes (one process, fp32, AdamW):
-- `trace cold`: `summary_trace` with an empty cache (traces and stores);
-- `trace cached`: the same call again (the key, from the config and the source of the model's
-  classes, and one JSON read);
+- `trace cold`: `summary_trace` with an empty cache (traces and stores), the first call in a
+  fresh process, as in every `hpcml train` (its imports and first-call costs included);
+- `trace cached`: the same in another fresh process, the cache now holding the trace (the
+  key, from the config and the source of the model's classes, and one JSON read);
 - `step` and `step traced`: one steady training step without and with the step-peak tracer,
   interleaved in pairs so that the machine's load hits both alike; the difference of their
   medians is what a run pays once.
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,25 +67,58 @@ def _cpu(fn: Any) -> float:
     return time.process_time() - t0
 
 
-def measure(name: str, spec: dict[str, Any], repeats: int) -> dict[str, Any]:
+def _config(name: str) -> Any:
+    from hpcml.config import build_config
+
+    return build_config({**MODELS[name], "precision": "fp32", "train": {"max_steps": 4}})
+
+
+def child(name: str) -> None:
+    """In a fresh process (as every `hpcml train` is): the CPU seconds of the run's
+    summary_trace call, its first in the process, against the cache in $HPCML_CACHE_DIR."""
+    from hpcml.train.memtrace import summary_trace
+    from hpcml.train.validate import resolve
+
+    cfg = _config(name)
+    res = resolve(cfg, 1)
+    t0 = time.process_time()
+    out = summary_trace(cfg, res, 1) or {}
+    print(json.dumps({"cpu_s": time.process_time() - t0, "source": out.get("source")}))
+
+
+def _in_child(name: str, cache: str) -> tuple[float, str]:
+    env = {**os.environ, "HPCML_CACHE_DIR": cache, "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", name, "--corpus", os.environ["HPCML_BENCH_CORPUS"]],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(got["cpu_s"]), str(got["source"])
+
+
+def measure(name: str, repeats: int) -> dict[str, Any]:
     import torch
 
-    from hpcml.config import build_config
     from hpcml.models.memtrace import run_step
     from hpcml.train.losses import resolve_loss
-    from hpcml.train.memtrace import summary_trace
     from hpcml.train.peaktrace import StepPeak
     from hpcml.train.schedule import build_optimizer, param_groups
     from hpcml.train.validate import resolve
 
-    cfg = build_config({**spec, "precision": "fp32", "train": {"max_steps": 4}})
+    cfg = _config(name)
     res = resolve(cfg, 1)
     cold, warm = [], []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as cache:
-            os.environ["HPCML_CACHE_DIR"] = cache
-            cold.append(_cpu(lambda: summary_trace(cfg, res, 1)))
-            warm.append(_cpu(lambda: summary_trace(cfg, res, 1)))
+            cpu, source = _in_child(name, cache)
+            assert source == "traced", source
+            cold.append(cpu)
+            cpu, source = _in_child(name, cache)
+            assert source == "cache", source
+            warm.append(cpu)
     from hpcml.models.zoo import build_model
 
     model = build_model(cfg.model.name, res.model_args).train()
@@ -127,7 +162,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--corpus", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child:
+        if a.corpus:
+            MODELS["gpt-tiny"]["data"]["path"] = a.corpus
+        child(a.child)
+        return
     import torch
 
     from hpcml.data.sources.tokens import prepare_pystdlib
@@ -136,8 +178,9 @@ def main() -> None:
     corpus = Path(tempfile.mkdtemp()) / "corpus"
     prepare_pystdlib(corpus, val_fraction=0.2, max_bytes=200_000)
     MODELS["gpt-tiny"]["data"]["path"] = str(corpus)
+    os.environ["HPCML_BENCH_CORPUS"] = str(corpus)
     load_before = os.getloadavg()
-    rows = [measure(name, spec, a.repeats) for name, spec in MODELS.items()]
+    rows = [measure(name, a.repeats) for name in MODELS]
     result = {
         "command": f"PYTHONPATH=src python benchmarks/plan_trace_cost.py --repeats {a.repeats}",
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
