@@ -21,6 +21,7 @@ below the dispatcher (oneDNN scratch, gloo's own buffers) and tensors made on ot
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Iterator
@@ -72,7 +73,10 @@ class LiveBytes(TorchDispatchMode):
         self.live[key] = (kind, nbytes)
         self.by_kind[kind] += nbytes
         self.total += nbytes
-        self._refs[key] = weakref.ref(st, lambda _ref, key=key: self._freed(key))
+        self._refs[key] = weakref.ref(st, functools.partial(self._on_death, key))
+
+    def _on_death(self, key: int, _ref: Any) -> None:
+        self._freed(key)
 
     def _freed(self, key: int) -> None:
         self._refs.pop(key, None)
@@ -164,7 +168,7 @@ class LiveBytes(TorchDispatchMode):
 
             return hook
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         self._undo = [
             lambda: setattr(torch.UntypedStorage, "resize_", orig),
             register_optimizer_step_pre_hook(optimizing(1)).remove,
