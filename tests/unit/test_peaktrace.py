@@ -17,12 +17,13 @@ MB4 = 1000 * 1000 * 4  # a 1000 x 1000 float32 tensor
 
 def test_peak_follows_allocations_frees_views_and_resizes() -> None:
     weight = torch.zeros(1000, 1000)  # alive before: 4 MB
+    dataset = torch.zeros(2000, 1000)  # alive before, not the step's: 8 MB never counted
     gathered = torch.UntypedStorage(0)  # an FSDP2-style storage, empty between steps
     tracer = LiveBytes()
     tracer.add_tensor(weight, "params")
     with tracer:
         a = torch.ones(1000, 1000)  # 8 MB alive
-        view = a.t()  # a view: no new memory
+        view = dataset[:10]  # a view (of memory the step did not allocate): nothing new
         b = a * 2  # 12 MB: the first peak
         assert tracer.peak == 3 * MB4  # the view added nothing
         del a, view  # 8 MB
@@ -70,8 +71,8 @@ def test_a_steady_step_is_traced_with_its_states_and_gradients() -> None:
 
 def test_off_steps_are_not_traced() -> None:
     model = nn.Linear(4, 4)
-    peak = StepPeak(model, torch.optim.SGD(model.parameters(), lr=0.1), last=5, enabled=False)
-    for n in (1, 2):
+    peak = StepPeak(model, torch.optim.SGD(model.parameters(), lr=0.1), last=3, enabled=False)
+    for n in (1, 2, 3):
         with peak.step(n):
             model(torch.ones(1, 4)).sum().backward()
     assert peak.result() == {"traced_peak_bytes": None}
