@@ -249,9 +249,10 @@ def test_plan_trace_auto_reads_a_cache_keyed_by_what_the_step_computes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """train.plan_trace: `auto` traces every run, once per step it computes: a second run of
-    the same config reads the per-user cache; another input shape or micro-batch is traced
-    anew (a trace of 3x32x32 answering for 3x16x16 was the table's bug); `always` traces
-    afresh; `never` nothing."""
+    the same config reads the per-user cache; another input shape (for the mlp also another
+    first layer) or micro-batch is traced anew (a trace of 3x32x32 answering for 3x16x16 was
+    the table's bug; a key without the micro-batch fails here); `always` traces afresh;
+    `never` nothing."""
     from hpcml.config import build_config
     from hpcml.train.memtrace import summary_trace
     from hpcml.train.trace_cache import cache_dir
