@@ -180,6 +180,7 @@ QUANTITIES = [
     "model_states_bytes",
     "activations_bytes",
     "states_plus_activations_bytes",
+    "peak_bytes",  # the busiest rank's step peak, traced by allocation as it ran (CPU)
     "step_time_s",
 ]
 MEMORY = (
@@ -189,6 +190,7 @@ MEMORY = (
     "model_states_bytes",
     "activations_bytes",
     "states_plus_activations_bytes",
+    "peak_bytes",
     "peak_allocated_bytes",
 )
 

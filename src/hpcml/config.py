@@ -255,10 +255,13 @@ class TrainConfig(_Section):
     N+1-th, ...); 1 recomputes all. Ignored by the other policies."""
     plan_trace: Literal["auto", "always", "never"] = "auto"
     """Trace one step of the run's own config on fake tensors at its end (as `hpcml plan memory
-    --trace` does) so that summary.json's prediction takes its activations from it: `auto`
-    traces when the planner has no activations of its own for the model (a zoo CNN off its
-    3x32x32 table) or when the training steps took 60 s or more (a trace took 0.06-0.5 s of
-    CPU on the zoo models); `always`; `never`."""
+    --trace` does) so that summary.json's prediction takes its activations (and, for one
+    process or ddp, its peak) from it: `auto` takes the trace from the per-user cache
+    (`$HPCML_CACHE_DIR`, else `~/.cache/hpcml`) when the same step was traced before, else
+    traces it and stores it; `always` traces afresh; `never` traces nothing. On the CPU,
+    anything but `never` also traces the run's own third step as it runs (live tensor bytes
+    at their peak, summary.json's `traced_peak_bytes`), which `plan check` compares with the
+    predicted peak."""
     compile: bool = False
     """torch.compile each block (or the whole model when it has no blocks)."""
     eval_sets: dict[str, str] | None = None

@@ -87,8 +87,15 @@ def test_every_run_carries_its_prediction(runs: dict[str, Path]) -> None:
 
 
 def test_memory_rows_compare_activations_and_peak(runs: dict[str, Path]) -> None:
+    """The peak too: predicted by the run's traced step, measured by allocation tracing of
+    the run's own third step (hpcml.train.peaktrace), not the sum of two other rows."""
     for label, rep in _reports(runs).items():
-        for q in ("model_states_bytes", "activations_bytes", "states_plus_activations_bytes"):
+        for q in (
+            "model_states_bytes",
+            "activations_bytes",
+            "states_plus_activations_bytes",
+            "peak_bytes",
+        ):
             row = _row(rep, q)
             assert row.ok, (label, q, row.ratio)
 
@@ -130,9 +137,16 @@ def test_every_run_uses_its_traced_step(runs: dict[str, Path]) -> None:
     assert formula["predicted"] != pytest.approx(traced, rel=1e-4)
     # Both paths are measured against the probe's saved bytes, within the 10% goal.
     assert rows["activations_bytes"]["ok"] and formula["ok"]
+    # plan_trace auto: every run, a short one too (its trace from the per-user cache when
+    # the same step was traced before), for its own input shape
     mlp = json.loads((runs["mlp"] / "summary.json").read_text())
-    assert "memory_trace" not in mlp  # plan_trace auto: a few seconds of training, no trace
-    assert "activations_formula_bytes" not in {r["quantity"] for r in mlp["prediction"]["rows"]}
+    trace = mlp["memory_trace"]
+    assert trace["input_shape"] == [3, 32, 32] and trace["source"] in ("traced", "cache")
+    rows = {r["quantity"]: r for r in mlp["prediction"]["rows"]}
+    assert rows["activations_bytes"]["predicted"] == pytest.approx(
+        trace["activations_bytes_per_sample"] * trace["micro_batch"]
+    )
+    assert rows["peak_bytes"]["predicted"] == trace["peak_bytes"]
 
 
 def test_a_run_calibrated_on_itself_is_refused(runs: dict[str, Path]) -> None:

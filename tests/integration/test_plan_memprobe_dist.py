@@ -68,6 +68,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from hpcml.models.zoo import build_model, count_parameters
     from hpcml.train.losses import cross_entropy
     from hpcml.train.memprobe import SavedActivationProbe
+    from hpcml.train.peaktrace import StepPeak
     from hpcml.train.schedule import param_groups
 
     base = init_runtime("cpu", "gloo", 120.0)
@@ -95,12 +96,17 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             x = torch.randn(BATCH, 3, 32, 32, generator=g)
             y = torch.randint(0, 10, (BATCH,), generator=g)
         probe = SavedActivationProbe(model)
-        with probe.sample():
-            loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        peak = StepPeak(model, opt, last=3, enabled=True)  # traces the third, steady step
+        for step in (1, 2, 3):
+            with peak.step(step):
+                opt.zero_grad(set_to_none=True)  # as the Trainer's step begins
+                with probe.sample():
+                    loss = cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
         mem: dict[str, Any] = local_state_bytes(unwrap(model), opt)
         mem.update(probe.result(rt.device))
+        mem.update(peak.result())
         per_rank = all_gather_object(rt, mem)
         results.append(
             {
@@ -112,7 +118,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                     "data": {"batch_size": BATCH},
                     "parallel": {"strategy": strategy, "tp": tp, "sequence_parallel": sp},
                     "optim": {"name": "adamw", "weight_decay": decay},
-                    "train": {"grad_accum": 1},
+                    "train": {"grad_accum": 1, "max_steps": 3},
                 },
                 "model": {"name": name, "args": args, "parameters": n_params},
                 "memory": {"per_rank": per_rank},
@@ -183,3 +189,25 @@ def test_sharding_shows_in_the_measurement(summaries: list[dict[str, Any]]) -> N
         < tp["saved_activation_bytes"]
         < ddp["saved_activation_bytes"]
     )
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_peak_is_checked_on_every_rank(summaries: list[dict[str, Any]], case: int) -> None:
+    """plan check's peak rows: the busiest rank's and each rank's measured peak (the second
+    step traced by allocation as it ran, hpcml.train.peaktrace) against the prediction."""
+    summary = summaries[case]
+    per_rank = summary["memory"]["per_rank"]
+    rows = {r["quantity"]: r for r in predict_summary(summary, load_catalog())["rows"]}
+    measured = [r["traced_peak_bytes"] for r in per_rank]
+    assert rows["peak_bytes"]["measured"] == max(measured)
+    for rank, m in enumerate(measured):
+        row = rows[f"peak_bytes rank {rank}"]
+        assert row["measured"] == m and row["predicted"] == rows["peak_bytes"]["predicted"]
+    for r in per_rank:
+        # what was alive at the peak adds up to it, and the rank's parameters were in it
+        assert sum(r["traced_at_peak"].values()) == r["traced_peak_bytes"]
+        assert r["traced_at_peak"]["params"] == r["params_bytes"]
+    if CASES[case][1] == "ddp":
+        # DDP's buckets hold every gradient from one step to the next (zero_grad drops the
+        # views, not the buckets): alive at the peak, which a tracer blind to them misses.
+        assert all(r["traced_at_peak"]["grads"] == r["grads_bytes"] for r in per_rank)

@@ -27,8 +27,9 @@ from torch import nn
 
 from hpcml.config import load_config
 from hpcml.models.allocations import measure_step_peak_bytes
-from hpcml.models.memtrace import trace_step
+from hpcml.models.memtrace import run_step, trace_step
 from hpcml.models.zoo import build_model
+from hpcml.train.peaktrace import StepPeak
 
 GOAL = 0.10  # hpcml.plan.check.MEMORY_GOAL
 
@@ -108,6 +109,18 @@ CASES = {
 }
 
 
+def _live_step_peak(parts: dict[str, Any]) -> int:
+    """The run's own measurement (hpcml.train.peaktrace, what every CPU run records): the
+    third real step traced by the dispatcher, its batch made inside it as a run loads it."""
+    model = parts["build"]()
+    optimizer = parts["make_optimizer"](model)
+    peak = StepPeak(model, optimizer, last=3, enabled=True)
+    for n in (1, 2, 3):
+        with peak.step(n):
+            run_step(model, optimizer, parts["make_batches"](), parts["loss_fn"])
+    return int(peak.result()["traced_peak_bytes"])
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_traced_peak_matches_the_allocator(case: str) -> None:
     parts = CASES[case]()
@@ -116,6 +129,10 @@ def test_traced_peak_matches_the_allocator(case: str) -> None:
     ratio = traced.peak_bytes / measured
     print(f"{case}: traced {traced.peak_bytes:,} B, measured {measured:,} B, ratio {ratio:.3f}")
     assert abs(ratio - 1) <= GOAL, (case, traced.to_dict(), measured)
+    # A run's measured peak (dispatcher) against the allocator's, on the same step.
+    live = _live_step_peak(parts)
+    print(f"{case}: run's traced step {live:,} B, allocator {measured:,} B")
+    assert abs(live / measured - 1) <= GOAL, (case, live, measured)
     # The categories add up to the peak, and the model states are the model's own bytes.
     assert sum(traced.at_peak.values()) == traced.peak_bytes
     model = parts["build"]()
@@ -156,7 +173,8 @@ def test_cli_traces_a_config_at_its_own_input_size(tmp_path: Path) -> None:
     optim = load_config(_resnet_config(tmp_path, 64)).optim
     parts = _resnet_case(64, 2)
     parts["make_optimizer"] = lambda m: build_optimizer(param_groups(m, optim), optim, 2)
-    measured = measure_step_peak_bytes(**parts)
+    # ddp on 2 devices: every rank keeps DDP's gradient buckets through zero_grad
+    measured = measure_step_peak_bytes(**parts, keep_grads=True)
     assert abs(large["peak_bytes"] / measured - 1) <= GOAL, (large["peak_bytes"], measured)
     # The formula path: the table covers 3x32x32 only, and says so at 3x64x64.
     assert small["formula"]["activations_bytes"] > 0
@@ -176,13 +194,14 @@ def test_trace_refuses_options_the_config_sets(tmp_path: Path) -> None:
 
 def test_a_run_off_the_cnn_table_is_predicted_from_its_own_traced_step(tmp_path: Path) -> None:
     """resnet18 on 3x16x16 images: the planner's table is 3x32x32 (4x the activations); the
-    run traces its own step and its prediction block uses it."""
+    run traces its own step and its prediction block uses it. Its peak, predicted by that
+    trace, is checked against the run's third step, traced by allocation as it ran."""
     config = tmp_path / "cnn16.yaml"
     config.write_text(
         "model: {name: resnet18}\n"
         "data: {source: synthetic, synthetic_samples: 32, synthetic_shape: [3, 16, 16], "
         "batch_size: 4}\n"
-        "train: {max_steps: 1, eval_every: 0}\n"
+        "train: {max_steps: 3, eval_every: 0}\n"
         "precision: fp32\n"
     )
     run = tmp_path / "run"
@@ -197,6 +216,12 @@ def test_a_run_off_the_cnn_table_is_predicted_from_its_own_traced_step(tmp_path:
     # from the trace; with the 32x32 table the ratio was about 4.
     assert abs(acts["ratio"] - 1) <= GOAL, acts
     assert any("at 3x16x16" in n for n in summary["prediction"]["notes"])
+    memory = summary["memory"]
+    assert memory["traced_peak_step"] == 3
+    peak = rows["peak_bytes"]
+    assert peak["measured"] == memory["traced_peak_bytes"]
+    assert peak["predicted"] == summary["memory_trace"]["peak_bytes"]
+    assert abs(peak["ratio"] - 1) <= GOAL, peak
 
 
 def test_zero3_is_traced_sharded_over_a_fake_process_group(tmp_path: Path) -> None:
@@ -220,31 +245,47 @@ def test_zero3_is_traced_sharded_over_a_fake_process_group(tmp_path: Path) -> No
     assert out["zero3"]["formula"]["params_bytes"] == pytest.approx(zero3["params"], rel=0.01)
 
 
-def test_plan_trace_auto_traces_what_the_planner_lacks_and_long_runs() -> None:
-    """train.plan_trace: `auto` traces a zoo CNN off its 3x32x32 table whatever the run's
-    length, any other model once its steps took AUTO_TRACE_AFTER_S (a trace is then about 1%
-    of the run), `never` nothing, `always` every run."""
+def test_plan_trace_auto_reads_a_cache_keyed_by_what_the_step_computes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.plan_trace: `auto` traces every run, once per step it computes: a second run of
+    the same config reads the per-user cache; another input shape (for the mlp also another
+    first layer) or micro-batch is traced anew (a trace of 3x32x32 answering for 3x16x16 was
+    the table's bug; a key without the micro-batch fails here); `always` traces afresh;
+    `never` nothing."""
     from hpcml.config import build_config
-    from hpcml.train.memtrace import AUTO_TRACE_AFTER_S, summary_trace
+    from hpcml.train.memtrace import summary_trace
+    from hpcml.train.trace_cache import cache_dir
     from hpcml.train.validate import resolve
 
-    def cfg(model: str, side: int, mode: str) -> Any:
+    monkeypatch.setenv("HPCML_CACHE_DIR", str(tmp_path))
+
+    def cfg(side: int, mode: str = "auto", batch: int = 4) -> Any:
         return build_config({
-            "model": {"name": model},
+            "model": {"name": "mlp"},
             "data": {"source": "synthetic", "synthetic_samples": 16,
-                     "synthetic_shape": [3, side, side], "batch_size": 4},
+                     "synthetic_shape": [3, side, side], "batch_size": batch},
             "train": {"max_steps": 1, "plan_trace": mode},
         })
 
-    mlp = cfg("mlp", 32, "auto")
-    res = resolve(mlp, 1)
-    assert summary_trace(mlp, res, 1, trained_s=AUTO_TRACE_AFTER_S - 1) is None
-    traced = summary_trace(mlp, res, 1, trained_s=AUTO_TRACE_AFTER_S)
-    assert traced is not None and traced["input_shape"] == [3, 32, 32]
-    assert traced["activations_bytes_per_sample"] > 0
-    always = cfg("mlp", 32, "always")
-    assert summary_trace(always, resolve(always, 1), 1) is not None
-    small = cfg("resnet18", 16, "auto")  # off the table: traced however short the run
-    assert summary_trace(small, resolve(small, 1), 1) is not None
-    never = cfg("resnet18", 16, "never")
-    assert summary_trace(never, resolve(never, 1), 1, trained_s=1e6) is None
+    def trace(c: Any) -> dict[str, Any]:
+        out = summary_trace(c, resolve(c, 1), 1)
+        assert out is not None and "error" not in out, out
+        return out
+
+    first = trace(cfg(32))
+    assert first["source"] == "traced" and first["input_shape"] == [3, 32, 32]
+    again = trace(cfg(32))
+    assert again["source"] == "cache"
+    assert {k: again[k] for k in ("peak_bytes", "at_peak", "states")} == {
+        k: first[k] for k in ("peak_bytes", "at_peak", "states")
+    }
+    small = trace(cfg(16))
+    assert small["source"] == "traced" and small["input_shape"] == [3, 16, 16]
+    # mlp's first layer takes the flattened input: a quarter of its weights at 3x16x16
+    assert small["states"]["params"] < first["states"]["params"]
+    assert trace(cfg(32, batch=8))["source"] == "traced"
+    assert trace(cfg(32, "always"))["source"] == "traced"
+    assert len(list(cache_dir().glob("*.json"))) == 3
+    never = cfg(32, "never")
+    assert summary_trace(never, resolve(never, 1), 1) is None

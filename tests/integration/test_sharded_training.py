@@ -172,3 +172,17 @@ def test_zero1_checkpoint_resumes_under_zero3(runs: dict[str, Path], tmp_path: P
     want, got = losses(runs["zero1"]), losses(tmp_path / "z3")
     for step in (6, 7, 8, 9, 10):
         assert got[step] == pytest.approx(want[step], rel=REL)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_rank_checks_its_traced_step_peak(runs: dict[str, Path], strategy: str) -> None:
+    """Each rank of a 2-process run traced its third step's live tensor bytes as it ran
+    (hpcml.train.peaktrace), and the run's prediction block compares the peak rank by rank."""
+    s = summary(runs[strategy])
+    rows = {r["quantity"]: r for r in s["prediction"]["rows"]}
+    per_rank = s["memory"]["per_rank"]
+    for rank, r in enumerate(per_rank):
+        assert r["traced_peak_step"] == 3
+        assert sum(r["traced_at_peak"].values()) == r["traced_peak_bytes"]
+        assert rows[f"peak_bytes rank {rank}"]["measured"] == r["traced_peak_bytes"]
+    assert rows["peak_bytes"]["measured"] == max(r["traced_peak_bytes"] for r in per_rank)

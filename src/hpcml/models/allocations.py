@@ -66,17 +66,21 @@ def measure_step_peak_bytes(
     make_batches: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    keep_grads: bool = False,
 ) -> int:
     """The peak of one steady training step on real CPU tensors: what the step starts with
     (states and inputs, counted by storage) plus the allocator's peak rise during it. The
     same warm-up as the tracer (`hpcml.models.memtrace.trace_step`): one step first, so the
-    optimizer's states exist."""
+    optimizer's states exist; `keep_grads` as there (gradients zeroed in place, as DDP's
+    buckets keep them)."""
     from hpcml.models.memtrace import run_step
 
     model = build()
     optimizer = make_optimizer(model)
     batches = make_batches()
-    run_step(model, optimizer, batches, loss_fn, autocast)
-    optimizer.zero_grad(set_to_none=True)
+    run_step(model, optimizer, batches, loss_fn, autocast, keep_grads=keep_grads)
+    optimizer.zero_grad(set_to_none=not keep_grads)
     start = live_bytes([*state_tensors(model, optimizer), *[t for b in batches for t in b]])
-    return start + peak_rise_bytes(lambda: run_step(model, optimizer, batches, loss_fn, autocast))
+    return start + peak_rise_bytes(
+        lambda: run_step(model, optimizer, batches, loss_fn, autocast, keep_grads=keep_grads)
+    )

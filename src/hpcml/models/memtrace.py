@@ -90,10 +90,12 @@ def run_step(
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     on_forward_end: Callable[[], None] | None = None,
     on_micro_batch: Callable[[int], None] | None = None,
+    keep_grads: bool = False,
 ) -> None:
     """One optimizer step over `batches` (the micro-batches of gradient accumulation), as
-    hpcml's Trainer runs it: gradients set to None first, the loss divided by their count."""
-    optimizer.zero_grad(set_to_none=True)
+    hpcml's Trainer runs it: gradients set to None first (zeroed in place with `keep_grads`,
+    as DDP's buckets keep them), the loss divided by their count."""
+    optimizer.zero_grad(set_to_none=not keep_grads)
     for i, (x, y) in enumerate(batches):
         if on_micro_batch is not None:
             on_micro_batch(i)
@@ -115,6 +117,16 @@ def fake_mode() -> Iterator[Any]:
         yield mode
 
 
+def create_states(model: nn.Module, optimizer: torch.optim.Optimizer, keep_grads: bool) -> None:
+    """The optimizer's states, as a first step leaves them: one optimizer step over zero
+    gradients (half a trace's cost saved against a whole forward and backward first)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=not keep_grads)
+
+
 def trace_step(
     build: Callable[[], nn.Module],
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
@@ -122,11 +134,13 @@ def trace_step(
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     shard: Callable[[nn.Module], None] | None = None,
+    keep_grads: bool = False,
 ) -> TracedStep:
-    """Build, warm up (one untracked step creates the optimizer states) and trace one step,
+    """Build, warm up (the optimizer's states created untracked) and trace one step,
     all on fake tensors. `shard` applies FSDP2 to the built model (under a process group the
     caller set up, e.g. torch's fake one); the step is then traced by FSDPMemTracker, which also
-    files gathered parameters and the collectives' buffers."""
+    files gathered parameters and the collectives' buffers. `keep_grads`: gradients outlive
+    zero_grad (DDP's buckets hold them), so the traced step starts with them alive."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     with fake_mode():
@@ -135,8 +149,11 @@ def trace_step(
             shard(model)
         optimizer = make_optimizer(model)
         batches = make_batches()
-        run_step(model, optimizer, batches, loss_fn, autocast)
-        optimizer.zero_grad(set_to_none=True)
+        if shard is None:
+            create_states(model, optimizer, keep_grads)
+        else:  # FSDP2 initialises itself lazily in its first forward: a whole step first
+            run_step(model, optimizer, batches, loss_fn, autocast, keep_grads=keep_grads)
+            optimizer.zero_grad(set_to_none=not keep_grads)
         inputs = [t for b in batches for t in b]
         if shard is not None:
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -159,7 +176,14 @@ def trace_step(
 
         with tracker:
             run_step(
-                model, optimizer, batches, loss_fn, autocast, note_activations, next_micro_batch
+                model,
+                optimizer,
+                batches,
+                loss_fn,
+                autocast,
+                note_activations,
+                next_micro_batch,
+                keep_grads,
             )
         peak = tracker.get_tracker_snapshot("peak")
         after = _by_category(tracker.get_tracker_snapshot())

@@ -6,6 +6,8 @@ output layer and pipeline bookkeeping on top.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hpcml.plan.recompute import op_saved_width
 
 
@@ -86,3 +88,13 @@ def inflight_microbatches(pp: int, micro_batches: int, schedule: str, virtual: i
     if schedule == "interleaved" and virtual > 1:
         n *= 1.0 + (pp - 1) / (pp * virtual)
     return n
+
+
+def output_grad_bytes(model: Any, micro_batch: int, tp: int, vocab_parallel: bool) -> float:
+    """The output's gradient that backward's first op allocates while every activation is
+    still alive: for a transformer the cross-entropy's fp32 gradient of the logits (whole on
+    each rank without a vocabulary-parallel loss); small beside the activations otherwise."""
+    if not model.is_transformer:
+        return 0.0
+    sbv = float(model.seq) * micro_batch * model.vocab
+    return 4.0 * sbv / (tp if vocab_parallel else 1)

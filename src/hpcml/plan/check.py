@@ -188,6 +188,40 @@ def memory_rows(mem: MemoryBreakdown, ranks: Sequence[Mapping[str, Any]]) -> lis
     return rows
 
 
+def peak_rows(
+    setup: RunSetup, mem: MemoryBreakdown, ranks: Sequence[Mapping[str, Any]], notes: list[str]
+) -> list[CheckRow]:
+    """The step's peak, predicted (by the run's own traced step where it traced this layout,
+    else the formula's phases: MemoryBreakdown.step_peak_bytes) next to the peak measured by
+    allocation tracing of a real step on each rank (hpcml.train.peaktrace; CPU runs): the
+    busiest rank, then every rank with its own error when there are several."""
+    measured = [r.get("traced_peak_bytes") for r in ranks]
+    if not any(m is not None for m in measured):
+        if _max_over_ranks(ranks, "peak_allocated_bytes") is None:
+            notes.append("no traced step peak in summary.json (a CPU run records one)")
+        return []
+    traced = setup.traced_peak_bytes
+    predicted = traced if traced is not None else mem.step_peak_bytes
+    step = next((r.get("traced_peak_step") for r in ranks if r.get("traced_peak_step")), None)
+    source = "the run's own traced step" if traced is not None else "the formula's phases"
+    notes.append(
+        f"peak_bytes: predicted by {source}; measured as the most live tensor bytes of step "
+        f"{step} on each rank, by allocation tracing as it ran"
+    )
+    best = max(float(m) for m in measured if m is not None)
+    rows = [CheckRow("peak_bytes", predicted, best, MEMORY_GOAL)]
+    if traced is not None:
+        rows.append(CheckRow("peak_formula_bytes", mem.step_peak_bytes, best, MEMORY_GOAL))
+    if len(ranks) > 1:
+        rows += [
+            CheckRow(
+                f"peak_bytes rank {i}", predicted, None if m is None else float(m), MEMORY_GOAL
+            )
+            for i, m in enumerate(measured)
+        ]
+    return rows
+
+
 def model_key(shape: ModelShape) -> tuple[str, int]:
     """A model is its architecture and size: gpt-tiny at 2 x 64 and at 4 x 128 are two."""
     return shape.name, shape.params
@@ -296,11 +330,7 @@ def check_run(
         if mem.activations_bytes:
             drift = formula.activations_bytes / mem.activations_bytes
             notes.append(f"activations: the formula path / the traced step = {drift:.3f}")
-    if not any(r.quantity == "peak_allocated_bytes" for r in rows):
-        notes.append(
-            "no allocator peak measured (CPU run): peak compared as model states plus saved "
-            "activations"
-        )
+    rows += peak_rows(setup, mem, ranks, notes)
     interval = step_interval(est.step_s, calibration)
     if interval is None:
         notes.append(f"no interval on the step time: {no_interval_reason(calibration)}")

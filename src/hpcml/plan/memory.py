@@ -12,7 +12,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hpcml.plan import recompute as recompute_policy
-from hpcml.plan.activations import activation_bytes_per_layer, inflight_microbatches
+from hpcml.plan.activations import (
+    activation_bytes_per_layer,
+    inflight_microbatches,
+    output_grad_bytes,
+)
 from hpcml.plan.common import DTYPE_BYTES, PlanError, normalize_precision
 from hpcml.plan.shapes import ModelShape
 from hpcml.plan.zero1 import busiest_rank_optimizer_bytes
@@ -68,6 +72,9 @@ class Training:
     grad_dtype: str | None = None
     """Gradient (and reduce) element type: fp32 as FSDP2's MixedPrecisionPolicy with
     reduce_dtype=float32 and Megatron-LM's main_grads keep them; default: the weights' type."""
+    fused: bool = False
+    """The optimizer's fused kernel (hpcml train's, where torch has one): one kernel per step
+    and no temporaries; False: torch's foreach implementation (its default on CUDA)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", normalize_precision(self.precision))
@@ -156,6 +163,9 @@ class Layout:
     """ZeRO-2/3 (FSDP2) with grad_accum > 1: `step` keeps unsharded gradients through the
     accumulation (reduced once per step); `micro_batch` reduce-scatters every micro-batch and
     keeps only the shard (hpcml's parallel.accum_reduce)."""
+    keep_gathered: bool = False
+    """ZeRO-3 as FSDP2 with reshard_after_forward=False (hpcml's zero2): every unit stays
+    gathered from its forward to its backward, the whole model at backward's start."""
     zero1_whole_tensors: bool = False
     """ZeRO-1 as torch's ZeroRedundancyOptimizer (hpcml's zero1) shards the optimizer state:
     whole parameter tensors per rank (hpcml.plan.zero1). False: by elements, 1/dp each
@@ -246,6 +256,22 @@ class MemoryBreakdown:
     """Bytes offloaded to host memory per device."""
     device_memory_bytes: int | None
     notes: tuple[str, ...] = field(default=())
+    grads_held_bytes: float = 0.0
+    """Gradients alive while the last micro-batch runs forward: DDP's buckets (they outlive
+    zero_grad), the earlier micro-batches' under accumulation; 0 when zero_grad frees them."""
+    backward_start_bytes: float = 0.0
+    """What backward adds before it frees an activation: the gradient of the output (fp32
+    logits' for a transformer) and the first layer's gradients (the output layer's)."""
+
+    @property
+    def step_peak_bytes(self) -> float:
+        """The most bytes alive at once in a steady step, phase by phase: backward's start
+        (activations, the gradients held, the output's gradient and the first layer's
+        gradients) or backward's end and the optimizer step (all gradients and the
+        optimizer's temporaries), over parameters, optimizer states and buffers."""
+        start = self.grads_held_bytes + self.activations_bytes + self.backward_start_bytes
+        end = self.grads_bytes + self.optimizer_temp_bytes
+        return self.params_bytes + self.optimizer_bytes + self.buffers_bytes + max(start, end)
 
     @property
     def model_states_bytes(self) -> float:
@@ -287,6 +313,7 @@ class MemoryBreakdown:
         d["notes"] = list(self.notes)
         d["model_states_bytes"] = self.model_states_bytes
         d["total_bytes"] = self.total_bytes
+        d["step_peak_bytes"] = self.step_peak_bytes
         return d
 
 
@@ -497,15 +524,26 @@ def per_device_bytes(
         buffers += g_bytes
     if layout.zero == 3 and dp > 1:
         # The gathered current layer and the prefetched next one (DeepSpeed's ZeRO-3
-        # estimator counts the largest layer, deepspeed/runtime/zero/stage3.py).
-        buffers += 2.0 * largest_layer_params(model, layout) * training.param_bytes
+        # estimator counts the largest layer, deepspeed/runtime/zero/stage3.py), gathered in
+        # the compute type: FSDP2's MixedPrecisionPolicy casts fp32 shards to bf16 before the
+        # all-gather (hpcml's bf16), and DeepSpeed's bf16 weights are bf16 already.
+        gathered = n_params if layout.keep_gathered else 2.0 * largest_layer_params(model, layout)
+        buffers += gathered * training.compute_bytes
 
     # torch's foreach Adam builds one state-sized temporary (the sqrt of the second moment).
     opt_temp = 0.0
-    if training.optimizer in ("adamw", "adam") and layout.offload == "none":
+    if training.optimizer in ("adamw", "adam") and layout.offload == "none" and not training.fused:
         opt_temp = opt_elements * 4.0
 
+    # DDP (ZeRO-1 under it) reduces in buckets that hold every gradient from the first
+    # backward on; accumulation keeps the earlier micro-batches' gradients.
+    held = g_bytes if (layout.zero <= 1 and dp > 1) or layout.grad_accum > 1 else 0.0
+    first = output_grad_bytes(model, layout.micro_batch, layout.tp, layout.vocab_parallel_loss)
+    if not held and model.is_transformer:  # the output layer's weight gradient
+        first += model.vocab * model.hidden / layout.tp * training.grad_bytes
     return MemoryBreakdown(
+        grads_held_bytes=held,
+        backward_start_bytes=first,
         params_bytes=p_bytes,
         grads_bytes=g_bytes,
         optimizer_bytes=o_bytes,

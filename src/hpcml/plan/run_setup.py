@@ -47,6 +47,9 @@ class RunSetup:
     """where the run was trained (summary.json's run_dir: a copied folder keeps it)."""
     record_sha256: str = ""
     """sha256 of the run's measurements (summary.json's throughput and memory blocks)."""
+    traced_peak_bytes: float | None = None
+    """the peak per rank of the run's own step traced on fake tensors for its own layout
+    (summary.json's memory_trace, when it traced this world size and strategy)."""
 
 
 def _memory_ranks(memory: Any) -> tuple[Mapping[str, Any], ...]:
@@ -118,7 +121,10 @@ def setup_from_summary(
     opt_name = str(get_path(config, "optim", "name", default="adamw")).lower()
     if opt_name == "sgd" and float(get_path(config, "optim", "momentum", default=0.9) or 0) == 0:
         opt_name = "sgd-nomomentum"
-    training = Training(precision=precision, optimizer=opt_name, weights=training_weights)
+    # hpcml.train.schedule.build_optimizer takes torch's fused kernel (CPU and CUDA have one)
+    training = Training(
+        precision=precision, optimizer=opt_name, weights=training_weights, fused=True
+    )
 
     strategy = str(get_path(config, "parallel", "strategy", default="ddp")).lower()
     if strategy not in _STRATEGY_ZERO:
@@ -132,8 +138,8 @@ def setup_from_summary(
     if strategy == "zero2" and world // tp > 1:
         shape_notes.append(
             "hpcml's zero2 (FSDP2, reshard_after_forward=False) keeps parameter shards between "
-            "steps, so model states are predicted as ZeRO-3; the whole model gathered during "
-            "forward and backward is not in the prediction's buffers"
+            "steps, so model states are predicted as ZeRO-3, and the whole model gathered from "
+            "forward to backward as its buffers"
         )
     decay = float(get_path(config, "optim", "weight_decay", default=0.0) or 0.0)
     if model.param_tensor_sizes and (
@@ -161,6 +167,7 @@ def setup_from_summary(
         # hpcml's zero1 is torch's ZeroRedundancyOptimizer: whole tensors per rank. Measured on
         # mlp, the busiest rank held 1.84x the even split the planner used to predict.
         zero1_whole_tensors=strategy == "zero1",
+        keep_gathered=strategy == "zero2",
         accum_reduce=str(get_path(config, "parallel", "accum_reduce", default="step")),
     )
 
@@ -189,7 +196,20 @@ def setup_from_summary(
         strategy=strategy,
         run_dir=str(summary.get("run_dir") or ""),
         record_sha256=_record_sha256(summary),
+        traced_peak_bytes=_traced_peak(summary, world, strategy, tp),
     )
+
+
+def _traced_peak(summary: Mapping[str, Any], world: int, strategy: str, tp: int) -> float | None:
+    """memory_trace's peak where it traced the run's own layout: its world size, and its
+    strategy (one process: `single`)."""
+    trace = summary.get("memory_trace")
+    if not isinstance(trace, Mapping) or trace.get("peak_bytes") is None or tp > 1:
+        return None
+    same = int(trace.get("devices") or 0) == world and (
+        world == 1 or str(trace.get("strategy")) == strategy
+    )
+    return float(trace["peak_bytes"]) if same else None
 
 
 def _traced_activations(

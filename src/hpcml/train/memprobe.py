@@ -97,6 +97,21 @@ class SavedActivationProbe:
         return out
 
 
+def step_peak(model: nn.Module, optimizer: Any, cfg: Any, device: torch.device) -> Any:
+    """The CPU run's traced step peak (hpcml.train.peaktrace); off on CUDA, whose allocator
+    counts its own peak, under torch.compile and pipeline stages (their schedule), and with
+    train.plan_trace `never`."""
+    from hpcml.train.peaktrace import StepPeak
+
+    enabled = (
+        device.type == "cpu"
+        and cfg.train.plan_trace != "never"
+        and not cfg.train.compile
+        and cfg.parallel.pp == 1
+    )
+    return StepPeak(model, optimizer, cfg.train.max_steps, enabled)
+
+
 def prediction_block(summary: dict[str, Any]) -> dict[str, Any]:
     """The planner's prediction for this run next to what it measured (plan imports no torch,
     so the run's summary is all it gets)."""

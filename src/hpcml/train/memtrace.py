@@ -92,7 +92,11 @@ def trace_resolved(cfg: RunConfig, res: Resolved, devices: int) -> dict[str, Any
     def optimizer(model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(param_groups(model, cfg.optim), cfg.optim, devices)
 
+    x, y = batches()[0]
+    batch_bytes = x.numel() * x.element_size() + y.numel() * y.element_size()
     sharded = cfg.parallel.strategy in ("zero2", "zero3", "fsdp") and devices > 1
+    # DDP's buckets hold every gradient (gradient_as_bucket_view) through zero_grad.
+    keep_grads = cfg.parallel.strategy in ("ddp", "zero1") and devices > 1
     with fake_process_group(devices) if sharded else nullcontext() as mesh:
         traced = trace_step(
             build,
@@ -102,6 +106,7 @@ def trace_resolved(cfg: RunConfig, res: Resolved, devices: int) -> dict[str, Any
             # FSDP2's mixed-precision policy casts the gathered parameters itself.
             nullcontext if sharded else Precision(cfg.precision, "cpu").autocast,
             shard=(lambda m: shard_like_training(cfg, m, mesh)) if sharded else None,
+            keep_grads=keep_grads,
         )
     return {
         "model": cfg.model.name,
@@ -116,7 +121,9 @@ def trace_resolved(cfg: RunConfig, res: Resolved, devices: int) -> dict[str, Any
         "strategy": cfg.parallel.strategy if devices > 1 else "single",
         "devices": devices,
         **traced.to_dict(),
-        "activations_bytes_per_sample": traced.activation_peak_bytes / micro,
+        # What a run's probe counts (hpcml.train.memprobe): every storage autograd saves, and
+        # the first layer saves the batch (an embedding its ids), the loss the targets.
+        "activations_bytes_per_sample": (traced.activation_peak_bytes + batch_bytes) / micro,
     }
 
 
@@ -143,31 +150,34 @@ def shard_like_training(cfg: RunConfig, model: nn.Module, mesh: Any) -> None:
     apply_fsdp(model, mesh, reshard, mixed_precision_policy(cfg.precision))
 
 
-# `plan_trace: auto` traces a run whose training steps took this long: the trace (0.06-0.5 s
-# of CPU for the zoo models on one core, more for a large model) is then about 1% of the run.
-AUTO_TRACE_AFTER_S = 60.0
-
-
-def summary_trace(
-    cfg: RunConfig, res: Resolved, world_size: int, trained_s: float = 0.0
-) -> dict[str, Any] | None:
+def summary_trace(cfg: RunConfig, res: Resolved, world_size: int) -> dict[str, Any] | None:
     """For a run's summary.json: the traced step of the run's own config, so that its
-    prediction takes its activations from it (train.plan_trace: `auto` traces models whose
-    activations the planner's own shapes do not give, a zoo CNN off its 3x32x32 table entry,
-    and runs whose steps took AUTO_TRACE_AFTER_S or more); None when not traced. One replica
-    is traced, whatever the strategy: activations per sample do not depend on how the model
-    states are sharded."""
-    from hpcml.plan.shapes import cnn_table_covers, is_table_cnn
+    prediction takes its activations (and, where it traced the run's layout, its peak) from
+    it. train.plan_trace `auto` takes it from the per-user cache (hpcml.train.trace_cache)
+    when the same step was traced before, else traces and stores it; `always` traces afresh;
+    `never`: None. A ddp run is traced on its own number of devices (every rank holds the
+    whole model and DDP's gradient buckets); a sharded one as one replica, whose activations
+    per sample do not depend on how the model states are sharded (its world needs a process
+    group of its own)."""
+    import time
 
-    name, mode = cfg.model.name, cfg.train.plan_trace
-    off_table = is_table_cnn(name) and not cnn_table_covers(
-        name, res.model_args, res.splits.input_shape
-    )
-    if mode == "never" or (mode == "auto" and not off_table and trained_s < AUTO_TRACE_AFTER_S):
+    from hpcml.train import trace_cache
+
+    mode = cfg.train.plan_trace
+    if mode == "never":
         return None
     if cfg.finetune.method != "full" or cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
         return None
+    devices = world_size if cfg.parallel.strategy == "ddp" else 1
+    t0 = time.process_time()
     try:
-        return {**trace_resolved(cfg, res, 1), "world_size": world_size}
+        key = trace_cache.trace_key(cfg, res, devices)
+        traced = trace_cache.load(key) if mode == "auto" else None
+        source = "cache" if traced is not None else "traced"
+        if traced is None:
+            traced = trace_resolved(cfg, res, devices)
+            trace_cache.store(key, traced)
     except Exception as exc:  # a prediction must never fail a finished run
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    cpu_s = round(time.process_time() - t0, 4)
+    return {**traced, "world_size": world_size, "source": source, "cpu_s": cpu_s}

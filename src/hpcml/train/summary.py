@@ -51,6 +51,7 @@ def build_summary(t: Any) -> dict[str, Any]:
     )
     memory.update(getattr(t, "setup_rss", {}))  # setup_peak_rss_bytes, setup_rss_growth_bytes
     memory.update(t.probe.result(rt.device))  # saved activations of the sampled forward
+    memory.update(t.step_peak.result())  # a step's live tensor bytes at their peak (CPU)
     per_rank = all_gather_object(rt, memory)
     pipe = getattr(t, "pipeline", None)  # parallel.pp: the bubble, measured (a collective)
     pipeline = pipe.summary_block() if pipe is not None else None
@@ -107,7 +108,7 @@ def build_summary(t: Any) -> dict[str, Any]:
     if pipeline is not None:
         summary["pipeline"] = pipeline
     # plan memory --trace of the run's own config (train.plan_trace)
-    traced = summary_trace(cfg, res, rt.world_size, sum(t.meter.step_times))
+    traced = summary_trace(cfg, res, rt.world_size)
     if traced is not None:
         summary["memory_trace"] = traced
     export = save_export(

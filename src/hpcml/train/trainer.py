@@ -119,7 +119,9 @@ class Trainer:
                 return finished
             while self.step < cfg.train.max_steps:
                 with self.phase("hpcml.step", step=self.step + 1, rank=self.rt.rank):
-                    self.after_step(self.train_step())
+                    with self.step_peak.step(self.step + 1):  # one step's peak, traced (CPU)
+                        decision = self.train_step()
+                    self.after_step(decision)
             summary = self.finish()
             clean = True
             return summary
@@ -201,6 +203,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.scaler = grad_scaler(self.precision, cfg.parallel, rt)
         self.pipeline = PipelineStep(self) if cfg.parallel.pp > 1 else None
+        self.step_peak = memprobe.step_peak(self.model, self.optimizer, cfg, rt.device)
 
     def _build_data(self) -> None:
         cfg, rt, splits = self.cfg, self.rt, self.resolved.splits

@@ -144,6 +144,7 @@ def _print_summary_table(reports: list[Any]) -> None:
         "model_states_bytes",
         "activations_bytes",
         "states_plus_activations_bytes",
+        "peak_bytes",
         "step_time_s",
     )
     t = Table(title="predicted / measured, step time calibrated on the other models' runs")

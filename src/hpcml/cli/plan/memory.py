@@ -103,6 +103,7 @@ def memory_cmd(
         ("communication buffers", "buffers_bytes"),
         ("optimizer temporaries", "optimizer_temp_bytes"),
         ("= peak total", "total_bytes"),
+        ("step peak, phase by phase (plan check's peak_bytes)", "step_peak_bytes"),
         ("offloaded to host", "host_bytes"),
     ):
         t.add_row(label, _gb(out[key]))
