@@ -20,6 +20,7 @@ would start 4 new interpreters (2-3 CPU s of imports each).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -31,7 +32,6 @@ import torch
 from tests import forked
 from tests.conftest import step_losses as losses
 from tests.conftest import summary
-from tests.integration.test_pipeline_training import grad_norms
 
 from hpcml.data.sources.tokens import prepare_pystdlib
 
@@ -103,7 +103,7 @@ def train(
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("composed")
     corpus = root / "pystdlib"
-    prepare_pystdlib(corpus, val_fraction=0.2, max_bytes=50_000)
+    prepare_pystdlib(corpus, val_fraction=0.2, max_bytes=200_000)
     config = root / "gpt.yaml"
     config.write_text(CONFIG.format(corpus=corpus, clip=CLIP, steps=STEPS))
     out = {name: root / name for name in ("single", "fsdp", "resumed", "tp")}
@@ -115,6 +115,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(config, out["tp"], 4, TP)
     print(f"\nCPU s per launch: {CPU_S}; wall {time.perf_counter() - t0:.1f} s")
     return out
+
+
+def grad_norms(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "run.jsonl").read_text().splitlines()
+    return {r["step"]: r["grad_norm"] for r in map(json.loads, lines) if r.get("kind") == "step"}
 
 
 def assert_same_steps(got_dir: Path, want_dir: Path, steps: list[int]) -> None:
