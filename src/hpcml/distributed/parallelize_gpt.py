@@ -93,6 +93,7 @@ def apply_tp(
     if top:
         parallelize_module(model, tp_mesh, top)
     blocks: Any = model.blocks
+    block: Any
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         plan: dict[str, Any] = {
             "attn.wq": ColwiseParallel(),

@@ -214,7 +214,8 @@ def pipeline_mesh(rt: Runtime) -> DeviceMesh:
     per stage, of its data-parallel replica and tensor-parallel rank), "dp" the replicas of its
     stage (DDP's group, FSDP's mesh) and "tp" its stage's tensor-parallel ranks. Every rank
     must call it (it creates every slice's process group)."""
-    shape, names = (rt.pp, rt.dp_size), ("pp", "dp")
+    shape: tuple[int, ...] = (rt.pp, rt.dp_size)
+    names: tuple[str, ...] = ("pp", "dp")
     if rt.tp > 1:
         shape, names = (*shape, rt.tp), (*names, "tp")
     return init_device_mesh(rt.device.type, shape, mesh_dim_names=names)
