@@ -300,11 +300,15 @@ class ParallelConfig(_Section):
     DDP); zero2 shards optimizer state and gradients and keeps parameters gathered between
     forward and backward (FSDP2); zero3 = fsdp shards parameters too (FSDP2)."""
     tp: int = Field(1, gt=0)
-    """Tensor-parallel degree (gpt models); the data-parallel degree is world_size / tp."""
+    """Tensor-parallel degree (gpt models); the data-parallel degree is world_size / (tp x pp)."""
     pp: int = Field(1, gt=0)
     """Pipeline-parallel degree (gpt models): the blocks are split into pp stages, one per group
     of world_size / pp processes (`torch.distributed.pipelining`); the data-parallel degree is
-    world_size / (pp x tp)."""
+    world_size / (pp x tp). Each stage is replicated over its data-parallel processes by
+    `strategy` (FSDP2 under zero2, zero3, fsdp; ddp is accepted but fails in DDP's reducer
+    under torch 2.13; not zero1) and split over tp processes
+    by the model's tensor-parallel plan (not with sequence_parallel); with either, pp_schedule
+    is gpipe or 1f1b."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     """With pp > 1: the order in which a stage runs its micro-batches' forwards and backwards
     (GPipe: all forwards, then all backwards; 1F1B: one forward, one backward once the pipeline

@@ -110,6 +110,15 @@ def test_same_loss_and_grad_norm_every_step_as_one_process(runs: dict[str, Path]
     assert s["prediction"]["pipeline"]["predicted_bubble"] == pytest.approx(1 / 5)
     assert len(s["pipeline"]["measured_bubble_per_rank"]) == 2
     assert all(0 <= b < 1 for b in s["pipeline"]["measured_bubble_per_rank"])
+    # Saved activations at their peak in step 2: 1F1B at M = 4 holds 2 micro-batches on the
+    # first stage and 1 on the last, as the planner says (each micro-batch saves the same
+    # tensors, so the peak is a whole number of them: 5% leaves room for shared storages).
+    stages = s["prediction"]["stages"]
+    assert [st["predicted_inflight_microbatches"] for st in stages] == [2, 1]
+    for st in stages:
+        assert st["measured_inflight_microbatches"] == pytest.approx(
+            st["predicted_inflight_microbatches"], rel=0.05
+        ), st
 
 
 def test_evaluation_and_export_match_one_process(runs: dict[str, Path]) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hpcml.config import ParallelConfig, RunConfig
+from hpcml.distributed.parallel import check_parallel
 from hpcml.distributed.pipeline import GPTStage, check_pipeline, stage_layers
 from hpcml.distributed.runtime import Runtime
 from hpcml.errors import ConfigError
@@ -33,8 +34,10 @@ def meta_gpt(**args: object) -> torch.nn.Module:
         (2, {"pp": 2}, {"tie_embeddings": True}, 8, "set model.args.tie_embeddings=false"),
         (2, {"pp": 2, "pp_schedule": "zero_bubble", "microbatches": 3}, {}, 9, "multiple of"),
         (2, {"pp": 2, "virtual_stages": 2}, {}, 8, "virtual_stages 2 needs an interleaved"),
-        (4, {"pp": 2, "tp": 2}, {}, 8, "parallel.tp > 1 is not supported yet"),
-        (4, {"pp": 2, "strategy": "zero3"}, {}, 8, "(not zero3 with 1f1b)"),
+        (4, {"pp": 2, "tp": 2, "sequence_parallel": True}, {}, 8, "sequence_parallel would"),
+        (4, {"pp": 2, "strategy": "zero1"}, {}, 8, "zero1 shards the optimizer over every"),
+        (4, {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2}, {}, 8, "neither"),
+        (4, {"pp": 2, "tp": 2, "pp_schedule": "zero_bubble", "virtual_stages": 2}, {}, 8, "nor"),
         (1, {"microbatches": 2}, {}, 8, "apply to pipeline parallelism only"),
     ],
 )
@@ -57,6 +60,13 @@ def test_accepted_layouts_pass() -> None:
     check_pipeline(meta_gpt(), 2, ParallelConfig(pp=2), 8)  # microbatches default: pp
     check_pipeline(meta_gpt(), 4, ParallelConfig(pp=4, microbatches=8, pp_schedule="gpipe"), 8)
     check_pipeline(meta_gpt(), 4, ParallelConfig(pp=2), 8)  # pp2 x dp2 under ddp
+    for strategy in ("zero2", "zero3", "fsdp"):  # under FSDP2 per stage
+        check_pipeline(meta_gpt(), 4, ParallelConfig(pp=2, strategy=strategy), 8)
+    check_pipeline(meta_gpt(), 4, ParallelConfig(pp=2, tp=2, pp_schedule="gpipe"), 8)
+    check_pipeline(meta_gpt(), 8, ParallelConfig(pp=2, tp=2, strategy="fsdp"), 8)
+    # pp2 x tp2 on 4 processes has one replica per stage: ddp (the default) has nothing to
+    # replicate, so tensor parallelism's refusal of ddp replicas does not apply.
+    check_parallel(meta_gpt(), 4, 2, ParallelConfig(pp=2, tp=2), "fp32")
     interleaved = ParallelConfig(pp=2, virtual_stages=2, pp_schedule="interleaved_1f1b")
     check_pipeline(meta_gpt(), 2, interleaved, 8)
 

@@ -130,12 +130,12 @@ def check_parallel(
             f"parallel.tp {tp} needs a model family with a tensor-parallel plan "
             f"({', '.join(TP_PLANS)}); this model has none, so set parallel.tp=1."
         )
-    dp_size = world_size // tp
+    dp_size = world_size // (tp * cfg.pp)  # under parallel.pp: the replicas of one stage
     if dp_size > 1 and cfg.strategy not in SHARDED:
         raise ConfigError(
             f"parallel.strategy {cfg.strategy} with parallel.tp {tp} on {world_size} "
             "processes is not supported; combine tensor parallelism with zero2, zero3 or "
-            f"fsdp, or run {tp} processes."
+            f"fsdp, or run {tp * cfg.pp} processes."
         )
     if precision == "fp16":
         # Loss scaling would have to check plain and DTensor gradients on two meshes at once.
@@ -154,7 +154,7 @@ def parallelize(
     precision: str = "fp32",
     materialize: Callable[[nn.Module], None] | None = None,
     loss_parallel: bool = False,
-    dp_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
     the data-parallel strategy. A single process gets AC and compile only.
@@ -162,12 +162,13 @@ def parallelize(
     A model on the meta device is given storage by `materialize` once it is sharded: after
     FSDP (each rank allocates its shards only), before DDP (which broadcasts real tensors).
     `loss_parallel` keeps a TP model's logits vocabulary-sharded; the caller then computes the
-    loss and its backward inside `loss_context(model)`."""
+    loss and its backward inside `loss_context(model)`. `mesh`: a device mesh with "dp" (and
+    "tp") dimensions to use instead of one over every rank: under parallel.pp the pipeline's
+    (pp, dp[, tp]) mesh, whose "dp" and "tp" slices hold this rank's stage's replicas."""
     train = train or TrainConfig()
     check_parallel(model, rt.world_size, rt.tp, cfg, precision)
-    mesh: DeviceMesh | None = None
     if rt.tp > 1:
-        mesh = build_mesh(rt)
+        mesh = mesh or build_mesh(rt)
         TP_PLANS[str(getattr(model, "family", None))](
             model, mesh["tp"], cfg.sequence_parallel, loss_parallel
         )
@@ -177,12 +178,13 @@ def parallelize(
     replicated = rt.dp_size == 1 or cfg.strategy in ("ddp", "zero1")
     if not replicated:
         mesh = mesh or build_mesh(rt)
-        dp_mesh = mesh["dp"] if rt.tp > 1 else mesh
+        dp_mesh = mesh["dp"] if mesh.ndim > 1 else mesh
         apply_fsdp(model, dp_mesh, cfg.strategy != "zero2", mixed_precision_policy(precision))
     if materialize is not None:
         materialize(model)
     if rt.dp_size > 1 and cfg.strategy in ("ddp", "zero1"):
-        return apply_ddp(model, rt, cfg, dp_group)
+        group = mesh["dp"].get_group() if mesh is not None and mesh.ndim > 1 else None
+        return apply_ddp(model, rt, cfg, group)
     return model
 
 

@@ -61,10 +61,15 @@ def apply_tp(
     loss_parallel`'s cross-entropy, so no rank gathers the (B, T, vocab) logits; otherwise they
     come out whole on every rank. Sets `model.loss_parallel` to say which."""
     check_tp(model, tp_mesh.size())
-    tied = model.lm_head.weight is model.emb.tok.weight  # type: ignore[union-attr]
+    # A pipeline stage (hpcml.distributed.pipeline.GPTStage) holds the embeddings, the final
+    # norm and the head only where they are its own (None elsewhere), and its blocks in a
+    # ModuleDict keyed by their index in the whole model.
+    emb: Any = getattr(model, "emb", None)
+    head: Any = getattr(model, "lm_head", None)
+    tied = emb is not None and head is not None and head.weight is emb.tok.weight
     seq = Shard(1)
     residual = seq if sequence_parallel else Replicate()
-    head = (
+    head_plan = (
         ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
         if loss_parallel
         else ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
@@ -72,15 +77,24 @@ def apply_tp(
     model.loss_parallel = loss_parallel  # type: ignore[assignment]
     if loss_parallel:
         model.vocab_mask = padded_vocab_mask(model, tp_mesh)  # type: ignore[assignment]
-    top: dict[str, Any] = {"emb.tok": RowwiseParallel(input_layouts=Replicate()), "lm_head": head}
+    top: dict[str, Any] = {}
+    if emb is not None:
+        top["emb.tok"] = RowwiseParallel(input_layouts=Replicate())
+    if head is not None:
+        top["lm_head"] = head_plan
     if sequence_parallel:
         # Positions are added to the whole sequence, then each rank keeps its slice (no comm).
-        top["emb"] = PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=True
-        )
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, top)
-    for block in model.blocks:  # type: ignore[union-attr]
+        if emb is not None:
+            top["emb"] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=True
+            )
+        if getattr(model, "norm", None) is not None:
+            top["norm"] = SequenceParallel()
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    blocks: Any = model.blocks
+    block: Any
+    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         plan: dict[str, Any] = {
             "attn.wq": ColwiseParallel(),
             "attn.wk": ColwiseParallel(),
@@ -106,4 +120,4 @@ def apply_tp(
         parallelize_module(block, tp_mesh, plan)
     if tied:
         # Both are vocabulary-row shards (Shard(0)) on the same mesh: share one parameter again.
-        model.lm_head.weight = model.emb.tok.weight  # type: ignore[union-attr]
+        head.weight = emb.tok.weight

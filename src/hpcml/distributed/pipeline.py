@@ -3,13 +3,16 @@ blocks split into stages on the meta device, each rank materialising only its ow
 schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble) that runs micro-batches
 through them.
 
-The mesh is (pp, dp), pp outermost: rank r holds stage `r // dp` (and, with
-`parallel.virtual_stages` v, stages `r // dp + k pp` for k < v) of data-parallel replica
-`r % dp`. A stage keeps the whole model's parameter names (`blocks.3.attn.wq.weight`), so
-seeded initialisation gives every stage the weights one process would have, and checkpoints
-are keyed as without pipelining.
+The mesh is (pp, dp, tp), pp outermost (`pipeline_mesh`): rank r holds stage s = `r // (dp tp)`
+(and, with `parallel.virtual_stages` v, stages `s + k pp` for k < v) of data-parallel replica
+`(r // tp) % dp`. A stage is replicated over its dp ranks by DDP or sharded by FSDP2
+(`parallel.strategy`), and split over its tp ranks by the model's tensor-parallel plan, as a
+whole model would be (`hpcml.distributed.parallel.parallelize`, on the mesh's slices). A stage
+keeps the whole model's parameter names (`blocks.3.attn.wq.weight`), so seeded initialisation
+gives every stage the weights one process would have, and checkpoints are keyed as without
+pipelining.
 
-What a rank holds (`PipelineParts`): the union of its stages, as one module for the optimizer,
+What a rank holds (`StagePart`): the union of its stages, as one module for the optimizer,
 gradient clipping and checkpoints; its stages are views over the same submodules.
 """
 
@@ -21,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from hpcml.config import ParallelConfig
 from hpcml.distributed.pipeline_clock import StageClock
@@ -36,6 +41,10 @@ SCHEDULES = {
 """parallel.pp_schedule -> its class in torch.distributed.pipelining."""
 SINGLE_STAGE = ("gpipe", "1f1b")
 """Schedules that run one stage per process; the others take `virtual_stages` per process."""
+DATA_PARALLEL = ("ddp", "zero2", "zero3", "fsdp")
+"""parallel.strategy values that replicate a stage over data-parallel ranks: DDP, or FSDP2 on
+the mesh's dp dimension (the stage's module is the FSDP root; `PipelineStage` reduces its
+gradients once per step)."""
 
 
 def microbatches(cfg: ParallelConfig) -> int:
@@ -155,15 +164,23 @@ def check_pipeline(model: nn.Module, world_size: int, cfg: ParallelConfig, batch
             f"parallel.pp_schedule {cfg.pp_schedule} runs micro-batches in rounds of pp, and "
             f"parallel.microbatches {m} is not a multiple of parallel.pp {pp}; choose a multiple."
         )
-    if cfg.tp > 1:
+    if cfg.tp > 1 and cfg.sequence_parallel:
         raise ConfigError(
-            "parallel.pp with parallel.tp > 1 is not supported yet; set one of them to 1."
+            f"parallel.sequence_parallel would send each stage's slice of the sequence to the "
+            f"next stage, which parallel.pp {pp} does not do; set "
+            "parallel.sequence_parallel=false."
         )
-    if world_size // (pp * cfg.tp) > 1 and not (single and cfg.strategy == "ddp"):
+    if (world_size // (pp * cfg.tp) > 1 or cfg.tp > 1) and not single:
         raise ConfigError(
-            f"parallel.pp {pp} with several data-parallel replicas runs under parallel.strategy "
-            f"ddp with gpipe or 1f1b only (not {cfg.strategy} with {cfg.pp_schedule}); use "
-            f"those or start {pp * cfg.tp} processes."
+            f"parallel.pp_schedule {cfg.pp_schedule} runs several stages per process, which "
+            f"parallel.pp {pp} combines with neither data-parallel replicas nor parallel.tp; "
+            "use gpipe or 1f1b, or run one pipeline of pp processes."
+        )
+    if world_size // (pp * cfg.tp) > 1 and cfg.strategy not in DATA_PARALLEL:
+        raise ConfigError(
+            f"parallel.strategy {cfg.strategy} shards the optimizer over every process, not "
+            f"over the replicas of one stage; with parallel.pp {pp} use "
+            f"{', '.join(DATA_PARALLEL)}."
         )
 
 
@@ -191,19 +208,23 @@ def split_model(model: nn.Module, rt: Runtime, cfg: ParallelConfig) -> StagePart
     return part
 
 
-def process_groups(rt: Runtime) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """This rank's pipeline group (one rank per stage, of its data-parallel replica) and its
-    data-parallel group (the replicas of its stage; None with one replica). Every rank creates
-    every group, as `new_subgroups_by_enumeration` requires."""
-    dp = rt.dp_size
-    pipelines = [list(range(start, rt.world_size, dp)) for start in range(dp)]
-    pp_group, _ = dist.new_subgroups_by_enumeration(pipelines)
-    assert pp_group is not None
-    if dp == 1:
-        return pp_group, None
-    replicas = [list(range(s * dp, (s + 1) * dp)) for s in range(rt.pp)]
-    dp_group, _ = dist.new_subgroups_by_enumeration(replicas)
-    return pp_group, dp_group
+def pipeline_mesh(rt: Runtime) -> DeviceMesh:
+    """The (pp, dp) device mesh, with a third dimension tp under parallel.tp, in the rank order
+    of `Runtime` (pp outermost, tp innermost). Its "pp" slice is this rank's pipeline (one rank
+    per stage, of its data-parallel replica and tensor-parallel rank), "dp" the replicas of its
+    stage (DDP's group, FSDP's mesh) and "tp" its stage's tensor-parallel ranks. Every rank
+    must call it (it creates every slice's process group)."""
+    shape: tuple[int, ...] = (rt.pp, rt.dp_size)
+    names: tuple[str, ...] = ("pp", "dp")
+    if rt.tp > 1:
+        shape, names = (*shape, rt.tp), (*names, "tp")
+    return init_device_mesh(rt.device.type, shape, mesh_dim_names=names)
+
+
+def process_groups(rt: Runtime) -> tuple[dist.ProcessGroup, DeviceMesh]:
+    """This rank's pipeline group and the mesh it came from (`pipeline_mesh`)."""
+    mesh = pipeline_mesh(rt)
+    return mesh["pp"].get_group(), mesh
 
 
 def build_schedule(
@@ -273,17 +294,23 @@ def forward_only(
 
 def gather_state_dict(part: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (CPU tensors), from the stages of the first
-    data-parallel replica; an empty dict on the other ranks. Every rank must call it."""
-    first_replica = rt.dp_rank == 0
-    local = {k: v.detach().cpu() for k, v in part.state_dict().items()} if first_replica else {}
+    data-parallel replica's first tensor-parallel rank; an empty dict on the other ranks.
+    Every rank must call it."""
+    # FSDP and TP shards are gathered within each stage (a collective of its dp and tp ranks).
+    whole = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in part.state_dict().items()
+    }
+    first_replica = rt.dp_rank == 0 and rt.rank % rt.tp == 0
+    local = whole if first_replica else {}
     pieces: list[Any] = [None] * rt.world_size if rt.is_main else []
     dist.gather_object(local, pieces if rt.is_main else None, dst=0)
     if not rt.is_main:
         return {}
-    whole: dict[str, torch.Tensor] = {}
+    merged: dict[str, torch.Tensor] = {}
     for piece in pieces:
-        whole.update(piece)
-    return whole
+        merged.update(piece)
+    return merged
 
 
 def _gather(obj: Any, part: nn.Module) -> list[Any] | None:

@@ -17,10 +17,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 def units(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute name) of each repeated unit: a model's `blocks` ModuleList when it has
-    one (gpt), else its top-level children that hold parameters (CNN stages, ResNet layers)."""
+    one (gpt; a pipeline stage's ModuleDict of its blocks, keyed by their index in the whole
+    model), else its top-level children that hold parameters (CNN stages, ResNet layers)."""
     blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        return [(blocks, str(i)) for i in range(len(blocks))]
+    if isinstance(blocks, nn.ModuleList | nn.ModuleDict):
+        return [(blocks, name) for name, _ in blocks.named_children()]
     found: list[tuple[nn.Module, str]] = []
     for name, child in model.named_children():
         inner = [(sub, m) for sub, m in child.named_children() if _has_params(m)]

@@ -375,8 +375,12 @@ def largest_layer_params(model: ModelShape, layout: Layout) -> float:
 # --- activations -----------------------------------------------------------------------------
 
 
-def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: int) -> float:
-    """Activation bytes of the busiest pipeline stage of a transformer."""
+def stage_activation_terms(
+    model: ModelShape, layout: Layout, act_bytes: int
+) -> tuple[float, float, float, float]:
+    """What one micro-batch keeps for backward on a pipeline stage of a transformer: (its
+    blocks, the output layer on the last stage, the input embedding's dropout mask on the
+    first, one block without recomputation)."""
     attention = layout.attention or model.attention
     policy = recompute_policy.parse(layout.recompute)
 
@@ -420,13 +424,19 @@ def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: i
         + 4.0 * sbv / (t if layout.vocab_parallel_loss else 1)
     )
     embed_mask = (sbh if model.dropout else 0.0) / (t if layout.sp else 1)
+    return stage, output, embed_mask, kept
+
+
+def transformer_activation_bytes(model: ModelShape, layout: Layout, act_bytes: int) -> float:
+    """Activation bytes of the busiest pipeline stage of a transformer."""
+    stage, output, embed_mask, kept = stage_activation_terms(model, layout, act_bytes)
     inflight = inflight_microbatches(
         layout.pp, layout.grad_accum, layout.schedule, layout.virtual_stages
     )
     first = inflight * (stage + embed_mask)
     last = stage + output
     acts = first + output if layout.pp == 1 else max(first, last)
-    if policy.recomputes_blocks:
+    if recompute_policy.parse(layout.recompute).recomputes_blocks:
         # The block being recomputed during backward holds its full activations meanwhile.
         acts += kept
     return acts

@@ -64,15 +64,16 @@ def build_training_model(cfg: RunConfig, rt: Runtime, res: Any) -> BuiltModel:
         elif init_from is not None:
             meta_init.load_full_export(m, init_from)
 
-    dp_group = None
+    mesh = None
     if cfg.parallel.pp > 1:  # this rank's stages only, still on meta
         part = pipeline.split_model(model, rt, cfg.parallel)
-        part.pipeline_group, dp_group = pipeline.process_groups(rt)
+        part.pipeline_group, mesh = pipeline.process_groups(rt)
         model = part
-    # Our cross-entropy runs loss-parallel under TP; a user's train.loss gets whole logits.
-    loss_parallel = cfg.train.loss == "cross_entropy"
+    # Our cross-entropy runs loss-parallel under TP; a user's train.loss gets whole logits, and
+    # so does a pipeline's last stage (the schedule calls the loss without loss_parallel).
+    loss_parallel = cfg.train.loss == "cross_entropy" and cfg.parallel.pp == 1
     model = parallelize(
-        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel, dp_group
+        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel, mesh
     )
     return BuiltModel(model, n_params, flops, on_meta)
 

@@ -112,6 +112,88 @@ def step_peak(model: nn.Module, optimizer: Any, cfg: Any, device: torch.device) 
     return StepPeak(model, optimizer, cfg.train.max_steps, enabled)
 
 
+class _Held:
+    """A saved tensor while autograd keeps it (see `InFlightActivations`)."""
+
+    __slots__ = ("key", "owner", "tensor")
+
+    def __init__(self, owner: InFlightActivations, key: int, tensor: torch.Tensor) -> None:
+        self.owner, self.key, self.tensor = owner, key, tensor
+
+    def __del__(self) -> None:
+        self.owner._release(self.key)
+
+
+class InFlightActivations:
+    """The saved activations alive at once during one sampled pipeline step (`parallel.pp`):
+    each micro-batch's forward saves tensors that autograd frees in its backward, so the peak
+    is what the schedule's in-flight micro-batches hold (GPipe: all of them; 1F1B on stage s:
+    at most p - s). Each storage counts once while any saved tensor holds it (by identity, as
+    `SavedActivationProbe`); parameters do not count. `bytes_per_microbatch`: what the step
+    saved in all, over its micro-batches. Freed tensors are seen when autograd drops what the
+    pack hook returned (`_Held`), the only signal `saved_tensors_hooks` gives."""
+
+    def __init__(self, model: nn.Module, microbatches: int) -> None:
+        self.model, self.microbatches = model, microbatches
+        self.peak_bytes: int | None = None
+        self.saved_bytes = 0
+        self._now = 0
+        self._live: dict[int, list[int]] = {}  # storage identity -> [bytes, saved tensors]
+        self._params: list[torch.UntypedStorage] = []  # held: identities stay unique
+        self._param_ids: set[int] = set()
+
+    def _note_params(self, module: nn.Module, _args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            self._params.append(_storage_of(p))
+            self._param_ids.add(self._params[-1]._cdata)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        st = _storage_of(t)
+        key = st._cdata
+        if not st.nbytes() or isinstance(t, nn.Parameter) or key in self._param_ids:
+            return t
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [st.nbytes(), 0]
+            self._now += entry[0]
+            self.saved_bytes += entry[0]
+            self.peak_bytes = max(self.peak_bytes or 0, self._now)
+        entry[1] += 1
+        return _Held(self, key, t)
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._now -= entry[0]
+            del self._live[key]
+
+    @contextmanager
+    def sample(self, active: bool) -> Iterator[None]:
+        """Count the saved tensors of the schedule step run inside (when `active`)."""
+        if not active:
+            yield
+            return
+        self.peak_bytes, self.saved_bytes = 0, 0
+        handles = [m.register_forward_pre_hook(self._note_params) for m in self.model.modules()]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+            self._params.clear()
+            self._param_ids.clear()
+
+    def result(self) -> dict[str, Any]:
+        per = self.saved_bytes / self.microbatches if self.peak_bytes is not None else None
+        return {"peak_bytes": self.peak_bytes, "bytes_per_microbatch": per}
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.tensor if isinstance(packed, _Held) else packed  # type: ignore[no-any-return]
+
+
 def prediction_block(summary: dict[str, Any]) -> dict[str, Any]:
     """The planner's prediction for this run next to what it measured (plan imports no torch,
     so the run's summary is all it gets)."""
@@ -127,10 +209,18 @@ def prediction_block(summary: dict[str, Any]) -> dict[str, Any]:
             "measured_bubble",
             "replayed_bubble",
         )
+        from hpcml.plan.stages import predict_stages
+
+        try:
+            stages: Any = predict_stages(summary, load_catalog())
+        except Exception as exc:  # a prediction must never fail a finished run
+            stages = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         return {
             "note": "the planner's run check does not read parallel.pp yet (it would take the "
-            "pipeline's stages for data-parallel replicas): only the bubble is compared",
+            "pipeline's stages for data-parallel replicas): the bubble and each stage's saved "
+            "activations are compared",
             "pipeline": {k: pipeline[k] for k in keys},
+            "stages": stages,
         }
     try:
         return predict_summary(summary, load_catalog())

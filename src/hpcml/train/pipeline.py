@@ -23,6 +23,7 @@ from hpcml.distributed import pipeline as pp
 from hpcml.distributed.runtime import all_gather_object
 from hpcml.errors import ConfigError
 from hpcml.plan.bubble import bubble_share, replay
+from hpcml.train.memprobe import InFlightActivations
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -65,6 +66,8 @@ class PipelineStep:
         self.schedule, self.clock = pp.build_schedule(
             self.part, trainer.model, rt, cfg.parallel, scaled_loss, self.group
         )
+        # Saved activations alive at once in the second step (the first infers shapes).
+        self.activations = InFlightActivations(trainer.model, pp.microbatches(cfg.parallel))
         self.steps = 0
         self.step_s = 0.0  # schedule time of the steps after the first (which infers shapes)
         self.busy_s = 0.0  # of which this rank's stages computed
@@ -74,7 +77,7 @@ class PipelineStep:
         trainer.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=dev)
         data_wait = 0.0
-        for _ in range(accum):
+        for micro in range(accum):
             td = time.perf_counter()
             with trainer.phase("hpcml.data"):
                 x, y = trainer.train_data.next()
@@ -88,6 +91,7 @@ class PipelineStep:
                 trainer.hooks.forward(trainer),
                 trainer.phase("hpcml.pipeline"),
                 self.clock.step(record=self.steps > 0),
+                self.activations.sample(active=self.steps == 1 and micro == 0),
             ):
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             if self.steps > 0:
@@ -108,7 +112,10 @@ class PipelineStep:
         Every rank must call it."""
         p = self.cfg.parallel
         idle = 1.0 - self.busy_s / self.step_s if self.step_s > 0 else None
-        mine = {"idle": idle, "pipeline": self.rt.dp_rank, **self.clock.replayed()}
+        # A pipeline is the ranks of one (dp, tp) place, one per stage.
+        line = self.rt.rank % (self.rt.world_size // self.rt.pp)
+        mine = {"idle": idle, "pipeline": line, **self.clock.replayed()}
+        mine["activations"] = {"stages": self.part.pipeline_stages, **self.activations.result()}
         every = all_gather_object(self.rt, mine)
         per_rank = [r["idle"] for r in every]
         measured = [x for x in per_rank if x is not None]
@@ -124,6 +131,9 @@ class PipelineStep:
             "measured_bubble_per_rank": per_rank,
             "replayed_bubble": min(replayed) if replayed else None,
             "replayed_bubble_per_rank": replayed or None,
+            # Each rank's peak of saved activations in one step (bytes alive at once) and
+            # what one micro-batch saved (`hpcml.train.memprobe.InFlightActivations`).
+            "activations_per_rank": [r["activations"] for r in every],
         }
 
     def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
