@@ -305,8 +305,8 @@ class ParallelConfig(_Section):
     """Pipeline-parallel degree (gpt models): the blocks are split into pp stages, one per group
     of world_size / pp processes (`torch.distributed.pipelining`); the data-parallel degree is
     world_size / (pp x tp). Each stage is replicated over its data-parallel processes by
-    `strategy` (FSDP2 under zero2, zero3, fsdp; ddp is accepted but fails in DDP's reducer
-    under torch 2.13; not zero1) and split over tp processes
+    `strategy` (FSDP2 under zero2, zero3, fsdp; ddp, refused with microbatches equal to pp, at
+    which it failed in DDP's reducer under torch 2.13; not zero1) and split over tp processes
     by the model's tensor-parallel plan (not with sequence_parallel); with either, pp_schedule
     is gpipe or 1f1b."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"

@@ -39,6 +39,7 @@ def meta_gpt(**args: object) -> torch.nn.Module:
         (4, {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2}, {}, 8, "neither"),
         (4, {"pp": 2, "tp": 2, "pp_schedule": "zero_bubble", "virtual_stages": 2}, {}, 8, "nor"),
         (1, {"microbatches": 2}, {}, 8, "apply to pipeline parallelism only"),
+        (4, {"pp": 2}, {}, 8, "fails in DDP's reducer"),  # pp2 x ddp2 at 2 micro-batches
     ],
 )
 def test_layout_refused_in_one_sentence(
@@ -59,7 +60,7 @@ def test_model_without_stages_refused() -> None:
 def test_accepted_layouts_pass() -> None:
     check_pipeline(meta_gpt(), 2, ParallelConfig(pp=2), 8)  # microbatches default: pp
     check_pipeline(meta_gpt(), 4, ParallelConfig(pp=4, microbatches=8, pp_schedule="gpipe"), 8)
-    check_pipeline(meta_gpt(), 4, ParallelConfig(pp=2), 8)  # pp2 x dp2 under ddp
+    check_pipeline(meta_gpt(), 4, ParallelConfig(pp=2, microbatches=4), 8)  # pp2 x dp2, ddp
     for strategy in ("zero2", "zero3", "fsdp"):  # under FSDP2 per stage
         check_pipeline(meta_gpt(), 4, ParallelConfig(pp=2, strategy=strategy), 8)
     check_pipeline(meta_gpt(), 4, ParallelConfig(pp=2, tp=2, pp_schedule="gpipe"), 8)
