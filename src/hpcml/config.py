@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from hpcml.config_sections import (  # re-exported: every section from hpcml.config
     SECONDS_MAX,
+    EncryptionConfig,
     FaultConfig,
     ObserveConfig,
     TrackingConfig,
@@ -438,6 +439,7 @@ class RunConfig(_Section):
     tune: TuneConfig | None = None
     """Hyperparameter search (`hpcml tune`); `hpcml train` ignores it."""
     finetune: FinetuneConfig = Field(default_factory=lambda: FinetuneConfig())
+    encryption: EncryptionConfig = Field(default_factory=lambda: EncryptionConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

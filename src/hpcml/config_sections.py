@@ -134,6 +134,19 @@ class ObserveConfig(_Section):
     says there is nothing to check."""
 
 
+class EncryptionConfig(_Section):
+    """Encryption at rest (hpcml.crypt): AES-256-GCM over checkpoints and the exported weights."""
+
+    enabled: bool = False
+    """Encrypt what the run writes: every checkpoint file and `export/model.safetensors`
+    (`model.json`, the manifest and the run records stay readable). The key comes from
+    $HPCML_ENCRYPTION_KEY (64 hex digits), `key_file` or $HPCML_ENCRYPTION_KEY_FILE; resuming
+    an encrypted checkpoint needs the same key whether or not this is set."""
+    key_file: str | None = None
+    """A file holding the key (64 hex digits, base64 or 32 raw bytes), outside the run folder;
+    null: from the environment."""
+
+
 def check_ac_policy(value: str) -> str:
     """train.activation_checkpointing: a recomputation policy hpcml trains with."""
     if value == "attention-scores":

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hpcml.config import TrackingConfig
 from hpcml.errors import HpcmlError
+from hpcml.models.signing import SIGNATURE
 from hpcml.records import RUN_LOG, SUMMARY, read_run_log, read_summary
 from hpcml.track.mlflow import (
     EXPORT_DIR,
@@ -167,6 +168,11 @@ def _linked_run(
         if run is not None and run.info.lifecycle_stage == "active":
             if not client.list_artifacts(run.info.run_id, EXPORT_DIR):
                 client.log_artifacts(run.info.run_id, str(run_dir / EXPORT_DIR), EXPORT_DIR)
+            signature = run_dir / EXPORT_DIR / SIGNATURE
+            if signature.is_file():
+                # Signed after training logged the export (`hpcml export sign`): without it
+                # the registered artifact would fail its sha256 check and be unsigned.
+                client.log_artifact(run.info.run_id, str(signature), EXPORT_DIR)
             return run.info.run_id, run.info.artifact_uri
     # Remember the new run in tracking.json unless that file names a run in another store.
     remember = state is None or state.get("tracking_uri") == uri

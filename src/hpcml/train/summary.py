@@ -120,6 +120,7 @@ def build_summary(t: Any) -> dict[str, Any]:
         input_dtype=splits.input_dtype,
         task=t.spec.task,
         state=weights,
+        key=t.seal_key,
         metadata={
             "data": cfg.data.model_dump(mode="json"),
             "data_version": splits.version,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hpcml import crypt
 from hpcml.config import RunConfig, dump_config
 from hpcml.data.device_augment import device_augment
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
@@ -102,6 +103,12 @@ class Trainer:
         self.resume_record: dict[str, Any] = {}
         self.resume_state: dict[str, Any] | None = None
         """This step's global gradient norm on the device (None under fp16 loss scaling)."""
+
+    @property
+    def seal_key(self) -> crypt.Key | None:
+        """The key checkpoints and the export are sealed with (`encryption`), or None."""
+        enc = self.cfg.encryption
+        return crypt.run_key(enc.enabled, enc.key_file, self.out_dir)
 
     # --- the whole run ---------------------------------------------------------------------
 
@@ -223,7 +230,7 @@ class Trainer:
         fresh = resume_changes.hyperparameters(self.optimizer)
         t0 = time.perf_counter()
         with self.guard.checkpointing(folder_bytes(path), saving=False):
-            loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
+            loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg, self.seal_key)
         self.guard.load_s = time.perf_counter() - t0
         finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
         self.resume_state = loaded.trainer
@@ -465,6 +472,7 @@ class Trainer:
                 background=cfg.train.checkpoint_async,
                 writer_nice=cfg.train.checkpoint_writer_nice,
                 verify=cfg.fault.checkpoint_verify,
+                key=self.seal_key,
             )
         if self.rt.is_main:
             self.hooks.checkpoint(path, self.step)
