@@ -17,6 +17,7 @@ from hpcml.config_sections import (  # re-exported: every section from hpcml.con
     EncryptionConfig,
     FaultConfig,
     ObserveConfig,
+    PrivacyConfig,
     TrackingConfig,
     _Section,
     check_ac_policy,
@@ -440,6 +441,7 @@ class RunConfig(_Section):
     """Hyperparameter search (`hpcml tune`); `hpcml train` ignores it."""
     finetune: FinetuneConfig = Field(default_factory=lambda: FinetuneConfig())
     encryption: EncryptionConfig = Field(default_factory=lambda: EncryptionConfig())
+    privacy: PrivacyConfig = Field(default_factory=lambda: PrivacyConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

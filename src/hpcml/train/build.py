@@ -71,9 +71,11 @@ def build_training_model(cfg: RunConfig, rt: Runtime, res: Any) -> BuiltModel:
         model = part
     # Our cross-entropy runs loss-parallel under TP; a user's train.loss gets whole logits.
     loss_parallel = cfg.train.loss == "cross_entropy"
+    # Under privacy.dp_sgd no DDP: Opacus's DP optimizer reduces the clipped, noisy gradients.
     model = parallelize(
-        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel, dp_group
-    )
+        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel, dp_group,
+        data_parallel=cfg.privacy.dp_sgd is None,
+    )  # fmt: skip
     return BuiltModel(model, n_params, flops, on_meta)
 
 

@@ -106,6 +106,8 @@ def build_summary(t: Any) -> dict[str, Any]:
     }
     if pipeline is not None:
         summary["pipeline"] = pipeline
+    if t.privacy is not None:  # privacy.dp_sgd: the epsilon spent over the whole run
+        summary["privacy"] = t.privacy.summary(t.step)
     # plan memory --trace of the run's own config (train.plan_trace)
     traced = summary_trace(cfg, res, rt.world_size, sum(t.meter.step_times))
     if traced is not None:
