@@ -128,3 +128,32 @@ def test_a_followed_version_that_fails_its_check_is_not_added(
     with pytest.raises(ModelError, match="fails its signature check"):
         asyncio.run(add_version(router, "digits", "2", tampered))
     assert list(router.model("digits").versions) == ["1"]
+
+
+def test_a_signature_made_after_registration_travels_with_the_next_version(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The first registration logs the run (and its unsigned export) to MLflow; the export is
+    signed afterwards and registered again: the new version's artifact carries model.sig, so
+    it passes its sha256 check and verifies (MLflow's MLmodel beside it is not signed), and
+    the first version's artifact is left as registered (its sha256 still matches)."""
+    from tests.integration.mlflow_util import fresh_store
+    from tests.integration.test_track_registry import make_run
+
+    from hpcml.models.signing import sign_export, verify_export
+    from hpcml.track.registry import register_run
+    from hpcml.track.resolve import resolve_model
+
+    store = fresh_store(tmp_path_factory, "signed-registry")
+    root = tmp_path_factory.mktemp("signed-run")
+    run = root / "run"
+    make_run(run, 0.9, 0.3)
+    register_run(run, "signed", tracking_uri=store)
+    private, public = _keypair(root, "signer")
+    sign_export(run, private)
+    version = register_run(run, "signed", tracking_uri=store)["version"]
+    resolved = resolve_model(f"models:/signed/{version}", store)
+    assert (resolved.path / "MLmodel").is_file() and (resolved.path / SIGNATURE).is_file()
+    verify_export(resolved.path, public)
+    first = resolve_model("models:/signed/1", store)  # raises if its files changed
+    assert not (first.path / SIGNATURE).exists()

@@ -60,10 +60,10 @@ def _pem(path: Path, what: str, option: str) -> Path:
 def sign_export(path: Path, key: Path) -> Path:
     """Sign the export folder at `path` (or the run folder holding it) with the elliptic curve
     private key `key`; the signature replaces any earlier `model.sig`. Returns its path."""
-    from model_signing import signing
-
     folder = _export_folder(path)
     _pem(key, "elliptic curve private key", "--key")
+    from model_signing import signing  # after the cheap checks: its import takes a while
+
     try:
         config = signing.Config().use_elliptic_key_signer(private_key=key)
     except Exception as exc:  # noqa: BLE001 - any unreadable key is the same user problem
@@ -82,8 +82,6 @@ def verify_export(path: Path, public_key: Path) -> Path:
 
     Raises `ModelError` (one sentence) when the signature is missing, made with another key,
     or the files differ from the signed ones. Returns the export folder."""
-    from model_signing import verifying
-
     folder = _export_folder(path)
     signature = folder / SIGNATURE
     _pem(public_key, "public key of the signer", "--verify-key")
@@ -92,6 +90,7 @@ def verify_export(path: Path, public_key: Path) -> Path:
             f"{folder} is not signed (no {SIGNATURE}); sign it with `hpcml export sign "
             f"{folder} --key KEY` or serve without --require-signature."
         )
+    from model_signing import verifying
     try:
         config = verifying.Config().use_elliptic_key_verifier(public_key=public_key)
     except Exception as exc:  # noqa: BLE001

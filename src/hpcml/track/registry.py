@@ -139,11 +139,12 @@ def register_run(
     arch = meta.get("architecture")
     tags = _version_tags(summary, run_dir, arch)
     tags[SHA256_TAG] = export_sha256(export)
-    log_mlmodel(client, run_id, meta, EXPORT_DIR)
+    folder = _artifact_folder(client, run_id, export, tags[SHA256_TAG])
+    log_mlmodel(client, run_id, meta, folder)
     _ensure_registered_model(client, name)
     version = client.create_model_version(
         name,
-        source=f"{artifact_uri}/{EXPORT_DIR}",
+        source=f"{artifact_uri}/{folder}",
         run_id=run_id,
         tags=tags,
         description=description or f"{arch or 'model'} trained in {run_dir.resolve()}",
@@ -168,15 +169,23 @@ def _linked_run(
         if run is not None and run.info.lifecycle_stage == "active":
             if not client.list_artifacts(run.info.run_id, EXPORT_DIR):
                 client.log_artifacts(run.info.run_id, str(run_dir / EXPORT_DIR), EXPORT_DIR)
-            signature = run_dir / EXPORT_DIR / SIGNATURE
-            if signature.is_file():
-                # Signed after training logged the export (`hpcml export sign`): without it
-                # the registered artifact would fail its sha256 check and be unsigned.
-                client.log_artifact(run.info.run_id, str(signature), EXPORT_DIR)
             return run.info.run_id, run.info.artifact_uri
     # Remember the new run in tracking.json unless that file names a run in another store.
     remember = state is None or state.get("tracking_uri") == uri
     return _log_untracked_run(run_dir, summary, uri, remember=remember)
+
+
+def _artifact_folder(client: MlflowClient, run_id: str, export: Path, sha256: str) -> str:
+    """The run's artifact folder a new version points at: `export`, unless the export was
+    signed (`hpcml export sign`) after the run logged it; then the signed export is logged
+    to a folder of its own, leaving the one earlier versions point at (and their sha256) as
+    it was."""
+    logged = {Path(f.path).name for f in client.list_artifacts(run_id, EXPORT_DIR)}
+    if not (export / SIGNATURE).is_file() or SIGNATURE in logged:
+        return EXPORT_DIR
+    folder = f"{EXPORT_DIR}-signed-{sha256[:12]}"
+    client.log_artifacts(run_id, str(export), folder)
+    return folder
 
 
 def _log_untracked_run(

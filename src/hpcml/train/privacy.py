@@ -145,7 +145,6 @@ def attach(
         return optimizer, None
     from opacus import GradSampleModule
     from opacus.accountants import RDPAccountant
-    from opacus.accountants.utils import get_noise_multiplier
     from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 
     if world_size > 1:  # rank 0's weights everywhere, as DDP's constructor would broadcast
@@ -156,15 +155,7 @@ def attach(
     sigma = dp.noise_multiplier
     if sigma is None:
         assert dp.target_epsilon is not None  # the config's validator
-        sigma = float(
-            get_noise_multiplier(
-                target_epsilon=dp.target_epsilon,
-                target_delta=dp.delta,
-                sample_rate=sample_rate,
-                steps=cfg.train.max_steps,
-                accountant="rdp",
-            )
-        )
+        sigma = noise_for(dp.target_epsilon, dp.delta, sample_rate, cfg.train.max_steps)
     hooks = GradSampleModule(model, batch_first=True, loss_reduction="mean")
     wrapper = DistributedDPOptimizer if world_size > 1 else DPOptimizer
     private = wrapper(
@@ -178,6 +169,28 @@ def attach(
         sigma, dp.max_grad_norm, dp.delta, sample_rate, dp.target_epsilon, RDPAccountant(), hooks
     )
     return private, privacy
+
+
+def noise_for(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """The smallest noise multiplier that keeps `steps` steps within `target_epsilon`."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    try:
+        return float(
+            get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant="rdp",
+            )
+        )
+    except (ValueError, OverflowError, ZeroDivisionError) as exc:
+        raise ConfigError(
+            f"privacy.dp_sgd.target_epsilon {target_epsilon:g} at delta {delta:g} over {steps} "
+            f"steps at sampling rate {sample_rate:.3g} cannot be met ({exc}); raise the target "
+            "or give noise_multiplier."
+        ) from None
 
 
 def state_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
