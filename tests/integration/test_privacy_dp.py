@@ -3,8 +3,8 @@
 Two processes with per-rank batch B train as one process with batch 2B, step by step: each
 rank clips its samples' gradients, only rank 0 adds the noise, and the noisy sums are
 all-reduced (noise on both ranks, a missing reduction or a wrong scale would each change the
-losses by far more than summation order does); and both differ from the same run without
-DP-SGD. The epsilon of every step is Opacus's RDP accountant's after that many steps at a
+losses by far more than summation order does; tests/unit/test_privacy_check.py checks the
+clipping and the noise of one step against a hand computation). The epsilon of every step is Opacus's RDP accountant's after that many steps at a
 sampling rate of global batch / training samples, in run.jsonl and summary.json. FSDP is
 refused in one sentence with exit code 2 before any worker starts (no run folder is made).
 """
@@ -37,35 +37,29 @@ def _epsilons(run: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_dp_sgd_on_two_processes_equals_one_with_twice_the_batch(tmp_path: Path) -> None:
-    one, two, plain = tmp_path / "one", tmp_path / "two", tmp_path / "plain"
+    one, two = tmp_path / "one", tmp_path / "two"
     run_hpcml("train", CONFIG, *COMMON, DP, "data.batch_size=32", "--run-dir", str(one))
     run_hpcml("train", CONFIG, *COMMON, DP, "data.batch_size=16", "--nproc", "2",
               "--run-dir", str(two))  # fmt: skip
-    run_hpcml("train", CONFIG, *COMMON, "data.batch_size=16", "--nproc", "2",
-              "--run-dir", str(plain))  # fmt: skip
-    a, b, c = step_losses(one), step_losses(two), step_losses(plain)
+    a, b = step_losses(one), step_losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for s in a:
         # fp32 sums of clipped gradients in another order (gloo allreduce): as the DDP test of
         # test_train_run.py, 1e-5 (~170 u) is an estimate, not a derived bound. Noise added on
-        # both ranks moves the second step's loss by ~1e-2.
+        # both ranks, or sums scaled by the per-rank batch alone, move step 2's loss far more.
         assert a[s] == pytest.approx(b[s], rel=1e-5), (s, a[s], b[s])
-    assert a[1] == pytest.approx(c[1], rel=1e-6)  # the same weights and batch before any step
-    assert abs(b[3] - c[3]) > 1e-4  # the private updates are not the plain ones
 
     from opacus.accountants import RDPAccountant
 
     s = summary(two)["privacy"]
-    train_samples = s["sample_rate"] and round(32 / s["sample_rate"])
-    assert s["sample_rate"] == pytest.approx(32 / train_samples)
-    assert 1000 < train_samples < 1437  # digits' 1,797 samples less the 20% validation split
+    assert s["sample_rate"] == 32 / summary(two)["data"]["train_samples"]
     expected = {}
     for step in (1, 2, 3):
         accountant = RDPAccountant()
         accountant.history = [(1.0, s["sample_rate"], step)]
         expected[step] = accountant.get_epsilon(1e-5)
     eps = _epsilons(two)
-    assert eps == pytest.approx(expected, rel=1e-9) and eps[1] < eps[2] < eps[3]
+    assert eps == pytest.approx(expected, rel=1e-12) and eps[1] < eps[2] < eps[3]
     assert s["epsilon"] == eps[3] and s["noise_multiplier"] == 1.0 and s["steps"] == 3
     assert _epsilons(one) == eps  # the same global batch, the same privacy spent
 

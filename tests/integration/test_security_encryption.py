@@ -65,7 +65,9 @@ def test_encrypted_checkpoints_resume_bit_equal_and_a_wrong_key_changes_nothing(
     assert {p.name for p in files} >= {"trainer.pt", "rank-0.pt", ".metadata"}
     assert all(crypt.file_is_sealed(p) for p in files), [p.name for p in files]
     # The plain run's trainer state at step 2 (the config's own text inside) is not readable.
-    assert b"decay_norms_biases_embeddings" in (plain / "checkpoints/step-2/trainer.pt").read_bytes()
+    assert (
+        b"decay_norms_biases_embeddings" in (plain / "checkpoints/step-2/trainer.pt").read_bytes()
+    )
     assert not any(b"decay_norms_biases_embeddings" in p.read_bytes() for p in files)
     assert crypt.file_is_sealed(split / "export" / "model.safetensors")
 

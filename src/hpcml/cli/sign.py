@@ -12,7 +12,9 @@ from hpcml.cli.common import console, print_json
 def sign(
     path: Path = typer.Argument(..., help="Run folder or export folder to sign."),
     key: Path = typer.Option(
-        ..., "--key", help="Elliptic curve private key (PEM) to sign with; kept away from the model."
+        ...,
+        "--key",
+        help="Elliptic curve private key (PEM) to sign with; kept away from the model.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:

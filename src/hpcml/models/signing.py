@@ -51,7 +51,9 @@ def _pem(path: Path, what: str, option: str) -> Path:
     try:
         text = path.read_bytes()
     except OSError as exc:
-        raise ModelError(f"{option} {path}: {exc.strerror or exc}; pass the {what} (PEM).") from None
+        raise ModelError(
+            f"{option} {path}: {exc.strerror or exc}; pass the {what} (PEM)."
+        ) from None
     if b"-----BEGIN" not in text:
         raise ModelError(f"{option} {path} is not a PEM file; pass the {what} (PEM).")
     return path
@@ -91,6 +93,7 @@ def verify_export(path: Path, public_key: Path) -> Path:
             f"{folder} --key KEY` or serve without --require-signature."
         )
     from model_signing import verifying
+
     try:
         config = verifying.Config().use_elliptic_key_verifier(public_key=public_key)
     except Exception as exc:  # noqa: BLE001
