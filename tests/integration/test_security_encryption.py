@@ -111,3 +111,45 @@ def test_encrypted_checkpoints_resume_bit_equal_and_a_wrong_key_changes_nothing(
     # fp32 sums in another order (as test_serve_http): 2 x Higham-Mary 6 sqrt(K) u |x||W| < 3e-3;
     # weights that failed to decrypt or load would not serve at all, other weights differ > .1.
     np.testing.assert_allclose(decode_output(r.json()), expected, rtol=0, atol=3e-3)
+
+
+def test_an_encrypted_shard_set_loads_as_the_plain_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hpcml data shard --encrypt`: every shard file is sealed (a sample's pixels are in the
+    plain set's files and in none of the sealed ones) and the loader's batches are the plain
+    set's; without the key, or with another, reading is refused in one sentence."""
+    from hpcml.config import DataConfig
+    from hpcml.data.loader import EpochLoader
+    from hpcml.data.sources import load_source
+
+    plain, sealed = tmp_path / "plain", tmp_path / "sealed"
+    small = ["--shard-size", "256KB", "--val-fraction", "0.2"]
+    run_hpcml("data", "shard", "digits", "--out", str(plain), *small)
+    run_hpcml("data", "shard", "digits", "--out", str(sealed), *small, "--encrypt",
+              env=hpcml_env(HPCML_ENCRYPTION_KEY=KEY))  # fmt: skip
+    files = sorted(sealed.glob("*.arrow"))
+    assert len(files) > 1 and all(crypt.file_is_sealed(f) for f in files)
+    cfg = {"source": "shards", "batch_size": 16, "verify": "full"}
+    monkeypatch.delenv("HPCML_ENCRYPTION_KEY_FILE", raising=False)
+    monkeypatch.setenv("HPCML_ENCRYPTION_KEY", KEY)
+    batches = []
+    for root in (plain, sealed):
+        splits = load_source(DataConfig(path=str(root), **cfg))
+        loader = EpochLoader(splits.train, DataConfig(path=str(root), **cfg), 0, 1, 0, False)
+        batches.append([loader.next() for _ in range(3)])
+        assert len(splits.train) == 1437  # digits' 1,797 less 360 held out
+    for (xa, ya), (xb, yb) in zip(*batches, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    pixels = load_source(DataConfig(path=str(plain), **cfg)).train[5][0]
+    raw = pixels.numpy().tobytes() if isinstance(pixels, torch.Tensor) else bytes(pixels)
+    assert any(raw in f.read_bytes() for f in plain.glob("*.arrow"))
+    assert not any(raw in f.read_bytes() for f in files)
+    for key in (OTHER_KEY, None):
+        if key is None:
+            monkeypatch.delenv("HPCML_ENCRYPTION_KEY")
+        else:
+            monkeypatch.setenv("HPCML_ENCRYPTION_KEY", key)
+        with pytest.raises(crypt.EncryptionError, match="another key" if key else "no key"):
+            EpochLoader(load_source(DataConfig(path=str(sealed), **cfg)).train,
+                        DataConfig(path=str(sealed), **cfg), 0, 1, 0, False).next()  # fmt: skip
