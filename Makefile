@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,track,tune,onnx,observe,kserve-client,finetune,interop,security,audit]"
+	$(PY) -m pip install -q -e ".[dev,serve,track,tune,onnx,observe,kserve-client,finetune,interop,security,privacy,audit]"
 	# KServe's client; --no-deps because kserve pins pandas<3 (see the kserve-client extra).
 	$(PY) -m pip install -q --no-deps "kserve==0.21.0"
 	touch $(STAMP)

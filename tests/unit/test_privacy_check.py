@@ -73,7 +73,8 @@ def test_a_target_epsilon_is_spent_by_the_last_step_and_restored_on_resume() -> 
     # get_noise_multiplier searches to within 0.01 of the target (its epsilon_tolerance).
     assert target - 0.011 <= eps[-1] <= target and eps == sorted(eps)
 
-    fresh = privacy.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, 64, 1, 1000)[1]
+    other = build_model("mlp", {"hidden": 8, "depth": 1})
+    fresh = privacy.attach(other, torch.optim.SGD(other.parameters(), lr=0.1), cfg, 64, 1, 1000)[1]
     assert fresh is not None
     fresh.restore(acct.state())  # a resume: the checkpoint's 50 steps count on
     assert fresh.epsilon() == eps[-1]

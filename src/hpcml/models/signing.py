@@ -30,7 +30,7 @@ def _hashing(folder: Path) -> Any:
     return (
         hashing.Config()
         .use_file_serialization(hashing_algorithm="sha256", allow_symlinks=False)
-        .set_ignored_paths(paths=[folder / name for name in UNSIGNED], ignore_git_paths=True)
+        .set_ignored_paths(paths=list(UNSIGNED), ignore_git_paths=True)  # relative to folder
     )
 
 
