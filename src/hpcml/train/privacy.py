@@ -156,6 +156,9 @@ def attach(
     if sigma is None:
         assert dp.target_epsilon is not None  # the config's validator
         sigma = noise_for(dp.target_epsilon, dp.delta, sample_rate, cfg.train.max_steps)
+    for m in model.modules():  # Opacus's backward hooks forbid in-place ops on their outputs
+        if getattr(m, "inplace", False) is True:  # ReLU(inplace=True): same values, a copy
+            m.inplace = False
     hooks = GradSampleModule(model, batch_first=True, loss_reduction="mean")
     wrapper = DistributedDPOptimizer if world_size > 1 else DPOptimizer
     private = wrapper(

@@ -207,7 +207,7 @@ class Trainer:
         self.optimizer = shard_optimizer(optimizer, self.model, rt, cfg.parallel)
         self.optimizer, self.privacy = privacy.attach(  # privacy.dp_sgd: Opacus's DP optimizer
             self.model, self.optimizer, cfg, cfg.data.batch_size, rt.dp_size,
-            len(self.resolved.splits.train),
+            len(self.resolved.splits.train),  # type: ignore[arg-type]
         )  # fmt: skip
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.scaler = grad_scaler(self.precision, cfg.parallel, rt)

@@ -417,14 +417,14 @@ def first_mismatch(
     path: Path,
     state: dict[str, Any],
     elsewhere: set[str] | frozenset[str] = frozenset(),
-    key: crypt.Key | None = None,
+    seal_key: crypt.Key | None = None,
 ) -> str | None:
     """The first key this run expects that the checkpoint lacks or holds in another shape, or
     the first tensor the checkpoint holds that this run has no place for."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        saved = dcp_safe.read_metadata(path, key).state_dict_metadata
+        saved = dcp_safe.read_metadata(path, seal_key).state_dict_metadata
     except (CheckpointError, crypt.EncryptionError):
         raise  # crafted or damaged metadata, or the wrong key: its own sentence
     except Exception:  # noqa: BLE001 - let dcp.load report an unreadable checkpoint
