@@ -158,7 +158,7 @@ def attach(
         sigma = noise_for(dp.target_epsilon, dp.delta, sample_rate, cfg.train.max_steps)
     for m in model.modules():  # Opacus's backward hooks forbid in-place ops on their outputs
         if getattr(m, "inplace", False) is True:  # ReLU(inplace=True): same values, a copy
-            m.inplace = False
+            setattr(m, "inplace", False)  # noqa: B010 - nn.Module typing hides the flag
     hooks = GradSampleModule(model, batch_first=True, loss_reduction="mean")
     wrapper = DistributedDPOptimizer if world_size > 1 else DPOptimizer
     private = wrapper(
