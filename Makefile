@@ -7,13 +7,13 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint docs unit bench clean gpu gpu-wheels
+.PHONY: install demo test lint docs unit bench clean gpu gpu-wheels audit lock
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,track,tune,onnx,observe,kserve-client,finetune,interop]"
+	$(PY) -m pip install -q -e ".[dev,serve,track,tune,onnx,observe,kserve-client,finetune,interop,security,privacy,audit]"
 	# KServe's client; --no-deps because kserve pins pandas<3 (see the kserve-client extra).
 	$(PY) -m pip install -q --no-deps "kserve==0.21.0"
 	touch $(STAMP)
@@ -58,6 +58,16 @@ gpu:
 
 gpu-wheels: $(STAMP)
 	bash benchmarks/gpu_wheels.sh
+
+# A CycloneDX SBOM of .venv and its known vulnerabilities (pip-audit) into build/; exit 1 on a
+# vulnerability, 0 with a line saying so where the vulnerability service is unreachable.
+audit: $(STAMP)
+	$(PY) .ci/audit.py
+
+# requirements.lock: the versions installed in .venv now (torch left out: TORCH pins it, and
+# the project itself, installed editable).
+lock: $(STAMP)
+	$(PY) -m pip freeze --exclude-editable | grep -v -i '^torch==' > requirements.lock
 
 bench: $(STAMP)
 	$(PY) benchmarks/engine_overhead.py

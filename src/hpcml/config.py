@@ -14,8 +14,10 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from hpcml.config_sections import (  # re-exported: every section from hpcml.config
     SECONDS_MAX,
+    EncryptionConfig,
     FaultConfig,
     ObserveConfig,
+    PrivacyConfig,
     TrackingConfig,
     _Section,
     check_ac_policy,
@@ -449,6 +451,8 @@ class RunConfig(_Section):
     tune: TuneConfig | None = None
     """Hyperparameter search (`hpcml tune`); `hpcml train` ignores it."""
     finetune: FinetuneConfig = Field(default_factory=lambda: FinetuneConfig())
+    encryption: EncryptionConfig = Field(default_factory=lambda: EncryptionConfig())
+    privacy: PrivacyConfig = Field(default_factory=lambda: PrivacyConfig())
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

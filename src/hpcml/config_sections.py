@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SECONDS_MAX = 10**9
 """Upper bound of every duration in seconds (about 31 years): below `threading.TIMEOUT_MAX` and
@@ -148,6 +148,50 @@ class ObserveConfig(_Section):
     pending memory repairs, slowdown at rest, a narrowed PCIe link, other processes on it);
     without it the problems are printed and the run goes on. On a run without a GPU, one line
     says there is nothing to check."""
+
+
+class EncryptionConfig(_Section):
+    """Encryption at rest (hpcml.crypt): AES-256-GCM over checkpoints and the exported weights."""
+
+    enabled: bool = False
+    """Encrypt what the run writes: every checkpoint file and `export/model.safetensors`
+    (`model.json`, the manifest and the run records stay readable). The key comes from
+    $HPCML_ENCRYPTION_KEY (64 hex digits), `key_file` or $HPCML_ENCRYPTION_KEY_FILE; resuming
+    an encrypted checkpoint needs the same key whether or not this is set."""
+    key_file: str | None = None
+    """A file holding the key (64 hex digits, base64 or 32 raw bytes), outside the run folder;
+    null: from the environment."""
+
+
+class DpSgdConfig(_Section):
+    """DP-SGD (Abadi et al. 2016) with Opacus: each sample's gradient clipped to
+    `max_grad_norm`, Gaussian noise of `noise_multiplier` x `max_grad_norm` added to their sum."""
+
+    noise_multiplier: float | None = Field(None, ge=0)
+    """The noise's standard deviation over max_grad_norm; null: the smallest that keeps the
+    whole run (train.max_steps) within `target_epsilon`. Give one of the two."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Each sample's gradient is scaled down to at most this L2 norm before the sum."""
+    target_epsilon: float | None = Field(None, gt=0)
+    """The privacy budget the run must stay within at `delta`, from which the noise is chosen."""
+    delta: float = Field(1e-5, gt=0, lt=1)
+    """The delta of (epsilon, delta)-differential privacy; below 1 / training samples."""
+
+    @model_validator(mode="after")
+    def _one_of(self) -> DpSgdConfig:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier and target_epsilon")
+        return self
+
+
+class PrivacyConfig(_Section):
+    """Differential privacy of training (hpcml.train.privacy)."""
+
+    dp_sgd: DpSgdConfig | None = None
+    """Train with DP-SGD (Opacus): the privacy spent (epsilon) is in every step record, the
+    summary and MLflow. Data parallel only (parallel.strategy ddp, tp 1, pp 1), fp32 or tf32,
+    no gradient accumulation, no optim.grad_clip, no mixup or cutmix, a model without BatchNorm;
+    anything else is refused before training starts. null: off."""
 
 
 def check_ac_policy(value: str) -> str:

@@ -24,6 +24,7 @@ from hpcml.cli import promote as promote_cli
 from hpcml.cli import registry as registry_cli
 from hpcml.cli import report as report_cli
 from hpcml.cli import serve as serve_cli
+from hpcml.cli import sign as sign_cli
 from hpcml.cli import train as train_cli
 from hpcml.cli import tune as tune_cli
 from hpcml.cli.common import fail
@@ -127,6 +128,7 @@ launch_k8s_cli.register(launch_cli.app)
 app.add_typer(launch_cli.app, name="launch")
 app.add_typer(observe_cli.app, name="observe")
 app.add_typer(audit_cli.app, name="audit")
+sign_cli.register(serve_cli.export_app)
 serve_cli.register(app)
 app.command("report", help=report_cli.report.__doc__)(report_cli.report)
 app.command("profile", help=profile_cli.profile.__doc__)(profile_cli.profile)

@@ -104,6 +104,12 @@ def shard(
         help="Processes writing shard files (serialize, compress, sync, hash) while the source "
         "is read; the output is byte for byte the same for any number.",
     ),
+    encrypt: bool = typer.Option(
+        False,
+        "--encrypt",
+        help="Seal each shard file with AES-GCM, the key from $HPCML_ENCRYPTION_KEY or "
+        "$HPCML_ENCRYPTION_KEY_FILE; reading it needs the same key in the environment.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Write a shard set (Arrow IPC shards + manifest.json) for data.source shards."""
@@ -125,6 +131,7 @@ def shard(
         encoded=encoded,
         eot=eot,
         workers=workers,
+        encrypt=encrypt,
     )
     if json_out:
         print_json(_info(result["manifest"], result["out"]))

@@ -96,6 +96,15 @@ def serve(
         help="An OpenTelemetry trace per request (receive, queue, compute, respond) by OTLP/HTTP "
         "to $OTEL_EXPORTER_OTLP_ENDPOINT.",
     ),
+    require_signature: bool = typer.Option(
+        False,
+        "--require-signature",
+        help="Serve only exports signed with `hpcml export sign` (checked with --verify-key); "
+        "an unsigned or changed one is refused, and --follow keeps the old version.",
+    ),
+    verify_key: Path | None = typer.Option(
+        None, "--verify-key", help="The signer's public key (PEM) for --require-signature."
+    ),
     prometheus_targets: Path | None = typer.Option(
         None,
         "--prometheus-targets",
@@ -124,6 +133,10 @@ def serve(
         data["tls"] = _tls_section(tls_cert, tls_key, tls_client_ca, data.get("tls"))
     if tracing:
         data["tracing"] = True
+    if require_signature:
+        data["require_signature"] = True
+    if verify_key is not None:
+        data["verify_key"] = str(verify_key)
     per_model = {
         "backend": backend,
         "max_batch_size": max_batch_size,

@@ -64,7 +64,7 @@ def train(
     from hpcml.errors import HpcmlError
     from hpcml.launch.local import check_nproc
     from hpcml.track.mlflow import check_resume_store
-    from hpcml.train.entry import preflight, run_here
+    from hpcml.train.entry import check_encryption, preflight, run_here
     from hpcml.train.fault.guard import require_checkpoints_for_restarts
 
     if strict_health:
@@ -89,6 +89,7 @@ def train(
         check_nproc(nproc)
         # With several processes, the whole resolved config is checked here, before torchrun.
         preflight(cfg, nproc if nproc > 1 else None)
+        check_encryption(cfg, run_dir, resume)
         check_resume_store(cfg.tracking, run_dir, resume)
         if nproc == 1:
             summary = run_here(cfg, config, run_dir, resume, overwrite, quiet, allow_fresh_start)

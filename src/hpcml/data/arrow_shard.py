@@ -22,9 +22,11 @@ def write_shard(
     encoded: bool,
     rows_per_batch: int,
     compression: str,
+    key: Any = None,
 ) -> dict[str, Any]:
     """Write the samples (ids, x bytes, y bytes) to `path` in record batches of
-    `rows_per_batch` rows; x is variable-size binary when `encoded`, else `widths[0]` bytes."""
+    `rows_per_batch` rows; x is variable-size binary when `encoded`, else `widths[0]` bytes.
+    With `key` (an `hpcml.crypt.Key`) the file is sealed (AES-GCM) as a whole."""
     import pyarrow as pa
 
     table = pa.table(
@@ -36,13 +38,21 @@ def write_shard(
     )
     codec = None if compression == "none" else compression
     options = pa.ipc.IpcWriteOptions(compression=codec)
-    with (
-        pa.OSFile(path, "wb") as sink,
-        pa.ipc.new_file(sink, table.schema, options=options) as writer,
-    ):
-        writer.write_table(table, max_chunksize=rows_per_batch)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    if key is not None:
+        from hpcml import crypt
+
+        memory = pa.BufferOutputStream()
+        with pa.ipc.new_file(memory, table.schema, options=options) as writer:
+            writer.write_table(table, max_chunksize=rows_per_batch)
+        crypt.write_sealed(Path(path), memory.getvalue().to_pybytes(), key)  # fsynced
+    else:
+        with (
+            pa.OSFile(path, "wb") as sink,
+            pa.ipc.new_file(sink, table.schema, options=options) as writer,
+        ):
+            writer.write_table(table, max_chunksize=rows_per_batch)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
     return {
         "file": Path(path).name,
         "samples": len(ids),

@@ -11,24 +11,33 @@ caller replace:
   ends in a `CheckpointError` naming it, and nothing is called.
 - `SafeLoadPlanner`: non-tensor entries load with `torch.load(weights_only=True)`.
 
+`SealedFileSystem` is DCP's file system with every file encrypted at rest (`encryption` in the
+run config): `sealed_writer` writes a checkpoint through it, and `reader` reads one through it
+when its `.metadata` is sealed.
+
 Tensors were already read with `weights_only=True` by DCP itself.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 
+from hpcml import crypt
 from hpcml.errors import CheckpointError
 
 _ALLOWED: dict[str, set[str]] = {
@@ -120,20 +129,80 @@ def _reserialize(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
+class SealedFileSystem(FileSystem):
+    """DCP's local file system with every file sealed (AES-GCM, `hpcml.crypt`) as a whole:
+    a written stream is encrypted and fsynced when closed, a read one decrypted into memory
+    (DCP seeks within it by the offsets its metadata records)."""
+
+    def __init__(self, key: crypt.Key) -> None:
+        super().__init__()
+        self.key = key
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        path = Path(path)
+        if "r" in mode:
+            yield io.BytesIO(crypt.unseal(path.read_bytes(), self.key, str(path)))
+            return
+        buf = _Buffer()
+        yield buf
+        crypt.write_sealed(path, buf.contents(), self.key)
+
+
+class _Buffer(io.BytesIO):
+    """What DCP writes into. DCP closes a data file's stream itself, inside the stream's
+    context: its bytes are kept on close to be sealed when the context ends."""
+
+    kept: bytes | None = None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.kept = self.getvalue()
+        super().close()
+
+    def contents(self) -> bytes:
+        return self.kept if self.closed and self.kept is not None else self.getvalue()
+
+
+def sealed_writer(path: str, key: crypt.Key, writer: FileSystemWriter | None = None) -> Any:
+    """`writer` (a new FileSystemWriter by default) writing sealed files; its own fsync (which
+    would be os.sync() on a memory stream) is off: each sealed file is fsynced as written."""
+    writer = writer if writer is not None else FileSystemWriter(path)
+    writer.fs = SealedFileSystem(key)
+    writer.sync_files = False
+    return writer
+
+
+def reader(path: str | Path, key: crypt.Key | None = None) -> SafeFileSystemReader:
+    """The safe reader of the checkpoint at `path`; one whose files are sealed reads them with
+    `key` (or the environment's), refused in one sentence without the key it was written with."""
+    r = SafeFileSystemReader(str(path))
+    meta = Path(path) / ".metadata"
+    if meta.is_file() and crypt.file_is_sealed(meta):
+        key = key or crypt.key_from_env(required_for=f"checkpoint {path}")
+        assert key is not None
+        with open(meta, "rb") as f:
+            crypt.check_key(f.read(crypt.HEADER_BYTES), key, str(meta))
+        r.fs = SealedFileSystem(key)
+    return r
+
+
+def read_metadata(path: str | Path, key: crypt.Key | None = None) -> dcp_metadata.Metadata:
     """The checkpoint's `.metadata`, read by the allow-list unpickler."""
-    return SafeFileSystemReader(str(path)).read_metadata()
+    return reader(path, key).read_metadata()
 
 
-def load(state: dict[str, Any], path: str | Path, **kwargs: Any) -> None:
+def load(
+    state: dict[str, Any], path: str | Path, key: crypt.Key | None = None, **kwargs: Any
+) -> None:
     """`dcp.load` with the safe reader and planner. The metadata is checked first, so a crafted
     one ends in its own sentence; a crafted entry found during the load is unwrapped from DCP's
     CheckpointException (a BaseException carrying every rank's failure) into that sentence."""
-    read_metadata(path)
+    read_metadata(path, key)
     try:
         dcp.load(
             state,
-            storage_reader=SafeFileSystemReader(str(path)),
+            storage_reader=reader(path, key),
             planner=SafeLoadPlanner(),
             **kwargs,
         )
@@ -144,4 +213,12 @@ def load(state: dict[str, Any], path: str | Path, **kwargs: Any) -> None:
         raise
 
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "load", "read_metadata"]
+__all__ = [
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "SealedFileSystem",
+    "load",
+    "read_metadata",
+    "reader",
+    "sealed_writer",
+]

@@ -155,6 +155,7 @@ def parallelize(
     materialize: Callable[[nn.Module], None] | None = None,
     loss_parallel: bool = False,
     mesh: DeviceMesh | None = None,
+    data_parallel: bool = True,
 ) -> nn.Module:
     """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
     the data-parallel strategy. A single process gets AC and compile only.
@@ -182,10 +183,10 @@ def parallelize(
         apply_fsdp(model, dp_mesh, cfg.strategy != "zero2", mixed_precision_policy(precision))
     if materialize is not None:
         materialize(model)
-    if rt.dp_size > 1 and cfg.strategy in ("ddp", "zero1"):
+    if rt.dp_size > 1 and cfg.strategy in ("ddp", "zero1") and data_parallel:
         group = mesh["dp"].get_group() if mesh is not None and mesh.ndim > 1 else None
         return apply_ddp(model, rt, cfg, group)
-    return model
+    return model  # data_parallel=False: the caller reduces gradients itself (privacy.dp_sgd)
 
 
 def shard_optimizer(

@@ -12,7 +12,8 @@ Shapes are per sample; the batch axis is implicit and dynamic.
 A model file is data, possibly written by someone else (a shared registry): its architecture
 must be a zoo name. An import path (`pkg.mod:build`) would run that code, so `load_export` and
 `check_architecture` refuse it unless the caller passes `trust_code=True` (`--trust-code`).
-Weights are safetensors, which hold tensors only.
+Weights are safetensors, which hold tensors only; with `encryption` in the run config they
+are sealed with AES-GCM (hpcml.crypt) and read back with the key from the environment.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcml import crypt
 from hpcml.errors import ModelError
 
 FORMAT = "hpcml-export/1"
@@ -42,17 +44,23 @@ def save_export(
     task: str = "classification",
     metadata: dict[str, Any] | None = None,
     state: dict[str, torch.Tensor] | None = None,
+    key: crypt.Key | None = None,
 ) -> Path:
     """`state` is the full state dict when the model is sharded (FSDP, tensor parallel), where
-    `model.state_dict()` would hold this rank's shards only."""
-    from safetensors.torch import save_file
+    `model.state_dict()` would hold this rank's shards only. With `key` the weights file is
+    sealed (hpcml.crypt); model.json stays readable."""
+    from safetensors.torch import save, save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     source = state if state is not None else model.state_dict()
     # safetensors refuses shared storage (tied weights); clone makes every tensor its own.
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in source.items()}
     tmp = out_dir / (WEIGHTS + ".tmp")
-    save_file(state, str(tmp), metadata={"format": FORMAT, "architecture": architecture})
+    header = {"format": FORMAT, "architecture": architecture}
+    if key is None:
+        save_file(state, str(tmp), metadata=header)
+    else:
+        crypt.write_sealed(tmp, save(state, metadata=header), key)
     tmp.replace(out_dir / WEIGHTS)
     meta = {
         "format": FORMAT,
@@ -115,7 +123,7 @@ def load_export(
     """Build the architecture named in model.json and load its weights; eval mode.
 
     `trust_code=True` lets an import path in model.json run (see `check_architecture`)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load, load_file
 
     from hpcml.models.zoo import build_model
 
@@ -128,8 +136,12 @@ def load_export(
     if not weights.exists():
         raise ModelError(f"{weights} is missing; the export is incomplete, re-export the model.")
     model = build_model(arch, meta.get("args") or {}, trust_code=trust_code)
+    sealed = crypt.file_is_sealed(weights)
+    # Decrypted in memory (key from the environment: the serving processes inherit it); a
+    # missing or wrong key is its own sentence, before anything is loaded.
+    plain = crypt.read_maybe_sealed(weights, None, "the exported weights") if sealed else None
     try:
-        state = load_file(str(weights), device=device)
+        state = load(plain) if plain is not None else load_file(str(weights), device=device)
         model.load_state_dict(state)
     except Exception as exc:  # noqa: BLE001 - any bad weights file is one user-facing problem
         raise ModelError(
@@ -138,6 +150,18 @@ def load_export(
         ) from None
     model.to(device).eval()
     return model, meta
+
+
+def check_weights_key(export_dir: Path) -> None:
+    """Sealed weights need the key they were sealed with in the environment: checked here, in
+    the server, before an inference process starts (one sentence, exit 2)."""
+    weights = Path(export_dir) / WEIGHTS
+    if not weights.is_file() or not crypt.file_is_sealed(weights):
+        return
+    key = crypt.key_from_env(required_for=f"the exported weights {weights}")
+    assert key is not None
+    with open(weights, "rb") as f:
+        crypt.check_key(f.read(crypt.HEADER_BYTES), key, str(weights))
 
 
 def example_input(meta: dict[str, Any], batch: int = 2) -> torch.Tensor:

@@ -315,11 +315,31 @@ class ServeConfig(_Section):
     json_offload_bytes: int = Field(default=256 * 1024, ge=0)
     """Inference bodies at least this large are parsed in a worker thread, so one large JSON
     body does not hold up every other request on the event loop."""
+    require_signature: bool = False
+    """Serve only exports signed with `hpcml export sign` whose files match the signature
+    (checked against `verify_key` before a model loads, and for every version `--follow`
+    deploys); an unsigned or changed one is refused (`--require-signature`)."""
+    verify_key: str | None = None
+    """The signer's elliptic curve public key (PEM) that `require_signature` checks with
+    (`--verify-key`)."""
     defaults: ModelServeConfig = Field(default_factory=ModelServeConfig)
     """Settings for models that `models` does not list."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     drift: DriftConfig = Field(default_factory=DriftConfig)
     models: dict[str, ModelServeConfig] = Field(default_factory=dict)
+
+    def signature_key(self) -> Path | None:
+        """The public key every served export is checked with, or None when none is required;
+        a half-given setting is refused (one sentence)."""
+        if self.require_signature and not self.verify_key:
+            raise ConfigError(
+                "--require-signature needs --verify-key PUB (the signer's public key, PEM)."
+            )
+        if self.verify_key and not self.require_signature:
+            raise ConfigError(
+                "--verify-key is used only with --require-signature; pass both, or neither."
+            )
+        return Path(self.verify_key) if self.verify_key else None
 
     @property
     def decoded_limit_bytes(self) -> int:

@@ -66,7 +66,7 @@ def reduce_window(records: list[dict[str, Any]]) -> dict[str, float]:
     """One point per metric for a window of step records.
 
     Mean for rates and losses (less noisy than one sample), last value for the learning rate
-    (a schedule, not a measurement), max for byte counts (memory peaks are what matter).
+    (a schedule, not a measurement) and the privacy spent (epsilon, which only grows), max for byte counts (memory peaks are what matter).
     """
     values: dict[str, list[float]] = {}
     for record in records:
@@ -74,7 +74,7 @@ def reduce_window(records: list[dict[str, Any]]) -> dict[str, float]:
             values.setdefault(key, []).append(value)
     out: dict[str, float] = {}
     for key, vs in values.items():
-        if key == "lr" or key.endswith("_lr"):
+        if key in ("lr", "epsilon") or key.endswith("_lr"):  # a schedule; privacy spent so far
             out[key] = vs[-1]
         elif key.endswith("_bytes") or key.startswith("peak_"):
             out[key] = max(vs)
@@ -356,7 +356,7 @@ class MlflowTracker:
 def _summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """final/*, throughput/* and rank 0's memory/* as metrics, so runs compare in the UI."""
     out: dict[str, float] = {}
-    for section in ("final", "throughput"):
+    for section in ("final", "throughput", "privacy"):
         for key, value in numeric_items(summary.get(section) or {}).items():
             out[f"{section}/{key}"] = value
     rank0 = _first_rank(summary.get("memory"))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hpcml.config import TrackingConfig
 from hpcml.errors import HpcmlError
+from hpcml.models.signing import SIGNATURE
 from hpcml.records import RUN_LOG, SUMMARY, read_run_log, read_summary
 from hpcml.track.audit import Attribution
 from hpcml.track.mlflow import (
@@ -142,11 +143,12 @@ def register_run(
     arch = meta.get("architecture")
     tags = _version_tags(summary, run_dir, arch)
     tags[SHA256_TAG] = export_sha256(export)
-    log_mlmodel(client, run_id, meta, EXPORT_DIR)
+    folder = _artifact_folder(client, run_id, export, tags[SHA256_TAG])
+    log_mlmodel(client, run_id, meta, folder)
     _ensure_registered_model(client, name)
     version = client.create_model_version(
         name,
-        source=f"{artifact_uri}/{EXPORT_DIR}",
+        source=f"{artifact_uri}/{folder}",
         run_id=run_id,
         tags=tags,
         description=description or f"{arch or 'model'} trained in {run_dir.resolve()}",
@@ -175,6 +177,19 @@ def _linked_run(
     # Remember the new run in tracking.json unless that file names a run in another store.
     remember = state is None or state.get("tracking_uri") == uri
     return _log_untracked_run(run_dir, summary, uri, remember=remember)
+
+
+def _artifact_folder(client: MlflowClient, run_id: str, export: Path, sha256: str) -> str:
+    """The run's artifact folder a new version points at: `export`, unless the export was
+    signed (`hpcml export sign`) after the run logged it; then the signed export is logged
+    to a folder of its own, leaving the one earlier versions point at (and their sha256) as
+    it was."""
+    logged = {Path(f.path).name for f in client.list_artifacts(run_id, EXPORT_DIR)}
+    if not (export / SIGNATURE).is_file() or SIGNATURE in logged:
+        return EXPORT_DIR
+    folder = f"{EXPORT_DIR}-signed-{sha256[:12]}"
+    client.log_artifacts(run_id, str(export), folder)
+    return folder
 
 
 def _log_untracked_run(

@@ -72,9 +72,11 @@ def build_training_model(cfg: RunConfig, rt: Runtime, res: Any) -> BuiltModel:
     # Our cross-entropy runs loss-parallel under TP; a user's train.loss gets whole logits, and
     # so does a pipeline's last stage (the schedule calls the loss without loss_parallel).
     loss_parallel = cfg.train.loss == "cross_entropy" and cfg.parallel.pp == 1
+    # Under privacy.dp_sgd no DDP: Opacus's DP optimizer reduces the clipped, noisy gradients.
     model = parallelize(
-        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel, mesh
-    )
+        model, rt, cfg.parallel, cfg.train, cfg.precision, materialize, loss_parallel, mesh,
+        data_parallel=cfg.privacy.dp_sgd is None,
+    )  # fmt: skip
     return BuiltModel(model, n_params, flops, on_meta)
 
 

@@ -28,6 +28,30 @@ def preflight(cfg: RunConfig, world_size: int | None = None) -> None:
         resolve(cfg, world_size)
 
 
+def check_encryption(cfg: RunConfig, run_dir: Path | None, resume: str | None) -> None:
+    """Before any worker: with `encryption.enabled`, a key that cannot be had (or one kept in
+    the run folder); when resuming, a checkpoint sealed with another key than the one given.
+    Each is one sentence, exit 2, and nothing is changed."""
+    from hpcml import crypt
+    from hpcml.train.checkpoint import manifest
+
+    key = crypt.run_key(cfg.encryption.enabled, cfg.encryption.key_file, run_dir)
+    if resume is None:
+        return
+    if resume == "auto":
+        saved = manifest.list_saved(run_dir / "checkpoints") if run_dir is not None else []
+        target = saved[0] if saved else None
+    else:
+        target = Path(resume)
+    state = target / "trainer.pt" if target is not None else None
+    if state is None or not state.is_file() or not crypt.file_is_sealed(state):
+        return
+    key = key or crypt.key_from_env(required_for=f"checkpoint {target}")
+    assert key is not None
+    with open(state, "rb") as f:
+        crypt.check_key(f.read(crypt.HEADER_BYTES), key, str(state))
+
+
 def prepare_for_workers(
     config: Path,
     run_dir: Path | None,

@@ -107,6 +107,8 @@ def build_summary(t: Any) -> dict[str, Any]:
     }
     if pipeline is not None:
         summary["pipeline"] = pipeline
+    if t.privacy is not None:  # privacy.dp_sgd: the epsilon spent over the whole run
+        summary["privacy"] = t.privacy.summary(t.step)
     # plan memory --trace of the run's own config (train.plan_trace)
     traced = summary_trace(cfg, res, rt.world_size)
     if traced is not None:
@@ -121,6 +123,7 @@ def build_summary(t: Any) -> dict[str, Any]:
         input_dtype=splits.input_dtype,
         task=t.spec.task,
         state=weights,
+        key=t.seal_key,
         metadata={
             "data": cfg.data.model_dump(mode="json"),
             "data_version": splits.version,

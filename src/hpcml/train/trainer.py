@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hpcml import crypt
 from hpcml.config import RunConfig, dump_config
 from hpcml.data.device_augment import device_augment
 from hpcml.data.loader import EpochLoader, eval_loader, shard_for_eval
@@ -42,7 +43,7 @@ from hpcml.errors import HpcmlError
 from hpcml.models.zoo import get_spec
 from hpcml.records import CONFIG, RunLog, truncate_run_log_after, write_json_atomic
 from hpcml.records import write_text_atomic as write_text
-from hpcml.train import finetune, memprobe, mfu, resume_changes, rundir
+from hpcml.train import finetune, memprobe, mfu, privacy, resume_changes, rundir
 from hpcml.train import profile as obs
 from hpcml.train.build import SetupMemory, build_training_model
 from hpcml.train.checkpoint import store as ckpt
@@ -102,6 +103,12 @@ class Trainer:
         self.resume_record: dict[str, Any] = {}
         self.resume_state: dict[str, Any] | None = None
         """This step's global gradient norm on the device (None under fp16 loss scaling)."""
+
+    @property
+    def seal_key(self) -> crypt.Key | None:
+        """The key checkpoints and the export are sealed with (`encryption`), or None."""
+        enc = self.cfg.encryption
+        return crypt.run_key(enc.enabled, enc.key_file, self.out_dir)
 
     # --- the whole run ---------------------------------------------------------------------
 
@@ -200,6 +207,10 @@ class Trainer:
         self.device_peaks = memprobe.DevicePeaks(self.rt.device)
         optimizer = build_optimizer(param_groups(self.model, cfg.optim), cfg.optim, rt.dp_size)
         self.optimizer = shard_optimizer(optimizer, self.model, rt, cfg.parallel)
+        self.optimizer, self.privacy = privacy.attach(  # privacy.dp_sgd: Opacus's DP optimizer
+            self.model, self.optimizer, cfg, cfg.data.batch_size, rt.dp_size,
+            len(self.resolved.splits.train),  # type: ignore[arg-type]
+        )  # fmt: skip
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.scaler = grad_scaler(self.precision, cfg.parallel, rt)
         self.pipeline = PipelineStep(self) if cfg.parallel.pp > 1 else None
@@ -226,9 +237,12 @@ class Trainer:
         fresh = resume_changes.hyperparameters(self.optimizer)
         t0 = time.perf_counter()
         with self.guard.checkpointing(folder_bytes(path), saving=False):
-            loaded = ckpt.load(path, self.model, self.optimizer, self.rt, self.cfg)
+            optimizer = privacy.state_optimizer(self.optimizer)
+            loaded = ckpt.load(path, self.model, optimizer, self.rt, self.cfg, self.seal_key)
         self.guard.load_s = time.perf_counter() - t0
         finetune.check_resume(loaded.trainer, self.cfg, self.resolved, path)  # the same base
+        if self.privacy is not None:  # the privacy spent before the checkpoint counts on
+            self.privacy.restore(loaded.trainer.get("privacy"))
         self.resume_state = loaded.trainer
         saved_cfg = loaded.trainer.get("config")
         resume_changes.refuse_unappliable(path, saved_cfg, self.cfg)
@@ -319,7 +333,9 @@ class Trainer:
         loss_sum, data_wait = self.forward_backward()
         # The global gradient norm, on the device: every rank decides alike whether this step's
         # gradients are finite (under fp16 loss scaling the scaler decides; see update.py).
-        self.grad_norm = None if self.scaler.is_enabled() else grad_norm(self.model)
+        # (Not under DP-SGD either: the norm of the unclipped, noiseless gradients is private.)
+        private = self.privacy is not None
+        self.grad_norm = None if self.scaler.is_enabled() or private else grad_norm(self.model)
         decision = self.hooks.after_backward(self, loss_sum, data_wait)
         if decision.rollback_to is not None:
             self.step = self.restore(decision.rollback_to)
@@ -342,6 +358,7 @@ class Trainer:
             skipped=skipped,
             epoch=self.train_data.epoch,
             **memprobe.step_memory(self.rt.device),
+            **(self.privacy.step() if self.privacy is not None else {}),  # epsilon spent
         )
         if self.profiler is not None:
             self.profiler.step()
@@ -452,6 +469,7 @@ class Trainer:
             "config": cfg.model_dump(mode="json"),
             **finetune.checkpoint_fields(cfg, self.resolved),  # the base's sha256
             **self.eval_sets.checkpoint_fields(),  # the scores before training
+            **({"privacy": self.privacy.state()} if self.privacy is not None else {}),
         }
         sync_buffers(self.model)
         nbytes, t0 = local_checkpoint_bytes(self.model, self.optimizer), time.perf_counter()
@@ -460,7 +478,7 @@ class Trainer:
                 self.out_dir / "checkpoints",
                 self.step,
                 self.model,
-                self.optimizer,
+                privacy.state_optimizer(self.optimizer),
                 trainer_state,
                 {"rng": ckpt.rng_state(), "data": self.train_data.state_dict()},
                 self.rt,
@@ -468,6 +486,7 @@ class Trainer:
                 background=cfg.train.checkpoint_async,
                 writer_nice=cfg.train.checkpoint_writer_nice,
                 verify=cfg.fault.checkpoint_verify,
+                key=self.seal_key,
             )
         if self.rt.is_main:
             self.hooks.checkpoint(path, self.step)

@@ -26,7 +26,7 @@ from hpcml.distributed.parallel import check_parallel
 from hpcml.distributed.pipeline import check_pipeline
 from hpcml.errors import ConfigError, DataError, ModelError
 from hpcml.models.zoo import build_model, complete_args, forward_flops_per_sample, get_spec
-from hpcml.train import eval_sets, finetune, pipeline
+from hpcml.train import eval_sets, finetune, pipeline, privacy
 
 
 @dataclass
@@ -58,6 +58,8 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     )
     with torch.device("meta"):
         model = build_model(cfg.model.name, model_args)
+    # DP-SGD's own refusal first: it names the setting Opacus cannot train with.
+    privacy.check(cfg, model, cfg.train.grad_accum)
     # The layout first: a model that cannot be split over tp ranks is the more specific sentence.
     check_parallel(model, world_size, cfg.parallel.tp, cfg.parallel, cfg.precision)
     check_pipeline(model, world_size, cfg.parallel, cfg.data.batch_size)
@@ -68,6 +70,7 @@ def resolve(cfg: RunConfig, world_size: int) -> Resolved:
     check_loss(cfg)
     check_augment(cfg)
     grad_accum = derive_grad_accum(cfg, dp_size)
+    privacy.check(cfg, model, grad_accum)  # train.global_batch may ask for micro-batches
     base_ref = finetune.resolve_registry_base(cfg)  # models:/NAME@ALIAS -> its export folder
     init_from = check_init_from(base_ref["path"] if base_ref else cfg.model.init_from, model)
     finetune.check(cfg, model, world_size)  # needs init_from, targets that match

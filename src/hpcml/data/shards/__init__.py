@@ -52,7 +52,7 @@ from hpcml.data.shards.manifest import canonical as canonical  # re-exported: th
 from hpcml.data.shards.manifest import version_id as version_id
 from hpcml.data.shards.order import shard_stream_order, shard_window_order
 from hpcml.data.shards.readahead import ShardSlots
-from hpcml.data.shards.store import Store, is_remote
+from hpcml.data.shards.store import Store, is_remote, open_ipc
 from hpcml.errors import DataError
 
 
@@ -118,7 +118,7 @@ def check_rows(store: Store, manifest: dict[str, Any], splits: Iterable[str] = S
         for k, shard in enumerate(manifest["splits"].get(split, {}).get("shards", [])):
             where = store.describe(shard["file"])
             try:
-                reader = pa.ipc.open_file(pa.memory_map(where, "r"))
+                reader = open_ipc(where)
             except (OSError, pa.ArrowInvalid) as exc:
                 raise DataError(f"shard {where} cannot be read ({exc}); write it again.") from None
             check_shard(reader, manifest, split, k, where)

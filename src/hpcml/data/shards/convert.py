@@ -283,6 +283,18 @@ def _feature_columns(path: Path, schema: Any, label: str, features: list[str] | 
     return names
 
 
+def _shard_key() -> Any:
+    from hpcml import crypt
+
+    key = crypt.key_from_env()
+    if key is None:
+        raise crypt.EncryptionError(
+            f"--encrypt needs a key and none is given; set ${crypt.KEY_ENV} (64 hex digits, e.g. "
+            f"from `openssl rand -hex 32`) or ${crypt.KEY_FILE_ENV} (a key file kept elsewhere)."
+        )
+    return key
+
+
 def shard(
     source: str,
     out: Path,
@@ -300,9 +312,12 @@ def shard(
     encoded: bool = False,
     eot: int = 0,
     workers: int = 1,
+    encrypt: bool = False,
 ) -> dict[str, Any]:
-    """Write the shard set of `source` (a built-in name, an image folder or a table file)."""
+    """Write the shard set of `source` (a built-in name, an image folder or a table file);
+    `encrypt`: each shard sealed with the key of the environment (hpcml.crypt)."""
     shard_bytes = shards.parse_size(shard_size)
+    key = _shard_key() if encrypt else None
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1).")
     if source in BUILTIN and encoded:
@@ -339,5 +354,5 @@ def shard(
                 "nor a saved `datasets` folder."
             )
     header["hpcml"] = __version__
-    manifest = shards.write_shard_set(out, samples, header, shard_bytes, compression, workers)
+    manifest = shards.write_shard_set(out, samples, header, shard_bytes, compression, workers, key)
     return {"out": str(out), "version": shards.version_id(manifest), "manifest": manifest}

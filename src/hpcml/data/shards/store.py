@@ -33,11 +33,31 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
 
+from hpcml import crypt
 from hpcml.data.shards.cache import DiskCache
 from hpcml.data.shards.hash_cache import sha256_of
 from hpcml.errors import DataError
 
 SCHEMES = ("s3://",)
+
+
+def _key(name: str) -> crypt.Key:
+    key = crypt.key_from_env(required_for=f"shard {name}")
+    assert key is not None
+    return key
+
+
+def open_ipc(path: str | Path) -> Any:
+    """An Arrow IPC file reader over a local shard file: memory-mapped, or, sealed
+    (`hpcml data shard --encrypt`), decrypted whole into memory with the environment's key."""
+    import pyarrow as pa
+
+    path = Path(path)
+    if crypt.file_is_sealed(path):
+        return pa.ipc.open_file(
+            pa.BufferReader(crypt.unseal(path.read_bytes(), _key(str(path)), str(path)))
+        )
+    return pa.ipc.open_file(pa.memory_map(str(path), "r"))
 
 
 def is_remote(location: str | Path) -> bool:
@@ -93,14 +113,14 @@ class Store:
         import pyarrow as pa
 
         if not self.remote:
-            return pa.ipc.open_file(pa.memory_map(str(self.root / name), "r"))
+            return open_ipc(self.root / name)
         cache = self.cache if sha256 is not None and size is not None else None
         if cache is not None:
             assert sha256 is not None and size is not None
             hit = cache.lookup(name, sha256, size)
             if hit is not None:
                 try:
-                    return pa.ipc.open_file(pa.memory_map(str(hit), "r"))
+                    return open_ipc(hit)
                 except (OSError, pa.ArrowInvalid):  # evicted or damaged since the lookup
                     cache.discard(hit)
         buf = self._read_buffer(name)
@@ -114,9 +134,11 @@ class Store:
             kept = cache.put(name, sha256, buf)
             if kept is not None:
                 try:
-                    return pa.ipc.open_file(pa.memory_map(str(kept), "r"))
+                    return open_ipc(kept)
                 except (OSError, pa.ArrowInvalid):  # evicted by another process already
                     pass
+        if crypt.is_sealed(bytes(memoryview(buf)[: len(crypt.MAGIC)])):
+            buf = pa.py_buffer(crypt.unseal(bytes(memoryview(buf)), _key(name), name))
         return pa.ipc.open_file(pa.BufferReader(buf))
 
     def sha256(self, name: str) -> str:

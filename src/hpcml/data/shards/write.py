@@ -52,6 +52,7 @@ class ShardWriter:
         encoded: bool = False,
         pool: Executor | None = None,
         ahead: int = 2,
+        key: Any = None,
     ) -> None:
         self.root, self.split, self.compression = root, split, compression
         self.encoded, self.shard_bytes, self._bytes = encoded, shard_bytes, 0
@@ -67,6 +68,8 @@ class ShardWriter:
         if encoded:
             self.per_shard, self.rows_per_batch = 2**62, ENCODED_ROWS
         self.x_spec, self.y_spec = x_spec, y_spec
+        self.key = key
+        """An `hpcml.crypt.Key`: each shard file is sealed with it (`--encrypt`)."""
         self.shards: list[dict[str, Any]] = []
         self.pool = pool
         """Writer processes (`--workers`): a full shard's samples go to one of them, and the
@@ -93,6 +96,7 @@ class ShardWriter:
         job = functools.partial(
             write_shard, str(self.root / name), self._ids, self._xs, self._ys,
             (self.x_width, self.y_width), self.encoded, self.rows_per_batch, self.compression,
+            self.key,
         )  # fmt: skip
         self._ids, self._xs, self._ys, self._bytes = [], [], [], 0
         if self.pool is None:
@@ -124,12 +128,15 @@ def write_shard_set(
     shard_bytes: int,
     compression: str,
     workers: int = 1,
+    key: Any = None,
 ) -> dict[str, Any]:
     """Write `samples[split]` (id, x, y) into `out` and return the manifest (written last,
     atomically: a folder without a manifest is not a shard set). `header` holds format-level
     facts: sample spec, source, transform, classes. With `workers` > 1 the shard files are
     written (serialized, compressed, synced, hashed) by that many spawned processes while this
-    one reads the source; the files and the manifest are byte for byte the serial writer's."""
+    one reads the source; the files and the manifest are byte for byte the serial writer's.
+    With `key` every shard file is sealed (hpcml.crypt); the manifest stays readable and holds
+    the sealed files' sha256."""
     if compression not in COMPRESSIONS:
         raise DataError(
             f"--compression {compression!r} is not known; use one of {', '.join(COMPRESSIONS)}."
@@ -156,8 +163,9 @@ def write_shard_set(
         with _writers(workers) as pool:
             for split, items in samples.items():
                 writer = ShardWriter(
-                    out, split, x_spec, y_spec, shard_bytes, compression, encoded, pool, 2 * workers
-                )
+                    out, split, x_spec, y_spec, shard_bytes, compression, encoded, pool, 2 * workers,
+                    key,
+                )  # fmt: skip
                 for sid, x, y in items:
                     writer.add(sid, x, y)
                 splits[split] = writer.summary()
@@ -168,6 +176,8 @@ def write_shard_set(
             out.rmdir()
         raise
     manifest = {"format": FORMAT, **header, "compression": compression, "splits": splits}
+    if key is not None:
+        manifest["encryption"] = "aes-256-gcm"
     tmp = out / f".{MANIFEST}.tmp"
     tmp.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
     tmp.replace(out / MANIFEST)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hpcml.errors import ModelError
-from hpcml.models.export import check_architecture, read_export_meta
+from hpcml.models.export import check_architecture, check_weights_key, read_export_meta
 from hpcml.serve.codec.oip import DATATYPES, TensorSpec, datatype_of
 
 ONNX_FILE = "model.onnx"
@@ -91,6 +91,7 @@ class TorchBackend:
         self.meta = read_export_meta(self.export_dir)
         # Refused here, in the server, before any process is started or anything imported.
         check_architecture(self.meta, self.export_dir, trust_code)
+        check_weights_key(self.export_dir)
         self.trust_code = trust_code
         self.input, self.output = signature(self.meta)
         self.compile = compile

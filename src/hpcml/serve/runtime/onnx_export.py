@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcml.crypt import file_is_sealed
 from hpcml.errors import ModelError, WorkFailed
 from hpcml.records import write_json_atomic
 from hpcml.serve.runtime.backends import ONNX_FILE, ONNX_INT8_FILE, export_dir_of
@@ -379,5 +380,11 @@ def check_export_dir(path: Path) -> Path:
     if not (export_dir / "model.json").exists():
         raise ModelError(
             f"{path} holds no exported model (model.json); pass a run folder or its export/ folder."
+        )
+    weights = export_dir / "model.safetensors"
+    if weights.is_file() and file_is_sealed(weights):
+        raise ModelError(
+            f"{weights} is encrypted and an ONNX file would hold its weights in the clear; "
+            "serve the encrypted export with the torch backend instead."
         )
     return export_dir

@@ -42,6 +42,11 @@ async def add_version(router: Router, name: str, version: str, path: Path) -> Mo
 
     model = router.model(name)
     mcfg = router.config.for_model(name)
+    key = router.config.signature_key()
+    if key is not None:  # a refusal here keeps the served version (AliasFollower.check_once)
+        from hpcml.models.signing import verify_export
+
+        await asyncio.to_thread(verify_export, path, key)
     threads = mcfg.threads or max(1, (os.cpu_count() or 1) // mcfg.instances)
     isolation = mcfg.isolation
     if isolation == "auto":

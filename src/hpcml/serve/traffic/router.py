@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcml.models.signing import verify_export
 from hpcml.serve.config import ModelServeConfig, ServeConfig
 from hpcml.serve.metrics import ServeMetrics
 from hpcml.serve.runtime.backends import Backend, make_backend
@@ -106,6 +107,7 @@ class Router:
         trust_code: bool = False,
     ) -> Router:
         router = cls(config, metrics, seed, trust_code)
+        key = config.signature_key()
         names = dict.fromkeys([*source.models, *config.models])
         for name in names:
             mcfg = config.for_model(name)
@@ -120,6 +122,8 @@ class Router:
             threads = mcfg.threads or max(1, (os.cpu_count() or 1) // mcfg.instances)
             versions = {}
             for version, path in paths.items():
+                if key is not None:  # before anything of it is read or built
+                    verify_export(path, key)
                 vcfg_or_none = mcfg.versions.get(version)
                 backend_name = (vcfg_or_none.backend if vcfg_or_none else None) or mcfg.backend
                 isolation = mcfg.isolation

@@ -20,7 +20,6 @@ The writer thread runs below training's priority (hpcml.train.checkpoint.writer)
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import shutil
 import statistics
@@ -37,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hpcml import crypt
 from hpcml.distributed import dcp_safe
 from hpcml.distributed.parallel import checkpoint_state, load_checkpoint_state, unwrap
 from hpcml.distributed.pipeline import keys_of_other_stages
@@ -45,6 +45,7 @@ from hpcml.distributed.sidechannel import checkpoint_group
 from hpcml.errors import CheckpointError, WorkFailed
 from hpcml.train.checkpoint import manifest, writer
 from hpcml.train.checkpoint import phase as ckpt_phase
+from hpcml.train.checkpoint.files import load_state_file, save_state_file
 from hpcml.train.checkpoint.manifest import (  # re-exported: the checkpoint API in one place
     CORRUPT_DIR,
     MANIFEST,
@@ -66,6 +67,7 @@ __all__ = [
     "list_complete",
     "list_saved",
     "load",
+    "load_state_file",
     "move_aside",
     "resume_target",
     "save",
@@ -195,12 +197,13 @@ def _save_in_background(
     state: dict[str, Any],
     mode: str,
     writer_nice: int,
+    key: crypt.Key | None = None,
 ) -> None:
     """Rank-R files are on disk before this rank joins DCP's collectives, and rank 0's DCP
     future completes only after every rank's write: then rank 0 can finalize alone (in the
     writer's callback thread; the phases it goes through are watched like the loop's)."""
     global _pending
-    upload_done = writer.async_save(state, str(tmp), checkpoint_group(rt), writer_nice)
+    upload_done = writer.async_save(state, str(tmp), checkpoint_group(rt), writer_nice, key)
     done: Future[None] = Future()
 
     def finish(f: Future[Any]) -> None:
@@ -255,6 +258,7 @@ def save(
     background: bool = False,
     verify: str = "full",
     writer_nice: int = 0,
+    key: crypt.Key | None = None,
 ) -> Path:
     """Save step `step`; the returned path exists once the save is complete (at return, unless
     `background`: then after `wait_pending()` or the next save). Each rank hashes the files it
@@ -281,12 +285,9 @@ def save(
     timings.append(timing)
     try:
         model_sd, optim_sd = checkpoint_state(model, optimizer)
-        torch.save(rank_state, tmp / f"rank-{rt.rank}.pt")
+        save_state_file(rank_state, tmp / f"rank-{rt.rank}.pt", key)
         if rt.is_main:
-            torch.save(
-                {**trainer_state, "step": step, **layout_of(rt)},
-                tmp / "trainer.pt",
-            )
+            save_state_file({**trainer_state, "step": step, **layout_of(rt)}, tmp / "trainer.pt", key)
         if background:
             _save_in_background(
                 root,
@@ -301,10 +302,12 @@ def save(
                 {"model": model_sd, "optim": optim_sd},
                 verify,
                 writer_nice,
+                key,
             )
             timing.stall_s = time.perf_counter() - called
             return final
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        sealed = None if key is None else dcp_safe.sealed_writer(str(tmp), key)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), storage_writer=sealed)
     except BaseException as exc:
         ckpt_phase.end(writing)
         if interrupted_inside(exc):  # a second Ctrl-C on one process, during the write
@@ -320,31 +323,6 @@ def save(
     timing.stall_s = time.perf_counter() - called
     timing.total_s = time.perf_counter() - t0 if rt.is_main else None
     return final
-
-
-def load_state_file(path: Path) -> dict[str, Any]:
-    """A trainer or per-rank state file, read without running code from it.
-
-    `weights_only=True` unpickles tensors and plain containers only; numpy's RNG state is a
-    uint32 array, the one foreign type these files hold, so its three globals are allowed.
-    A file that names anything else (a crafted pickle) is refused in one sentence.
-    """
-    core = getattr(np, "_core", None) or np.core
-    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
-    try:
-        with torch.serialization.safe_globals(allowed):
-            state = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"{path} holds objects other than tensors and plain data "
-            f"({str(exc).split('Unsupported global: ')[-1].splitlines()[0][:120]}), which hpcml "
-            "does not unpickle; resume from a checkpoint hpcml wrote."
-        ) from None
-    if not isinstance(state, dict):
-        raise CheckpointError(
-            f"{path} does not hold a state mapping; resume from another checkpoint."
-        )
-    return state
 
 
 def prune(root: Path, keep_last: int, step: int = 0) -> None:
@@ -366,6 +344,7 @@ def load(
     optimizer: torch.optim.Optimizer,
     rt: Runtime,
     cfg: Any = None,
+    key: crypt.Key | None = None,
 ) -> Loaded:
     """Load model + optimizer in place (any world size) and return trainer and per-rank state.
 
@@ -375,23 +354,28 @@ def load(
     """
     wait_pending()
     with ckpt_phase.phase("read", step_of(path) or 0):  # watched like a save's phases
-        return _load(path, model, optimizer, rt, cfg)
+        return _load(path, model, optimizer, rt, cfg, key)
 
 
 def _load(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime, cfg: Any
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rt: Runtime,
+    cfg: Any,
+    key: crypt.Key | None,
 ) -> Loaded:
     mode = cfg.fault.checkpoint_verify if cfg is not None else "full"
     # Each file once, on one rank; skipped when the resume choice just verified it.
     problem = None if manifest.already_verified(path) else manifest.verify_shared(path, rt, mode)
     if problem is not None:
         raise CheckpointError(f"{problem}; choose another checkpoint or use --resume auto.")
-    trainer = load_state_file(path / "trainer.pt")
+    trainer = load_state_file(path / "trainer.pt", key)
     model_sd, optim_sd = checkpoint_state(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     # Under parallel.pp each stage expects its own keys; the others' are not extra.
     elsewhere = keys_of_other_stages(unwrap(model), list(_flat_expected(state)))
-    mismatch = first_mismatch(path, state, elsewhere)
+    mismatch = first_mismatch(path, state, elsewhere, key)
     if mismatch is not None:
         raise CheckpointError(
             f"checkpoint {path} does not fit this run: {mismatch}"
@@ -401,8 +385,8 @@ def _load(
     if cfg is not None:
         check_lr_horizon(path, trainer, cfg)
     try:
-        dcp_safe.load(state, path)  # no code runs from the folder (crafted metadata or entries)
-    except CheckpointError:
+        dcp_safe.load(state, path, key)  # no code runs from the folder (crafted metadata or entries)
+    except (CheckpointError, crypt.EncryptionError):
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         if interrupted_inside(exc):  # a second Ctrl-C on one process, not a mismatch
@@ -417,7 +401,7 @@ def _load(
     rank_state = None
     same_layout = all(trainer.get(k, 1) == v for k, v in layout_of(rt).items())
     if same_layout and rank_file.exists():
-        rank_state = load_state_file(rank_file)
+        rank_state = load_state_file(rank_file, key)
     return Loaded(path, int(trainer["step"]), trainer, rank_state)
 
 
@@ -430,16 +414,19 @@ def _flat_expected(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
 
 
 def first_mismatch(
-    path: Path, state: dict[str, Any], elsewhere: set[str] | frozenset[str] = frozenset()
+    path: Path,
+    state: dict[str, Any],
+    elsewhere: set[str] | frozenset[str] = frozenset(),
+    seal_key: crypt.Key | None = None,
 ) -> str | None:
     """The first key this run expects that the checkpoint lacks or holds in another shape, or
     the first tensor the checkpoint holds that this run has no place for."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        saved = dcp_safe.read_metadata(path).state_dict_metadata
-    except CheckpointError:
-        raise  # crafted or damaged metadata: its own sentence
+        saved = dcp_safe.read_metadata(path, seal_key).state_dict_metadata
+    except (CheckpointError, crypt.EncryptionError):
+        raise  # crafted or damaged metadata, or the wrong key: its own sentence
     except Exception:  # noqa: BLE001 - let dcp.load report an unreadable checkpoint
         return None
     expected = _flat_expected(state)

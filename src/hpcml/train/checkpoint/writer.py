@@ -20,6 +20,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from hpcml.distributed import dcp_safe
+
 MAX_NICE = 19  # the lowest priority Linux has
 
 
@@ -59,7 +61,9 @@ class NiceFileSystemWriter(dcp.FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
 
-def async_save(state: dict[str, Any], path: str, process_group: Any, nice: int) -> Future[Any]:
+def async_save(
+    state: dict[str, Any], path: str, process_group: Any, nice: int, key: Any = None
+) -> Future[Any]:
     """dcp.async_save of `state` into `path`, written by a thread whose nice value is raised by
     `nice`; returns the future of the write. The state is copied to host memory before this
     returns (DCP's default staging, blocking), so training may change its tensors at once."""
@@ -69,7 +73,9 @@ def async_save(state: dict[str, Any], path: str, process_group: Any, nice: int) 
         response = dcp.async_save(
             state,
             checkpoint_id=path,
-            storage_writer=NiceFileSystemWriter(path, nice),
+            storage_writer=NiceFileSystemWriter(path, nice)
+            if key is None
+            else dcp_safe.sealed_writer(path, key, NiceFileSystemWriter(path, nice)),
             async_stager=stager,
             process_group=process_group,
         )

@@ -103,6 +103,8 @@ class StepTimer:
         params = [p for p in model.parameters() if p.requires_grad] if model and not fsdp else []
         for i, p in enumerate(params):
             self._grad_handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(i)))
+        # Opacus's DP optimizer (privacy.dp_sgd) keeps no hooks of its own; the one it wraps steps.
+        optimizer = getattr(optimizer, "original_optimizer", optimizer)
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
             self._handles += [
                 optimizer.register_step_pre_hook(lambda *_: self.before_optimizer()),
