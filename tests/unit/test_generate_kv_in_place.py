@@ -3,7 +3,8 @@ a view of the cache, with no gathered copy of its context.
 
 Two things must hold. The allocator must keep tables in one run while the cache has room (a
 table grows into the block after its last one; a new run starts mid-way into the largest free
-run), or the in-place path is never taken: counted here as `index_select` calls (the gather)
+run; a table that cannot grow so moves to a new run, keys and values copied), or the in-place
+path is never taken: counted here as `index_select` calls (the gather)
 during decode steps. And the in-place path must attend exactly what the gather did: greedy
 outputs equal one-request-at-a-time full recompute over the engine tests' own Hypothesis
 workloads (preemption, chunked prefill, prefix sharing, whose split tables are still gathered
@@ -18,6 +19,7 @@ import random
 from typing import Any
 
 import pytest
+import torch
 from generate_util import one_thread, reference
 from hypothesis import HealthCheck, given, settings
 from test_generate_engine import MODEL, run_engine, shared_prefix_workloads, workloads
@@ -54,8 +56,9 @@ def in_place_always(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures(in_place_always.__name__)
 def test_decoding_sequences_keep_one_run_each_and_copy_no_context() -> None:
     """Six sequences admitted together, each growing past several block boundaries while the
-    others grow too: with first-free allocation their tables interleave from their second
-    block on and every decode step gathers; placed as runs, no decode step gathers."""
+    others grow too: with first-free allocation (main's free list) each prompt's blocks follow
+    the one before, every table splits at its first growth and decode steps gather; placed as
+    runs, no decode step gathers, and the outputs equal full recompute."""
     rng = random.Random(5)
     prompts = [[rng.randrange(64) for _ in range(rng.randint(3, 12))] for _ in range(6)]
     need = sum(-(-(len(p) + 14) // 2) for p in prompts)  # room for all: no preemption
@@ -151,3 +154,30 @@ def test_a_new_run_starts_mid_way_into_the_largest_free_run() -> None:
     alloc.extend(wedged, 2)
     assert wedged == [8, 11, 12] and alloc.free == 20 - 10
     assert alloc.refs[10:13] == [0, 1, 1]
+
+
+def test_a_table_that_cannot_grow_in_place_moves_with_its_keys_and_values() -> None:
+    """A table whose next block another took moves to a new run when one holds it: its keys
+    and values copied on every layer, its old blocks freed, its prefix-index entries keyed by
+    the new blocks (a later prompt still shares them). Without the move it would split, and be
+    gathered at every later step."""
+    cache = kv_cache.PagedKVCache(2, 1, 2, 12, 2)  # 2 layers, 1 head of 2, 12 blocks of 2
+    a: list[int] = []
+    assert cache.grow(a, 4) and a == [0, 1]
+    b: list[int] = []
+    assert cache.grow(b, 2) and b == [6]  # mid-way into the free run 2..11
+    cache.allocator._take(2)  # another table took the block after a's last
+    tokens = [5, 6, 7, 8]
+    cache.register(a, tokens, 0, 4)
+    gen = torch.Generator().manual_seed(0)
+    slots = cache.slots(a, 0, 4)
+    cache.k[:, slots] = torch.randn(2, 4, 1, 2, generator=gen)
+    cache.v[:, slots] = torch.randn(2, 4, 1, 2, generator=gen)
+    keys, values = cache.k[:, slots].clone(), cache.v[:, slots].clone()
+    assert cache.grow(a, 5)
+    assert a == [8, 9, 10]  # free runs 3..5 and 7..11: mid-way into the larger
+    moved = cache.slots(a, 0, 4)
+    assert torch.equal(cache.k[:, moved], keys) and torch.equal(cache.v[:, moved], values)
+    assert cache.allocator.refs[:2] == [0, 0] and cache.allocator.free == 12 - 5
+    c: list[int] = []
+    assert cache.share_prefix(c, [*tokens, 9]) == 4 and c == [8, 9]

@@ -17,8 +17,9 @@ no padding); their keys and values are written into their slots. A sequence whos
 one contiguous run is then attended in place: its keys and values are a view of the cache, one
 `scaled_dot_product_attention` call of its own, nothing copied. The allocator keeps tables in
 one run while it can (a table grows into the next block; a new run starts mid-way into the
-largest free run), so in place is the usual case; a split table (prefix sharing, a full
-cache) and small contexts, whose copy costs less than a call of their own, are *gathered*
+largest free run; a table that cannot grow so moves, copied once, to a free run that holds
+it), so in place is the usual case; a split table (prefix sharing, a full cache) and small
+contexts, whose copy costs less than a call of their own, are *gathered*
 from their blocks (whole blocks at a time) into a contiguous, padded `(sequences, heads,
 context, head_dim)` tensor per group of sequences of similar context length (`buckets`) and
 attended under a mask. Before the in-place path, the gather copied every context on every
@@ -45,8 +46,9 @@ class BlockAllocator:
     (`StepAttention` then attends over the run in place, with no copy): a table grows into the
     block after its last one when that is free, and a new run starts in the middle of the
     largest free run, which leaves the sequence before it room to grow (at the start of the
-    cache, or of a run nothing precedes, it starts at once). Anything can still take any free
-    block: placement decides only how often a table is split."""
+    cache, or of a run nothing precedes, it starts at once); a table that cannot continue its
+    run is offered a whole new one (`moved`). Anything can still take any free block:
+    placement decides only how often a table is split."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -69,12 +71,33 @@ class BlockAllocator:
         self._free -= 1
         self.refs[block] = 1
 
+    def _largest_run(self) -> tuple[int, int]:
+        """(first block, length) of the largest run of free blocks (some block is free)."""
+        best = max(_FREE_RUN.finditer(self._is_free), key=lambda m: m.end() - m.start())
+        return best.start(), best.end() - best.start()
+
     def _run_start(self, blocks: int) -> int:
         """Where a new run of `blocks` starts: the middle of the largest free run, leaving
         its first half to the table that ends before it (the start when nothing does)."""
-        best = max(_FREE_RUN.finditer(self._is_free), key=lambda m: m.end() - m.start())
-        start, length = best.start(), best.end() - best.start()
+        start, length = self._largest_run()
         return start + max(0, (length - blocks) // 2) if start else 0
+
+    def moved(self, table: list[int], blocks: int) -> list[int] | None:
+        """For a table that cannot grow as one run (it is split, or the block after its last
+        is taken) and whose blocks are its own (none shared): a new run for its blocks and
+        `blocks` more, taken where `extend` would start one, if a free run holds them all;
+        else None. Its old blocks stay taken: the caller copies them, then releases them."""
+        nxt = table[-1] + 1
+        if nxt < self.num_blocks and self._is_free[nxt] and one_run(table, len(table)):
+            return None
+        if any(self.refs[b] != 1 for b in table):
+            return None
+        total = len(table) + blocks
+        if self._largest_run()[1] < total:
+            return None
+        run: list[int] = []
+        self.extend(run, total)
+        return run
 
     def extend(self, table: list[int], blocks: int) -> None:
         """Append `blocks` free blocks to `table` (the caller checked that enough are free),
@@ -163,13 +186,41 @@ class PagedKVCache:
         return -(-tokens // self.block_size)
 
     def grow(self, table: list[int], tokens: int) -> bool:
-        """Extend `table` to hold `tokens` positions; False (table unchanged) if blocks run out."""
+        """Extend `table` to hold `tokens` positions; False (table unchanged) if blocks run out.
+        A table that cannot grow in place moves to a new run when one holds it (its keys and
+        values copied once, rather than gathered at every later step); else it splits."""
         need = self.blocks_for(tokens) - len(table)
         if need > self.allocator.free:
             return False
-        if need > 0:
+        if need <= 0:
+            return True
+        run = self.allocator.moved(table, need) if table else None
+        if run is None:
             self.allocator.extend(table, need)
+            return True
+        self._move(table, run)
         return True
+
+    def _move(self, table: list[int], run: list[int]) -> None:
+        """Copy `table`'s blocks (every layer) to the start of `run`, release them, and make
+        `run` the table; its prefix-index entries follow it (keyed by their new parents)."""
+        old, new = list(table), run[: len(table)]
+        per_block = (self.k.shape[0], -1, self.block_size, *self.k.shape[2:])
+        src = torch.tensor(old, device=self.k.device)
+        dst = torch.tensor(new, device=self.k.device)
+        for cache in (self.k, self.v):
+            blocks = cache.view(per_block)
+            blocks.index_copy_(1, dst, blocks.index_select(1, src))
+        self._forget_freed()
+        for i, (o, n) in enumerate(zip(old, new, strict=True)):
+            key = self._key_of.pop(o, None)
+            if key is not None and self.prefix.get(key) == o:
+                del self.prefix[key]
+                moved_key = (new[i - 1] if i else -1, key[1])
+                self.prefix[moved_key] = n
+                self._key_of[n] = moved_key
+        self.allocator.release(table)
+        table.extend(run)
 
     def slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
         """Flat slot indices of positions start..stop-1 of the sequence owning `table`."""
@@ -283,7 +334,8 @@ class _InPlace:
             self.mask = (key_pos[None, :] <= query_pos[:, None]).to(device)
 
 
-def _one_run(table: list[int], blocks: int) -> bool:
+def one_run(table: list[int], blocks: int) -> bool:
+    """The first `blocks` blocks of `table` are consecutive."""
     first = table[0]
     return all(table[i] == first + i for i in range(1, blocks))
 
@@ -318,7 +370,7 @@ class StepAttention:
         for it in items:
             write += [it.table[p // bs] * bs + p % bs for p in range(it.start, it.start + it.n)]
             context = it.start + it.n
-            if context * bytes_per_position >= IN_PLACE_MIN_BYTES and _one_run(
+            if context * bytes_per_position >= IN_PLACE_MIN_BYTES and one_run(
                 it.table, cache.blocks_for(context)
             ):
                 self.in_place.append(_InPlace(cache, offset, it))
