@@ -75,7 +75,7 @@ def engine_for(model: GPT, ctx: list[int], headroom: int, slack: float) -> Engin
 
 def one_run_share(engine: Engine) -> float:
     cache = engine.cache
-    ok = [kv_cache.one_run(s.table, cache.blocks_for(s.computed + 1)) for s in engine.running]
+    ok = [kv_cache.one_run(s.table, cache.blocks_for(s.computed)) for s in engine.running]
     return sum(ok) / len(ok)
 
 

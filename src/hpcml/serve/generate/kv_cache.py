@@ -308,12 +308,13 @@ def buckets(items: list[tuple[int, StepItem]], block_size: int) -> list[list[tup
     return groups[::-1] if len(groups) > 1 else [items] if items else []
 
 
-IN_PLACE_MIN_BYTES = 64 * 1024
+IN_PLACE_MIN_BYTES = 128 * 1024
 """A sequence whose blocks form one run is attended in place (no copy) when its keys and values
 of one layer hold at least this many bytes: below it, gathering it into a group with the
-others costs less than the `scaled_dot_product_attention` call of its own (a dispatch of some
-microseconds against copying bytes at a few GB/s; `benchmarks/llm_kv_gather.py` times both
-paths)."""
+others costs less than the `scaled_dot_product_attention` call of its own. One layer of 16
+decoding sequences (`benchmarks/llm_kv_gather.py`, 2026-11-27, load 11-13): in place was
+slower at 35-101 KB per sequence (contexts 16 and 32 of a 4 x 256 float32 and a 12 x 768 bf16
+gpt: gather / in place 0.65-0.93x) and faster from 133 KB (context 64: 1.08-1.18x)."""
 
 
 class _InPlace:
