@@ -194,14 +194,8 @@ def shards_training(tmp: Path, epochs: int, workers: int) -> dict:
     common = [f"train.max_steps={steps}", "data.source=shards", f"data.num_workers={workers}",
               "data.drift_reference_samples=1"]  # fmt: skip
     env = {**os.environ, **CREDENTIALS}
-    out = {
-        "train_samples": n_train,
-        "train_shards": len(manifest["splits"]["train"]["shards"]),
-        "train_bytes": train_bytes,
-        "epochs": epochs,
-        "steps": steps,
-        "workers": workers,
-    }
+    out = {"train_samples": n_train, "train_shards": len(manifest["splits"]["train"]["shards"]),
+           "train_bytes": train_bytes, "epochs": epochs, "steps": steps, "workers": workers}
     out["local"] = _train_wait(tmp, "local", [*common, f"data.path={local}"], env)
     server = MotoServer(tmp)
     try:
@@ -285,12 +279,8 @@ def main() -> None:
     p.add_argument("--small-gb", type=float, default=0.5)
     p.add_argument("--big-gb", type=float, default=2.0)
     p.add_argument("--tmp", default="/tmp")
-    p.add_argument(
-        "--only",
-        choices=["all", "shards"],
-        default="all",
-        help="shards: only training from shards (results in data_pipeline_shards.*)",
-    )
+    p.add_argument("--only", choices=["all", "shards"], default="all",
+                   help="shards: only training from shards (results in data_pipeline_shards.*)")
     p.add_argument("--shard-epochs", type=int, default=2)
     p.add_argument("--shard-workers", type=int, default=2)
     a = p.parse_args()

@@ -49,9 +49,7 @@ def hpcml_throughput(overrides: list[str], warmup: int) -> float:
     cfg = load_config(None, overrides)
     with tempfile.TemporaryDirectory() as tmp:
         hpcml_run(cfg, run_dir=Path(tmp) / "run", quiet=True)
-        steps = [
-            r for r in read_run_log(Path(tmp) / "run" / "run.jsonl") if r.get("kind") == "step"
-        ]
+        steps = [r for r in read_run_log(Path(tmp) / "run" / "run.jsonl") if r.get("kind") == "step"]
     t_w = next(r["time"] for r in steps if r["step"] == warmup)
     t_n = steps[-1]["time"]
     return (steps[-1]["step"] - warmup) * cfg.data.batch_size / (t_n - t_w)
@@ -69,10 +67,7 @@ def plain_throughput(overrides: list[str], warmup: int, fabric: bool = False) ->
     opt = build_optimizer(model.parameters(), cfg.optim, 1)
     sched = build_scheduler(opt, cfg.optim, cfg.train.max_steps)
     loader = torch.utils.data.DataLoader(
-        splits.train,
-        batch_size=cfg.data.batch_size,
-        shuffle=True,
-        drop_last=True,
+        splits.train, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True,
         pin_memory=device.type == "cuda",
     )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
@@ -110,7 +105,9 @@ def plain_throughput(overrides: list[str], warmup: int, fabric: bool = False) ->
 def median_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float]:
     """Bootstrap interval of the median (seeded: the same numbers give the same interval)."""
     rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    meds = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000)
+    )
     lo = meds[int((1 - level) / 2 * len(meds))]
     hi = meds[int((1 + level) / 2 * len(meds)) - 1]
     return lo, hi
@@ -133,24 +130,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--pairs", type=int, default=5, help="rounds at least")
     ap.add_argument("--max-pairs", type=int, default=30, help="rounds at most")
-    ap.add_argument(
-        "--resolve",
-        type=float,
-        default=0.01,
-        help="stop once every median ratio's 95%% interval is within +- this",
-    )
+    ap.add_argument("--resolve", type=float, default=0.01,
+                    help="stop once every median ratio's 95%% interval is within +- this")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     overrides = [
-        f"model.name={a.model}",
-        f"data.source={a.data}",
-        f"data.batch_size={a.batch}",
-        f"train.max_steps={a.steps}",
-        "train.eval_every=0",
-        "train.checkpoint_every=0",
-        f"precision={a.precision}",
-        "train.log_every=10",
+        f"model.name={a.model}", f"data.source={a.data}", f"data.batch_size={a.batch}",
+        f"train.max_steps={a.steps}", "train.eval_every=0", "train.checkpoint_every=0",
+        f"precision={a.precision}", "train.log_every=10",
     ]
     with_fabric = importlib.util.find_spec("lightning") is not None
     hp: list[float] = []
@@ -162,11 +150,8 @@ def main() -> None:
         lambda: pl.append(timed(lambda: plain_throughput(overrides, a.warmup), wall["plain"])),
     ]
     if with_fabric:
-        runners.append(
-            lambda: fb.append(
-                timed(lambda: plain_throughput(overrides, a.warmup, fabric=True), wall["fabric"])
-            )
-        )
+        runners.append(lambda: fb.append(timed(
+            lambda: plain_throughput(overrides, a.warmup, fabric=True), wall["fabric"])))
 
     def all_ratios() -> dict[str, list[float]]:
         out = {
@@ -189,10 +174,8 @@ def main() -> None:
             runners[(i + k) % len(runners)]()
         i += 1
         fabric_note = f"  fabric {fb[-1]:,.1f}" if fb else ""
-        print(
-            f"round {i}: hpcml {hp[-1]:,.1f}  plain {pl[-1]:,.1f}{fabric_note} samples/s",
-            file=sys.stderr,
-        )
+        print(f"round {i}: hpcml {hp[-1]:,.1f}  plain {pl[-1]:,.1f}{fabric_note} samples/s",
+              file=sys.stderr)
         if i >= a.pairs:
             widths = [hi - lo for lo, hi in map(median_interval, all_ratios().values())]
             if max(widths) / 2 <= a.resolve:
@@ -232,32 +215,18 @@ def main() -> None:
     out = Path(a.out) if a.out else RESULTS / f"engine_overhead_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        "| device | model | batch | hpcml samples/s | plain samples/s | hpcml/plain | "
-        "fabric samples/s | hpcml/fabric |"
-    )
+    print("| device | model | batch | hpcml samples/s | plain samples/s | hpcml/plain | "
+          "fabric samples/s | hpcml/fabric |")
     print("|---|---|---|---|---|---|---|---|")
-    fab = (
-        f"{statistics.median(fb):,.1f} | {result['median_hpcml_over_fabric']:.3f}"
-        if fb
-        else "- | -"
-    )
-    print(
-        f"| {device} | {a.model} | {a.batch} | {result['median_hpcml']:,.1f} | "
-        f"{result['median_plain']:,.1f} | {result['median_pair_ratio']:.3f} | {fab} |"
-    )
+    fab = (f"{statistics.median(fb):,.1f} | {result['median_hpcml_over_fabric']:.3f}"
+           if fb else "- | -")
+    print(f"| {device} | {a.model} | {a.batch} | {result['median_hpcml']:,.1f} | "
+          f"{result['median_plain']:,.1f} | {result['median_pair_ratio']:.3f} | {fab} |")
     for name, (lo, hi) in intervals.items():
-        print(
-            f"{name}: median {result['median_ratios'][name]:.3f}, 95% interval [{lo:.3f}, {hi:.3f}]"
-        )
-    print(
-        f"{i} rounds; "
-        + (
-            f"resolved to +-{a.resolve:.0%}"
-            if resolved
-            else f"NOT resolved to +-{a.resolve:.0%} within --max-pairs"
-        )
-    )
+        print(f"{name}: median {result['median_ratios'][name]:.3f}, 95% interval "
+              f"[{lo:.3f}, {hi:.3f}]")
+    print(f"{i} rounds; " + (f"resolved to +-{a.resolve:.0%}" if resolved else
+                             f"NOT resolved to +-{a.resolve:.0%} within --max-pairs"))
     print(f"wrote {out}")
 
 

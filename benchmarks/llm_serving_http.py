@@ -123,10 +123,7 @@ def hf_model(work: Path, a: argparse.Namespace) -> Any:
 
 
 def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def _free_port() -> int:
@@ -151,19 +148,8 @@ def serve(export: Path, work: Path, a: argparse.Namespace, static: bool) -> tupl
     config = work / f"serve-{'static' if static else 'continuous'}.json"
     config.write_text(json.dumps({"defaults": {"threads": a.threads}, "generation": generation}))
     port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "hpcml",
-        "serve",
-        str(export),
-        "--name",
-        "gpt2",
-        "--port",
-        str(port),
-        "--config",
-        str(config),
-    ]
+    cmd = [sys.executable, "-m", "hpcml", "serve", str(export), "--name", "gpt2", "--port",
+           str(port), "--config", str(config)]
     log = (work / f"{config.stem}.log").open("w")
     server = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -195,9 +181,7 @@ def positions_bound(prompt: Lengths, output: Lengths, batch: int, seed: int) -> 
     return static / continuous
 
 
-def flops_ratio(
-    prompt: Lengths, output: Lengths, batch: int, seed: int, shape: tuple[int, int, int]
-) -> float:
+def flops_ratio(prompt: Lengths, output: Lengths, batch: int, seed: int, shape: tuple[int, int, int]) -> float:
     """Static / continuous FLOPs over the draws of `positions_bound`, for a model of `shape`
     (layers, d_model, vocabulary): a position costs 24 d^2 per layer, and a row whose logits are
     read (a prompt's last, every output token) another 2 d V; static batching's padding rows
@@ -219,35 +203,16 @@ def flops_ratio(
 def point(url: str, a: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
     prompt, output = WORKLOADS[name]
     r = llm_loadtest(
-        base_url=url,
-        model="gpt2",
-        rate=rate,
-        duration_s=a.duration,
-        prompt_len=prompt,
-        output_len=output,
-        timeout_s=a.timeout,
-        seed=a.seed,
-        ttft_slo_ms=1e9,
-        itl_slo_ms=1e9,
+        base_url=url, model="gpt2", rate=rate, duration_s=a.duration, prompt_len=prompt,
+        output_len=output, timeout_s=a.timeout, seed=a.seed, ttft_slo_ms=1e9, itl_slo_ms=1e9,
     ).to_json()
-    keys = (
-        "rate",
-        "sent",
-        "ok",
-        "errors",
-        "output_tokens",
-        "output_tokens_per_s",
-        "ttft_ms",
-        "itl_ms",
-        "latency_ms",
-    )
+    keys = ("rate", "sent", "ok", "errors", "output_tokens", "output_tokens_per_s", "ttft_ms",
+            "itl_ms", "latency_ms")
     r["load_average"] = os.getloadavg()[0]
-    print(
-        f"{name:12s} {url[-5:]} rate {rate:6.2f}/s  {r['output_tokens_per_s']:8.1f} tok/s  "
-        f"ITL p99 {r['itl_ms'].get('p99', float('nan')):8.1f} ms  ok {r['ok']}/{r['sent']}  "
-        f"load {r['load_average']:.1f}",
-        flush=True,
-    )
+    print(f"{name:12s} {url[-5:]} rate {rate:6.2f}/s  {r['output_tokens_per_s']:8.1f} tok/s  "
+          f"ITL p99 {r['itl_ms'].get('p99', float('nan')):8.1f} ms  ok {r['ok']}/{r['sent']}  "
+          f"load {r['load_average']:.1f}",
+          flush=True)
     return {k: r[k] for k in (*keys, "load_average")}
 
 
@@ -268,27 +233,17 @@ def hf_point(hf: Any, a: argparse.Namespace, name: str, rate: float) -> dict[str
     lengths = prompt.draw(len(arrivals), np.random.default_rng(a.seed + 1))
     outputs = output.draw(len(arrivals), np.random.default_rng(a.seed + 2))
     ids = np.random.default_rng(a.seed + 3)
-    requests = [
-        (at, [int(x) for x in ids.integers(256, a.vocab, size=k)], m)
-        for at, k, m in zip(arrivals, lengths, outputs, strict=True)
-    ]
+    requests = [(at, [int(x) for x in ids.integers(256, a.vocab, size=k)], m)
+                for at, k, m in zip(arrivals, lengths, outputs, strict=True)]
     m = replay_hf(hf, a.max_seqs, requests)
-    r = {
-        "rate": rate,
-        "sent": len(requests),
-        "ok": len(requests),
-        "errors": 0,
-        "output_tokens": sum(o for *_, o in requests),
-        "output_tokens_per_s": m["output_tokens_per_s"],
-        "itl_ms": {"p50": m["itl_p50_ms"], "p99": m["itl_p99_ms"]},
-        "ttft_ms": {"p50": m["ttft_p50_ms"], "p99": m["ttft_p99_ms"]},
-        "load_average": os.getloadavg()[0],
-    }
-    print(
-        f"{name:12s} hf-gen rate {rate:6.2f}/s  {r['output_tokens_per_s']:8.1f} tok/s  "
-        f"ITL p99 {m['itl_p99_ms']:8.1f} ms  load {r['load_average']:.1f}",
-        flush=True,
-    )
+    r = {"rate": rate, "sent": len(requests), "ok": len(requests), "errors": 0,
+         "output_tokens": sum(o for *_, o in requests),
+         "output_tokens_per_s": m["output_tokens_per_s"],
+         "itl_ms": {"p50": m["itl_p50_ms"], "p99": m["itl_p99_ms"]},
+         "ttft_ms": {"p50": m["ttft_p50_ms"], "p99": m["ttft_p99_ms"]},
+         "load_average": os.getloadavg()[0]}
+    print(f"{name:12s} hf-gen rate {rate:6.2f}/s  {r['output_tokens_per_s']:8.1f} tok/s  "
+          f"ITL p99 {m['itl_p99_ms']:8.1f} ms  load {r['load_average']:.1f}", flush=True)
     return r
 
 
@@ -300,19 +255,12 @@ def saturated(p: dict[str, Any], a: argparse.Namespace) -> bool:
 def equal_itl(curves: dict[str, list[dict[str, Any]]], objective: float) -> dict[str, Any]:
     best = {}
     for mode, points in curves.items():
-        ok = [
-            p["output_tokens_per_s"]
-            for p in points
-            if not p["errors"] and p["itl_ms"] and p["itl_ms"]["p99"] <= objective
-        ]
+        ok = [p["output_tokens_per_s"] for p in points
+              if not p["errors"] and p["itl_ms"] and p["itl_ms"]["p99"] <= objective]
         best[mode] = max(ok, default=None)
     c, s, h = best.get("continuous"), best.get("static"), best.get(HF)
-    return {
-        "objective_ms": objective,
-        **best,
-        "ratio": c / s if c and s else None,
-        "ratio_hf": c / h if c and h else None,
-    }
+    return {"objective_ms": objective, **best, "ratio": c / s if c and s else None,
+            "ratio_hf": c / h if c and h else None}
 
 
 def spread(values: list[float | None]) -> dict[str, float] | None:
@@ -323,19 +271,12 @@ def spread(values: list[float | None]) -> dict[str, float] | None:
     return {"median": statistics.median(got), "min": min(got), "max": max(got)}
 
 
-def equal_itl_repeated(
-    reps: list[dict[str, list[dict[str, Any]]]], objective: float
-) -> dict[str, Any]:
+def equal_itl_repeated(reps: list[dict[str, list[dict[str, Any]]]], objective: float) -> dict[str, Any]:
     """`equal_itl` in each repetition (each its own sweep), then medians and ranges."""
     rows = [equal_itl(curves, objective) for curves in reps]
-    return {
-        "objective_ms": objective,
-        "repetitions": rows,
-        **{
-            k: spread([r.get(k) for r in rows])
-            for k in ("continuous", "static", HF, "ratio", "ratio_hf")
-        },
-    }
+    return {"objective_ms": objective, "repetitions": rows,
+            **{k: spread([r.get(k) for r in rows])
+               for k in ("continuous", "static", HF, "ratio", "ratio_hf")}}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -350,25 +291,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for i, curves in enumerate(result["workloads"][name]["curves"]):
             for mode, color in zip((*MODES, HF), ("C0", "C1", "C2"), strict=True):
                 pts = [p for p in curves.get(mode, []) if p["itl_ms"]]
-                ax.plot(
-                    [p["output_tokens_per_s"] for p in pts],
-                    [p["itl_ms"]["p99"] for p in pts],
-                    marker="o",
-                    color=color,
-                    alpha=0.8,
-                    label=mode if i == 0 else None,
-                )
+                ax.plot([p["output_tokens_per_s"] for p in pts],
+                        [p["itl_ms"]["p99"] for p in pts], marker="o", color=color,
+                        alpha=0.8, label=mode if i == 0 else None)
                 for p in pts:
-                    ax.annotate(
-                        f"{p['rate']:g}/s",
-                        (p["output_tokens_per_s"], p["itl_ms"]["p99"]),
-                        fontsize=7,
-                    )
+                    ax.annotate(f"{p['rate']:g}/s",
+                                (p["output_tokens_per_s"], p["itl_ms"]["p99"]), fontsize=7)
         w = result["workloads"][name]
-        ax.set_title(
-            f"{name} (positions bound {w['positions_bound']:.2f}x, FLOPs ratio "
-            f"{w['flops_ratio']:.2f}x)"
-        )
+        ax.set_title(f"{name} (positions bound {w['positions_bound']:.2f}x, FLOPs ratio "
+                     f"{w['flops_ratio']:.2f}x)")
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("p99 inter-token latency (ms)")
         ax.set_yscale("log")
@@ -379,16 +310,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [
-        result["title"],
-        "",
-        f"Note: {result['note']}",
-        "",
-        "| workload | p99 ITL objective ms | continuous tok/s | static tok/s "
-        "| continuous / static | positions bound | FLOPs ratio | transformers generate "
-        "tok/s (in-process) | continuous / generate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = [result["title"], "", f"Note: {result['note']}", "",
+             "| workload | p99 ITL objective ms | continuous tok/s | static tok/s "
+             "| continuous / static | positions bound | FLOPs ratio | transformers generate "
+             "tok/s (in-process) | continuous / generate |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(v: dict[str, float] | None, unit: str = "") -> str:
         if v is None:
@@ -397,19 +323,12 @@ def markdown(result: dict[str, Any]) -> str:
 
     for name, w in result["workloads"].items():
         for row in w["equal_itl"]:
-            lines.append(
-                f"| {name} | {row['objective_ms']:g} | {cell(row['continuous'])} | "
-                f"{cell(row['static'])} | {cell(row['ratio'], 'x')} | "
-                f"{w['positions_bound']:.2f}x | {w['flops_ratio']:.2f}x | "
-                f"{cell(row[HF])} | {cell(row['ratio_hf'], 'x')} |"
-            )
-    lines += [
-        "",
-        "Every rate's throughput, ITL, TTFT and end-to-end latency percentiles are in the JSON.",
-        "",
-        f"Command: `{result['command']}`",
-        "",
-    ]
+            lines.append(f"| {name} | {row['objective_ms']:g} | {cell(row['continuous'])} | "
+                         f"{cell(row['static'])} | {cell(row['ratio'], 'x')} | "
+                         f"{w['positions_bound']:.2f}x | {w['flops_ratio']:.2f}x | "
+                         f"{cell(row[HF])} | {cell(row['ratio_hf'], 'x')} |")
+    lines += ["", "Every rate's throughput, ITL, TTFT and end-to-end latency percentiles are in "
+              "the JSON.", "", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
 
 
@@ -424,18 +343,11 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--max-seqs", type=int, default=16)
-    ap.add_argument(
-        "--chunk",
-        type=int,
-        default=0,
-        help="continuous: generation.max_prefill_tokens (0: none, the default)",
-    )
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="continuous: generation.max_prefill_tokens (0: none, the default)")
     ap.add_argument("--repeats", type=int, default=1, help="sweeps, each rate's pair in turn")
-    ap.add_argument(
-        "--hf",
-        action="store_true",
-        help="also transformers' generate on the same weights, in-process",
-    )
+    ap.add_argument("--hf", action="store_true",
+                    help="also transformers' generate on the same weights, in-process")
     ap.add_argument("--itl-objectives", type=float, nargs="+", default=[200.0, 500.0, 1000.0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--threads", type=int, default=2)
@@ -495,9 +407,8 @@ def main() -> None:
             "prompt_lengths": prompt.describe(),
             "output_lengths": output.describe(),
             "positions_bound": positions_bound(prompt, output, a.max_seqs, a.seed),
-            "flops_ratio": flops_ratio(
-                prompt, output, a.max_seqs, a.seed, (a.n_layer, a.d_model, a.vocab)
-            ),
+            "flops_ratio": flops_ratio(prompt, output, a.max_seqs, a.seed,
+                                       (a.n_layer, a.d_model, a.vocab)),
             "curves": curves[name],
             "equal_itl": [equal_itl_repeated(curves[name], o) for o in a.itl_objectives],
         }
@@ -514,12 +425,8 @@ def main() -> None:
         f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at "
         "the end (the machine was shared)."
     )
-    result["machine"] = {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "cpu_capability": cpu,
-        "torch": torch.__version__,
-    }
+    result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                         "cpu_capability": cpu, "torch": torch.__version__}
     result["command"] = shlex.join(["python", "benchmarks/llm_serving_http.py", *sys.argv[1:]])
     name = "llm_serving_http" + (f"_{a.tag}" if a.tag else "")
     a.out_dir.mkdir(parents=True, exist_ok=True)

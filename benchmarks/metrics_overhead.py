@@ -87,14 +87,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "metrics_overhead.json"))
     a = ap.parse_args()
     base = [
-        f"model.name={a.model}",
-        "data.source=digits",
-        f"data.batch_size={a.batch}",
-        f"train.max_steps={a.steps}",
-        "train.eval_every=0",
-        "train.checkpoint_every=0",
-        f"train.log_every={a.log_every}",
-        "train.device=cpu",
+        f"model.name={a.model}", "data.source=digits", f"data.batch_size={a.batch}",
+        f"train.max_steps={a.steps}", "train.eval_every=0", "train.checkpoint_every=0",
+        f"train.log_every={a.log_every}", "train.device=cpu",
     ]
     on_args = [*base, "observe.metrics_port=0", "observe.metrics_address=127.0.0.1"]
     off: list[float] = []
@@ -135,8 +130,7 @@ def main() -> None:
         "median_off": statistics.median(off),
         "median_on": statistics.median(on),
         "scrapes_per_on_run": [g.get("scrapes", 0) for g in scrapes],
-        "mean_scrape_ms": 1e3
-        * sum(g.get("scrape_s", 0) for g in scrapes)
+        "mean_scrape_ms": 1e3 * sum(g.get("scrape_s", 0) for g in scrapes)
         / max(1.0, sum(g.get("scrapes", 0) for g in scrapes)),
     }
     # An upper bound on the exporter's share of a scraped run's time: a scrape's whole round
