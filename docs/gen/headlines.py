@@ -183,6 +183,22 @@ def attention(d: Doc) -> str:
     )
 
 
+def kv_gather(d: Doc) -> str:
+    return "; ".join(
+        f"{r['model']} {r['dtype']}: decode step gathered / in place "
+        f"{x(r['gather_over_in_place']['median'])}"
+        for r in d["sizes"]
+    )
+
+
+def kv_gather_spread(d: Doc) -> str:
+    return ", ".join(
+        f"{r['model']} {span(r['gather_over_in_place'])} over {len(r['rounds'])} paired rounds "
+        f"(load {r['load_1min']['min']:.1f}-{r['load_1min']['max']:.1f})"
+        for r in d["sizes"]
+    )
+
+
 def hf_generate(d: Doc) -> str:
     return ", ".join(f"{k} {x(v)}" for k, v in d["ratios_of_medians"].items())
 

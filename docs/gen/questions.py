@@ -173,6 +173,12 @@ QUESTIONS: tuple[Question, ...] = (
         h.no_spread("median step time"),
     ),
     Question(
+        "llm_kv_gather",
+        "KV cache attended in place vs gathered into padded copies",
+        h.kv_gather,
+        h.kv_gather_spread,
+    ),
+    Question(
         "llm_hf_generate",
         "LLM engine vs transformers' generate, one process",
         h.hf_generate,
