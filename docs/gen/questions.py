@@ -286,6 +286,7 @@ ARCHIVE: dict[str, str] = {
     "llm_serving_http_small": "llm_serving_http_cpu",
     "llm_serving_http_both": "llm_serving_http_cpu",
     "llm_serving_http_gpt2_small_hf": "llm_serving_http_gpt2_small",
+    "llm_kv_gather_loaded": "llm_kv_gather",
     "tune_step_budget": "tune",
     "tune_shared_startup": "tune",
     "tune_seeds_3_5": "tune",
