@@ -9,11 +9,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test lint docs unit bench clean gpu gpu-wheels audit lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,track,tune,onnx,observe,kserve-client,finetune,interop,security,privacy,audit]"
+	# requirements.lock (`make lock`) pins every other distribution, as constraints: what CI
+	# installs is what was tested here, and a new release upstream cannot change it.
+	$(PY) -m pip install -q -c requirements.lock -e ".[dev,serve,track,tune,onnx,observe,kserve-client,finetune,interop,security,privacy,audit]"
 	# KServe's client; --no-deps because kserve pins pandas<3 (see the kserve-client extra).
 	$(PY) -m pip install -q --no-deps "kserve==0.21.0"
 	touch $(STAMP)
