@@ -370,8 +370,14 @@ def _first_rank(memory: Any) -> dict[str, Any]:
     if isinstance(memory, list):
         return memory[0] if memory and isinstance(memory[0], dict) else {}
     if isinstance(memory, dict):
-        nested = [v for v in memory.values() if isinstance(v, dict)]
-        return nested[0] if nested else memory
+        if "per_rank" in memory:  # a run's summary: its top level is rank 0's
+            return memory
+        # Keyed by rank only when every value is a rank's entry: a summary's memory block also
+        # holds dicts of its own (`traced_at_peak`, bytes by kind), which are not ranks.
+        nested = list(memory.values())
+        if nested and all(isinstance(v, dict) for v in nested):
+            return nested[0]  # type: ignore[no-any-return]
+        return memory
     return {}
 
 
