@@ -20,7 +20,8 @@ stage that hangs or fails costs its budget and nothing else:
 
 Without a CUDA device it runs in dry mode: the same stages on the CPU at toy sizes, up to the
 point where a device is needed, each skip said in one line (tests/integration/
-test_gpu_proof.py runs it, so this script cannot rot). With `--image-packages FILE` the stages run
+test_gpu_proof.py runs it, so this script cannot rot); a dry stage is forked from the process
+that imported torch and hpcml once (but `env`), where on the GPU each is a new interpreter. With `--image-packages FILE` the stages run
 in a Python where every distribution that is neither in FILE (nor required by one), nor in the
 wheels `make gpu-wheels`
 carries, is absent, as it is on the GPU image (benchmarks/gpu_image.py).
@@ -69,9 +70,12 @@ def main() -> None:
     ap.add_argument("--image-packages", type=Path, help="dry: allow only these distributions")
     ap.add_argument("--stage", help=argparse.SUPPRESS)  # internal: run one stage here
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--in-image", action="store_true", help=argparse.SUPPRESS)  # internal
     args = ap.parse_args()
     if args.stage:
         return run_stage(args.stage, args.work, args.out, args.dry)
+    if args.dry and args.image_packages and not args.in_image:
+        raise SystemExit(in_image_python(args.image_packages))
     import torch
 
     dry = args.dry or not torch.cuda.is_available()
@@ -81,7 +85,7 @@ def main() -> None:
     work = args.out / "work" if dry else Path("/tmp/hpcml-gpu-proof")
     work.mkdir(parents=True, exist_ok=True)
     args.python = sys.executable
-    if args.image_packages:  # the rehearsal sees only what the GPU image will have
+    if args.image_packages and not args.in_image:  # the stages see only what the image has
         from gpu_image import image_python
 
         args.python = image_python(args.image_packages, BENCH / "gpu_wheels.txt")
@@ -109,7 +113,10 @@ def main() -> None:
         if left < MIN_STAGE_S:
             report["stages"][name] = {"status": "not run", "reason": f"{left:.0f} s left"}
         else:
-            report["stages"][name] = run_isolated(name, min(budget, left), work, args, dry, log)
+            # Dry: `env` in a new interpreter, as every stage on the GPU (the path and the
+            # probe of what the image lacks rehearsed as they run there), the rest forked.
+            run = run_forked if dry and name != "env" else run_isolated
+            report["stages"][name] = run(name, min(budget, left), work, args, dry, log)
         _write(report, args.out)
     log.close()
     report["wall_s"] = args.budget_s - (deadline - time.monotonic())
@@ -160,6 +167,67 @@ def run_isolated(
         return {"status": "ok", "seconds": seconds, **json.loads(result.read_text())}
     status = "timeout" if rc in (124, 137) else "failed"
     return {"status": status, "rc": rc, "seconds": seconds, "tail": tail}
+
+
+def in_image_python(packages: Path) -> int:
+    """The dry rehearsal with --image-packages: this script again, in the Python that sees only
+    what the GPU image has, where it imports torch once and forks every stage from itself."""
+    from gpu_image import image_python
+
+    python = image_python(packages, BENCH / "gpu_wheels.txt")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(BENCH), env.get("PYTHONPATH", "")])
+    cmd = [str(python), __file__, *sys.argv[1:], "--in-image"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode
+
+
+def run_forked(
+    name: str, budget: float, work: Path, args: argparse.Namespace, dry: bool, log: Any
+) -> dict[str, Any]:
+    """A dry stage in a child forked from this process, which imported torch and hpcml once
+    (each stage in a new interpreter spent ~18 of its ~20 s on a loaded 2-core machine
+    importing them again): a stage that fails or hangs still costs only its own budget
+    (SIGTERM at the budget, SIGKILL 10 s later, as `timeout -k 10` does)."""
+    import multiprocessing as mp
+    import signal
+
+    import hpcml.train.entry  # noqa: F401  (imported once, before the forks)
+
+    result, output = work / f"{name}.json", work / f"{name}.log"
+    result.unlink(missing_ok=True)
+    banner = f"== stage {name} (budget {budget:.0f} s, dry, forked)"
+    print(banner, flush=True)
+    log.write(banner + "\n")
+    t0 = time.monotonic()
+    proc = mp.get_context("fork").Process(target=_forked_stage, args=(name, work, args, output))
+    proc.start()
+    proc.join(budget)
+    timed_out = proc.exitcode is None
+    if timed_out:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(10)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+    text = output.read_text(errors="replace") if output.exists() else ""
+    sys.stdout.write(text)
+    log.write(text)
+    log.flush()
+    seconds = time.monotonic() - t0
+    if proc.exitcode == 0 and result.exists():
+        return {"status": "ok", "seconds": seconds, **json.loads(result.read_text())}
+    tail = text.splitlines()[-15:]
+    return {"status": "timeout" if timed_out else "failed", "rc": proc.exitcode,
+            "seconds": seconds, "tail": tail}  # fmt: skip
+
+
+def _forked_stage(name: str, work: Path, args: argparse.Namespace, output: Path) -> None:
+    """In the forked child: its stdout and stderr to `output`, then the stage."""
+    with output.open("w") as fh:
+        os.dup2(fh.fileno(), 1)
+        os.dup2(fh.fileno(), 2)
+    run_stage(name, work, args.out, True)
+    sys.stdout.flush()
 
 
 def run_stage(name: str, work: Path, out: Path, dry: bool) -> None:
@@ -267,12 +335,14 @@ def stage_pytest(out: Path, dry: bool) -> dict[str, Any]:
         f"--junitxml={junit}",
         *files,
     ]
-    if dry:
-        cmd.append("--collect-only")
-        print("dry: gpu tests collected, not run (no CUDA device)", flush=True)
     print("$ " + " ".join(cmd[1:]), flush=True)
+    if dry:  # collected in this (forked) process, which imported torch already
+        import pytest
+
+        print("dry: gpu tests collected, not run (no CUDA device)", flush=True)
+        return {"files": files, "rc": int(pytest.main([*cmd[3:], "--collect-only"]))}
     proc = subprocess.run(cmd, cwd=ROOT, check=False)
-    counts = _junit_counts(junit) if junit.exists() and not dry else {}
+    counts = _junit_counts(junit) if junit.exists() else {}
     return {"files": files, "rc": proc.returncode, **counts}
 
 
