@@ -107,8 +107,16 @@ def _hpcml_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The shard hash cache (`hpcml.data.shards.hash_cache`, else ~/.cache/hpcml) goes to this
     session's temporary folder, for this process and the `hpcml` processes tests start: a test
     writes nothing outside its temporary folders."""
+    cache = tmp_path_factory.mktemp("hpcml-cache")
+    # The traced steps (hpcml.train.trace_cache: a file per config, written whole by a rename)
+    # in one folder of this session's that every xdist worker shares, as one user's runs do:
+    # each worker tracing the same configs again cost the suite a cold trace per config each.
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "plan-traces"
+    shared.mkdir(exist_ok=True)
+    (cache / "plan_traces").symlink_to(shared, target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HPCML_CACHE_DIR", str(tmp_path_factory.mktemp("hpcml-cache")))
+        mp.setenv("HPCML_CACHE_DIR", str(cache))
         yield
 
 
