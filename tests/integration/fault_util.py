@@ -170,8 +170,7 @@ def engine_context() -> Any:
         import multiprocessing as mp
 
         _CTX = mp.get_context("forkserver")
-        # scikit-learn (the digits source) takes seconds to import: once, in the server.
-        _CTX.set_forkserver_preload(["hpcml.train.engine", "sklearn.datasets"])
+        _CTX.set_forkserver_preload(["hpcml.train.engine"])
     return _CTX
 
 

@@ -57,11 +57,9 @@ PRELOAD = (
 
 
 def preload_for(cfg: RunConfig) -> tuple[str, ...]:
-    """PRELOAD and what runs of `cfg` import besides (`?`: when installed): scikit-learn and
-    SciPy are most of the digits source's load, MLflow seconds of a tracked run's start."""
-    extra: tuple[str, ...] = ("?sklearn.datasets",) if cfg.data.source == "digits" else ()
-    if cfg.tracking.backend == "mlflow":
-        extra += ("?mlflow",)
+    """PRELOAD and what runs of `cfg` import besides (`?`: when installed): MLflow is seconds
+    of a tracked run's start."""
+    extra: tuple[str, ...] = ("?mlflow",) if cfg.tracking.backend == "mlflow" else ()
     return PRELOAD + extra
 
 
