@@ -91,6 +91,7 @@ def in_forked_worker() -> bool:
 
 def install() -> None:
     """Make `torch.distributed.run` (torchrun's `run`) fork the workers of `-m hpcml`."""
+    import torch._dynamo  # noqa: F401  (each worker's set-up imports it: FlopCounterMode)
     import torch.distributed.run as torchrun
 
     stock = torchrun.elastic_launch
