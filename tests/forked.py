@@ -37,7 +37,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ["torch", "hpcml.cli.app", "hpcml.train.entry", "hpcml.train.trainer"]
+PRELOAD = ["torch", "torch._dynamo", "hpcml.cli.app", "hpcml.train.entry", "hpcml.train.trainer"]
+"""What every `hpcml train` imports (torch._dynamo: the set-up's model check, FlopCounterMode)."""
 ENABLED = os.environ.get("HPCML_TEST_FORK", "1") != "0"
 
 forked_cpu_s = 0.0
