@@ -60,6 +60,13 @@ def _is_quantized(t: torch.Tensor) -> bool:
     return hasattr(t, "qdata") or hasattr(t, "quantized_data")
 
 
+_NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
 def apply_ddp(
     model: nn.Module, rt: Runtime, cfg: ParallelConfig, group: dist.ProcessGroup | None = None
 ) -> nn.Module:
@@ -81,7 +88,8 @@ def apply_ddp(
         # Not before every forward: training-mode BatchNorm normalizes with the batch's own
         # statistics, so the running ones are needed only by evaluation and checkpoints,
         # which `sync_buffers` serves (rank 0's, as DDP's broadcast would give them).
-        broadcast_buffers=False,
+        # torch 2.13 names it forward_sync_buffers (broadcast_buffers warns on every rank).
+        **_NO_FORWARD_BUFFER_SYNC,
         process_group=group,  # the replicas of one pipeline stage under parallel.pp
     )
 
