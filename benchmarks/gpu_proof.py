@@ -20,11 +20,11 @@ stage that hangs or fails costs its budget and nothing else:
 
 Without a CUDA device it runs in dry mode: the same stages on the CPU at toy sizes, up to the
 point where a device is needed, each skip said in one line (tests/integration/
-test_gpu_proof.py runs it, so this script cannot rot); a dry stage is forked from the process
-that imported torch and hpcml once (but `env`), where on the GPU each is a new interpreter. With `--image-packages FILE` the stages run
-in a Python where every distribution that is neither in FILE (nor required by one), nor in the
-wheels `make gpu-wheels`
-carries, is absent, as it is on the GPU image (benchmarks/gpu_image.py).
+test_gpu_proof.py runs it, so this script cannot rot); a dry stage but `env` is forked from
+the process that imported torch and hpcml once, where on the GPU each is a new interpreter.
+With `--image-packages FILE` the stages run in a Python where every distribution that is
+neither in FILE (nor required by one), nor in the wheels `make gpu-wheels` carries, is
+absent, as it is on the GPU image (benchmarks/gpu_image.py).
 """
 
 from __future__ import annotations

@@ -51,9 +51,9 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's 8x8 digits, (1797, 8, 8) float32 images of 0..16 and their labels, read
     from the file scikit-learn ships (sklearn/datasets/data/digits.csv.gz: 64 pixels then the
     label per row, what its `load_digits` parses) without importing scikit-learn: that import
-    (SciPy's stats, pandas, pyarrow) cost every digits run ~5 CPU s on a loaded 2-core
-    machine, the file 0.05 s. Where the file is not where it was (another scikit-learn
-    layout), `load_digits` itself."""
+    (SciPy's stats, pandas, pyarrow) cost every digits process 1.7-1.9 CPU s even with torch
+    and the trainer imported, the file 0.01 s. Where the file is not where it was (another
+    scikit-learn layout), `load_digits` itself."""
     import gzip
     from importlib.util import find_spec
 
