@@ -290,6 +290,7 @@ ARCHIVE: dict[str, str] = {
     "tune_step_budget": "tune",
     "tune_shared_startup": "tune",
     "tune_seeds_3_5": "tune",
+    "tune_budget24": "tune",
     "llm_step_profile": "llm_step_profile_gpt2_small",
     "llm_step_profile_gpt2_small_loaded": "llm_step_profile_gpt2_small",
 }
