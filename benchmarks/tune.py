@@ -393,7 +393,24 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
             "goal_met_seeds": sum(s["goal_met"] for s in seeds),
             "goal_met_seeds_without_tolerance": sum(s["goal_met_without_tolerance"] for s in seeds),
         }  # fmt: skip
-    return {**out, "summary": summary, "compared": compared}
+    return {**out, "summary": summary, "compared": compared, **random_itself(runs, unit, budget)}
+
+
+def random_itself(runs: dict[str, Any], unit: str, budget: int) -> dict[str, Any]:
+    """For scale: random search measured against itself, the same question asked of its own
+    trace (when did it come within one standard error of its own final best?). A seed where
+    random search got there in <= 0.5x its own time answers the goal's question yes without
+    any better method: on such a seed the benchmark cannot tell a better search from luck."""
+    if RANDOM not in runs:
+        return {}
+    seeds = [compare(r, r, unit, budget) for r in runs[RANDOM]]
+    return {
+        "random_itself": {
+            "time_ratio": [s["time_ratio"] for s in seeds],
+            "budget_ratio": [s["budget_ratio"] for s in seeds],
+            "at_most_half": sum(s["goal_met"] for s in seeds),
+        }
+    }
 
 
 def run_seeds(
@@ -481,6 +498,16 @@ def tune_lines(out: dict[str, Any]) -> list[str]:
         lines.append(f"| {arm} | " + " | ".join(cell(s[k]) for k in keys) + " |")
     for arm, c in out["compared"].items():
         lines += compared_lines(arm, c, unit)
+    if "random_itself" in out:
+        r = out["random_itself"]
+        lines += [
+            "",
+            "For scale, random search against itself: it came within one standard error of its "
+            f"own final best at {', '.join(str(t) for t in r['time_ratio'])} of its time ("
+            f"{unit}: {', '.join(str(t) for t in r['budget_ratio'])}), <= 0.5x on "
+            f"{r['at_most_half']} of {len(r['time_ratio'])} seeds: a seed where it did answers "
+            "the goal's question yes with no better method than luck.",
+        ]
     lines += [
         "",
         "Where the trials' wall time went (s, summed over a tune's trials, median over seeds): "

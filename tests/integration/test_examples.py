@@ -311,6 +311,25 @@ def _check_tuning(name: str, entry: Tune, work: Path) -> None:
         assert value in dim["choices"] if "choices" in dim else dim["low"] <= value <= dim["high"]
     used = yaml.safe_load((Path(result["best_run"]) / "config.yaml").read_text())
     assert used["optim"]["lr"] == result["best_params"]["optim.lr"]
+    _check_ties(result)
+
+
+def _check_ties(result: dict[str, Any]) -> None:
+    """The best accuracy's standard error is on its run's validation samples (read here from
+    its run.jsonl), and the trials tied with it are the complete ones within it (their
+    trial.json values)."""
+    evals = [json.loads(line) for line in (Path(result["best_run"]) / "run.jsonl").open()]
+    n = [e for e in evals if e.get("kind") == "eval"][-1]["val_samples"]
+    p = result["best_value"]
+    assert result["best_scored_on"] == n
+    assert abs(result["best_standard_error"] - (p * (1 - p) / n) ** 0.5) < 1e-12
+    values = {}
+    for trial in Path(result["best_run"]).parent.glob("trial-*/trial.json"):
+        info = json.loads(trial.read_text())
+        if info["status"] == "complete" and info["trial"] != result["best_trial"]:
+            values[info["trial"]] = info["value"]
+    tied = sorted(t for t, v in values.items() if p - v <= result["best_standard_error"])
+    assert sorted(result["tied_with_best"]) == tied, (values, result)
 
 
 @pytest.mark.parametrize("name", EXAMPLE_FILES)

@@ -144,6 +144,14 @@ def show(result: dict[str, Any], metric: str) -> None:
     t.add_row("trials", ", ".join(f"{v} {k}" for k, v in n.items()))
     if result["best_value"] is not None:
         t.add_row(f"best {metric}", f"{result['best_value']:.4f}")
+        if "best_standard_error" in result:
+            tied = result["tied_with_best"]
+            t.add_row(
+                "  within one standard error",
+                f"+/- {result['best_standard_error']:.4f} on {result['best_scored_on']} samples: "
+                + (f"{'trial' if len(tied) == 1 else 'trials'} {', '.join(map(str, tied))} "
+                   "too, not told apart from it by this set" if tied else "no other trial"),
+            )  # fmt: skip
         for key, value in result["best_params"].items():
             t.add_row(f"  {key}", str(value))
         t.add_row("best run", str(result["best_run"]))

@@ -2,12 +2,20 @@
 and its report page (`--report`).
 
 A failed trial that was queued again (its worker died) is not counted: its retry is.
+
+The best of many trials scored on one validation set is partly luck: for an accuracy, the
+summary gives one binomial standard error of the best value on the samples it was scored on,
+sqrt(p (1 - p) / n), and the complete trials within it of the best (`tied_with_best`), which
+that set cannot tell from it. For a language model's per-token accuracy n is its sequences,
+so the error is an upper bound (a sequence's tokens are not independent draws, but the
+variance of a per-sequence mean in [0, 1] is at most p (1 - p)).
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +25,9 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from hpcml.records import write_text_atomic
+
+EVAL_SAMPLES_ATTR = "eval_samples"
+"""A complete trial's user attribute: the samples its value was scored on."""
 
 
 def retried_numbers(trials: list[FrozenTrial]) -> set[int]:
@@ -40,8 +51,9 @@ def counts(trials: list[FrozenTrial]) -> dict[str, int]:
     return out
 
 
-def summary(study: optuna.Study, storage: str) -> dict[str, Any]:
-    """The study as `hpcml tune --json` prints it."""
+def summary(study: optuna.Study, storage: str, metric: str = "") -> dict[str, Any]:
+    """The study as `hpcml tune --json` prints it; `metric` (tune.metric) names the value, and
+    an accuracy's gets its standard error and the trials tied with the best."""
     trials = study.get_trials(deepcopy=False)
     n = counts(trials)
     out: dict[str, Any] = {
@@ -60,12 +72,33 @@ def summary(study: optuna.Study, storage: str) -> dict[str, Any]:
             best_run=best.user_attrs.get("run_dir"),
             best_trial=best.number,
         )
+        out.update(ties(study, best, metric))
     reasons = sorted(
         {str(t.user_attrs["infeasible"]) for t in trials if "infeasible" in t.user_attrs}
     )
     if reasons:
         out["infeasible_reasons"] = reasons
     return out
+
+
+def ties(study: optuna.Study, best: FrozenTrial, metric: str) -> dict[str, Any]:
+    """For an accuracy scored on n samples: the best value's standard error and the other
+    complete trials within it, best first (see the module docstring); else nothing."""
+    n = best.user_attrs.get(EVAL_SAMPLES_ATTR)
+    if not metric.endswith("val_accuracy") or not n or best.value is None:
+        return {}
+    p = min(max(best.value, 0.0), 1.0)
+    error = math.sqrt(p * (1 - p) / n)
+    close = [
+        t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if t.number != best.number and t.value is not None and abs(best.value - t.value) <= error
+    ]  # fmt: skip
+    close.sort(key=lambda t: (abs(best.value - t.value), t.number))  # type: ignore[operator]
+    return {
+        "best_standard_error": error,
+        "best_scored_on": int(n),
+        "tied_with_best": [t.number for t in close],
+    }
 
 
 PLOTS = ("history", "intermediate", "parallel", "importances")

@@ -38,7 +38,7 @@ from hpcml.errors import ConfigError, HpcmlError, WorkFailed
 from hpcml.tune import budget, feasible, guard, space, tracking
 from hpcml.tune import trial as trial_run
 from hpcml.tune.launcher import OnDemand, preload_for
-from hpcml.tune.report import counts, summary, write_report
+from hpcml.tune.report import EVAL_SAMPLES_ATTR, counts, summary, write_report
 from hpcml.tune.storage import (
     HEARTBEAT_S,
     MAX_RETRY,
@@ -337,6 +337,8 @@ def objective_body(
         trial_run.write_trial_file(run_dir, {**info, "status": "failed", "error": "stopped"})
         raise
     t.set_user_attr(budget.STEPS_ATTR, outcome.steps)
+    if outcome.state == "complete" and outcome.eval_samples is not None:
+        t.set_user_attr(EVAL_SAMPLES_ATTR, outcome.eval_samples)
     t.set_user_attr(budget.SAMPLES_ATTR, outcome.steps * per_step)
     trial_run.write_trial_file(
         run_dir,
@@ -463,7 +465,7 @@ def run_study(job: TuneJob, workers: int, verbose: bool, report: bool = False) -
             lock.release()
     run_workers(job, workers, verbose)
     study = load_study(job, prep)
-    result = summary(study, job.storage)
+    result = summary(study, job.storage, prep.tune.metric)
     if report:
         result["report"] = str(write_report(study, job.out / "report", result))
     if prep.tracked:

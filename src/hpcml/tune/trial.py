@@ -48,6 +48,9 @@ class Outcome:
     error: str | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)
     steps: int = 0
+    eval_samples: int | None = None
+    """The samples its last evaluation scored (`val_samples`): what the value's precision
+    rests on. None when the metric is a named eval set's, whose record does not count them."""
 
 
 class RecordTail:
@@ -159,11 +162,15 @@ def run(
     tail = RecordTail(run_dir / RUN_LOG)
     curve: list[tuple[int, float]] = []
     steps = 0
+    samples: int | None = None
 
     def read() -> list[dict[str, Any]]:
-        nonlocal steps
+        nonlocal steps, samples
         records = tail.read()
         steps = max([steps] + [int(r["step"]) for r in records if r.get("kind") == "step"])
+        for r in records:
+            if r.get("kind") == "eval" and "/" not in metric and "val_samples" in r:
+                samples = int(r["val_samples"])
         return records
 
     proc = _start(command, run_dir, launcher)
@@ -196,7 +203,7 @@ def run(
         raise
     assert proc.returncode is not None
     outcome = _finished(proc.returncode, run_dir, metric, curve, last_step)
-    outcome.steps = steps
+    outcome.steps, outcome.eval_samples = steps, samples
     return outcome
 
 
