@@ -5,7 +5,9 @@ The parent is made once and its id kept in the Optuna study (`mlflow_parent_run_
 every worker and every later tune of the study nest under it. A trial's `hpcml train` logs
 itself as usual (params, the metric curve, its status: FINISHED, KILLED when pruned, FAILED);
 the tuner only names its parent (the `mlflow.parentRunId` tag MLflow nests runs by) and adds
-the trial's Optuna state as the tag `hpcml.tune.state`. An infeasible trial, which never
+the trial's Optuna state as the tag `hpcml.tune.state`. A run stopped after its last
+evaluation (the verdict came as it ended) ended KILLED with its training done: the study counts
+it complete, and the tuner sets its MLflow status to FINISHED to match. An infeasible trial, which never
 trains, gets a child run made by the tuner with its parameters and that tag.
 """
 
@@ -69,7 +71,13 @@ def record_trial(
     client, uri = open_client(cfg.tracking.uri)
     tracked = read_tracking_state(run_dir) if run_dir is not None else None
     if tracked is not None:
-        client.set_tag(tracked["run_id"], STATE_TAG, state)
+        run_id = tracked["run_id"]
+        client.set_tag(run_id, STATE_TAG, state)
+        if state == "complete" and client.get_run(run_id).info.status != "FINISHED":
+            # Stopped by a verdict that came after its last evaluation, the run ended KILLED
+            # with all its training done; the study counts it complete, and so does MLflow.
+            client.set_tag(run_id, "hpcml.tune.note", "stopped after its last evaluation")
+            client.set_terminated(run_id, status="FINISHED")
         return
     experiment_id = get_or_create_experiment(client, uri, cfg.tracking.experiment)
     tags = {
