@@ -102,6 +102,13 @@ def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def session_shared_dir(factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every xdist worker of this pytest session shares (their base folders' parent,
+    new each session: a later session, perhaps with other code, never reads it)."""
+    base = factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _hpcml_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The shard hash cache (`hpcml.data.shards.hash_cache`, else ~/.cache/hpcml) goes to this
@@ -111,8 +118,7 @@ def _hpcml_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # The traced steps (hpcml.train.trace_cache: a file per config, written whole by a rename)
     # in one folder of this session's that every xdist worker shares, as one user's runs do:
     # each worker tracing the same configs again cost the suite a cold trace per config each.
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "plan-traces"
+    shared = session_shared_dir(tmp_path_factory, "plan-traces")
     shared.mkdir(exist_ok=True)
     (cache / "plan_traces").symlink_to(shared, target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:

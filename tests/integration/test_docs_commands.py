@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 from tests import forked
-from tests.conftest import system_binary
+from tests.conftest import session_shared_dir, system_binary
 from tests.fork_shim import ShimServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -264,10 +264,8 @@ def test_every_command_block_is_labelled_and_every_skip_names_its_test(page: Pat
 
 @pytest.fixture(scope="session")
 def docs_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One folder per pytest session: under xdist the workers' base folders share a parent
-    that is new each session (a later session, perhaps with other code, never reads it)."""
-    base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-cache"
+    """One folder per pytest session, shared by its xdist workers."""
+    return session_shared_dir(tmp_path_factory, "docs-cache")
 
 
 @pytest.fixture(scope="module")
