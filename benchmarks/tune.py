@@ -2,18 +2,24 @@
 (examples/tune_digits.yaml), through the real `hpcml tune`, one worker per tune, at an equal
 budget of training samples (or steps).
 
-The arms: ASHA + TPE (the example's search: 3 random start-up trials, rungs at steps 20
-and 40), the same before this session's change (`asha+tpe before`: 5 start-up trials, rungs
-at 20 and 60, the end), and random search without pruning, each trial evaluated once, at its
-end (it needs no evaluation before); `--arms` adds Hyperband + TPE (two brackets here: one
-with ASHA's rungs at 20 and 40, one with a rung at 40 only). Random search's
+Trials of 180 steps by default (`--steps`): the example's space with a trial of 180 steps,
+where the pruners' first rung (20, the first evaluation after the longest warmup) is 1/9 of
+a trial and the factor between rungs is 3 (rungs at 20 and 60), as in ASHA's own setting.
+At the example's 60 steps (kept short for the tests) the first rung is a third of a trial,
+so pruning saves at most two thirds of a bad one, and on this task the benchmark's question
+there is a coin flip for any search (benchmarks/tune_replay.py; archive/tune_steps60.json).
+
+The arms: ASHA + TPE (the example's search: 3 random start-up trials) and random search
+without pruning, each trial evaluated once, at its end (it needs no evaluation before);
+`--arms` adds the same search before an earlier change (`asha+tpe before`: 5 start-up trials,
+a reduction factor of 3) and Hyperband + TPE. Random search's
 `tune.seed` is the seed, the model-guided arms' the seed + 1000, so TPE's random start-up
-trials are not random search's first points (they were, until this session: a head start
-the method did not earn); the model-guided arms share theirs, a paired comparison of them.
+trials are not random search's first points (they were once: a head start the method did
+not earn); the model-guided arms share theirs, a paired comparison of them.
 The budget: every arm gets the same `tune.sample_budget`, B =
-`--budget-trials` trials of `--steps` steps at the example's batch of 32 (23,040 samples =
-12 x 60 x 32 by default): a step of batch 64 costs twice one of 32, as it does on the machine.
-A trial starts only if the largest trial (60 steps at batch 64) still fits, so no arm spends
+`--budget-trials` trials of `--steps` steps at the example's batch of 32 (69,120 samples =
+12 x 180 x 32 by default): a step of batch 64 costs twice one of 32, as it does on the machine.
+A trial starts only if the largest trial (all its steps at batch 64) still fits, so no arm spends
 more than B; a pruned trial gives back what it did not run. `--budget-unit steps` gives every
 arm `tune.step_budget` = `--budget-trials` x `--steps` instead (the earlier benchmark).
 
@@ -25,11 +31,12 @@ validation set: a smaller difference is below what that set can resolve) in <= 0
 search's time? Answered per seed from the trace: the arm's time to reach it over random's time
 to finish its search (its last trial's end), and the arm's best after half of random's time
 and after half the budget (the latter free of the machine's load). Then the median and the
-spread (min to max) over the seeds. With --side-by-side every tune (every arm of every seed)
+spread (min to max) over the seeds, and, for scale, the same question asked of random search's
+own trace (a seed where luck alone answers yes cannot tell a better search from luck). With --side-by-side every tune (every arm of every seed)
 runs at once, so a change in the machine's load hits every arm alike.
 
     python benchmarks/tune.py --seeds 0 1 2 --side-by-side  # the committed result
-    python benchmarks/tune.py [--budget-trials 12] [--steps 60] [--arms ...] [--side-by-side]
+    python benchmarks/tune.py [--budget-trials 12] [--steps 180] [--arms ...] [--side-by-side]
     python benchmarks/tune.py --from-json benchmarks/results/tune.json  # the tables again
 
 `--startup N` first measures what starting one trial costs, N alternating rounds of a 1-step
@@ -57,6 +64,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -171,7 +180,8 @@ def tune(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hpcml-bench-tune-") as tmp:
         out = Path(tmp) / "study"
         cmd = [
-            sys.executable, "-m", "hpcml", "tune", str(CONFIG), *arm_overrides(arm, args.steps),
+            sys.executable, "-m", "hpcml", "tune", str(config_for(args, Path(tmp))),
+            *arm_overrides(arm, args.steps),
             f"tune.seed={tune_seed(arm, seed)}", f"train.max_steps={args.steps}",
             f"{key}={budget}",
             "--trials", str(budget), "--out", str(out), "--json",  # the budget ends it first
@@ -210,6 +220,18 @@ def tune(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "trace": trace(trials, started),
         "per_trial": [{k: v for k, v in t.items() if k != "ended_at"} for t in trials],
     }
+
+
+def config_for(args: argparse.Namespace, folder: Path) -> Path:
+    """The example, or with `--lr LOW HIGH` a copy in `folder` whose space searches the learning
+    rate in that range (the study's name stays the example's)."""
+    if args.lr is None:
+        return CONFIG
+    data = yaml.safe_load(CONFIG.read_text())
+    data["tune"]["space"]["optim.lr"].update(low=args.lr[0], high=args.lr[1])
+    path = folder / CONFIG.name
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 def same_within(best: float, n: int) -> float:
@@ -340,9 +362,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budget-trials", type=int, default=12, help="B = this many trials")
     p.add_argument("--budget-unit", choices=("samples", "steps"), default="samples")
-    p.add_argument("--steps", type=int, default=60, help="train.max_steps of a trial")
+    p.add_argument("--steps", type=int, default=180, help="train.max_steps of a trial")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--arms", nargs="*", choices=ARMS, default=[ASHA, ASHA_BEFORE, RANDOM])
+    p.add_argument("--lr", type=float, nargs=2, help="search the learning rate in this range")
+    p.add_argument("--arms", nargs="*", choices=ARMS, default=[ASHA, RANDOM])
     p.add_argument("--side-by-side", action="store_true", help="run every tune at once")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     p.add_argument("--startup", type=int, default=0, help="rounds of the start-up measurement")
@@ -357,7 +380,7 @@ def main() -> None:
         "what": "hpcml tune on examples/tune_digits.yaml: pruned, model-guided search vs random "
         f"search without pruning at an equal budget of training {unit}, one worker per tune",
         "command": "python benchmarks/tune.py " + " ".join(sys.argv[1:]),
-        "budget_unit": unit, "budget": budget, "max_steps": args.steps,
+        "budget_unit": unit, "budget": budget, "max_steps": args.steps, "lr_range": args.lr,
         "omp_num_threads": args.threads,
         "arm_overrides": {arm: arm_overrides(arm, args.steps) for arm in args.arms},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
@@ -481,7 +504,10 @@ def tune_lines(out: dict[str, Any]) -> list[str]:
     during, unit = out["load_average_during"], out["budget_unit"]
     lines = [
         f"`{out['command']}`: every arm gets a budget of {out['budget']} training {unit} "
-        f"(`tune.{unit[:-1]}_budget`), trials of at most {out['max_steps']} steps, one worker, "
+        f"(`tune.{unit[:-1]}_budget`), trials of at most {out['max_steps']} steps, "
+        + (f"the learning rate searched in {lr[0]:g} to {lr[1]:g}, " if (lr := out.get("lr_range"))
+           else "the example's space, ")
+        + "one worker, "
         f"OMP_NUM_THREADS={out['omp_num_threads']}; random search evaluates each trial once, "
         "at its end. Random search's `tune.seed` is the seed, the model-guided arms' the seed + "
         f"{SEED_OFFSET} (no shared start-up points). Median (min to max) over the seeds. Machine: "

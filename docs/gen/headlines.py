@@ -394,9 +394,15 @@ def tune(d: Doc) -> str:
         for arm, c in d["compared"].items()
     )
     best = ", ".join(f"{arm} {v['best_val_accuracy']['median']:.3f}" for arm, v in s.items())
+    itself = d.get("random_itself")
+    luck = (
+        f"; random search against itself (luck alone) {', '.join(x(t) for t in itself['time_ratio'])}"
+        f" (<= 0.5x for {itself['at_most_half']} of {seeds})"
+        if itself else ""
+    )
     return (
-        f"time to random search's best / random's time over the seeds: {arms}; best val accuracy "
-        f"{best} at an equal budget of {d['budget']} training {d['budget_unit']}"
+        f"time to random search's best / random's time over the seeds: {arms}{luck}; best val "
+        f"accuracy {best} at an equal budget of {d['budget']} training {d['budget_unit']}"
     )
 
 

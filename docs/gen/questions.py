@@ -291,6 +291,10 @@ ARCHIVE: dict[str, str] = {
     "tune_shared_startup": "tune",
     "tune_seeds_3_5": "tune",
     "tune_budget24": "tune",
+    "tune_steps60": "tune",
+    "tune_replay": "tune",
+    "tune_replay_steps180": "tune",
+    "tune_replay_wide": "tune",
     "llm_step_profile": "llm_step_profile_gpt2_small",
     "llm_step_profile_gpt2_small_loaded": "llm_step_profile_gpt2_small",
 }
