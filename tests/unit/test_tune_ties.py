@@ -46,9 +46,11 @@ def test_trials_within_one_standard_error_of_the_best_are_tied_with_it() -> None
     assert out["tied_with_best"] == [5, 1]  # closest first
 
 
-def test_an_eval_set_accuracy_counts_too_but_a_loss_or_uncounted_samples_do_not() -> None:
+def test_a_loss_or_an_accuracy_without_its_sample_count_gets_no_error() -> None:
+    """A loss has no binomial error; an accuracy whose run did not count its samples (a named
+    eval set's) cannot have one."""
     values = [(0.9, TrialState.COMPLETE), (0.89, TrialState.COMPLETE)]
-    assert summary(study_of(values, 100), "m", "holdout/val_accuracy")["tied_with_best"] == [1]
-    for metric, n in (("val_loss", 100), ("val_accuracy", None)):
+    assert summary(study_of(values, 100), "m", "val_accuracy")["tied_with_best"] == [1]
+    for metric, n in (("val_loss", 100), ("holdout/val_accuracy", None)):
         out = summary(study_of(values, n), "m", metric)
         assert "best_standard_error" not in out and "tied_with_best" not in out, (metric, n)

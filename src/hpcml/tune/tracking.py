@@ -7,8 +7,8 @@ itself as usual (params, the metric curve, its status: FINISHED, KILLED when pru
 the tuner only names its parent (the `mlflow.parentRunId` tag MLflow nests runs by) and adds
 the trial's Optuna state as the tag `hpcml.tune.state`. A run stopped after its last
 evaluation (the verdict came as it ended) ended KILLED with its training done: the study counts
-it complete, and the tuner sets its MLflow status to FINISHED to match. An infeasible trial, which never
-trains, gets a child run made by the tuner with its parameters and that tag.
+it complete, and the tuner sets its MLflow status to FINISHED to match. An infeasible trial,
+which never trains, gets a child run made by the tuner with its parameters and that tag.
 """
 
 from __future__ import annotations
