@@ -8,7 +8,9 @@ code: each arm is a real Optuna sampler and pruner (`ask`, `report`, `should_pru
 and a trial's curve is the measured curve of the nearest configuration in the table (same batch
 size; nearest in log10 lr, then warmup and log10 weight decay). The table comes from real
 `hpcml train` runs of examples/tune_digits.yaml (`--collect N`: random search over the
-example's space, no pruning, an evaluation every 5 steps), saved beside the result. What it
+example's space, no pruning, an evaluation every `--every` steps; `--collect-lr LO HI` over
+another learning-rate range, `--append` adding to the saved table), saved beside the result
+(`table_sources` says how each part was measured). What it
 does not replay: wall time (start-up and evaluations; benchmarks/tune.py measures them: a
 pruned search pays more starts), parallel workers, and a configuration's own noise beyond its
 neighbours'. So the ratio here is in training samples, as benchmarks/tune.py's `samples ratio`.
@@ -21,6 +23,9 @@ what luck alone answers.
 
     python benchmarks/tune_replay.py --collect 90   # the table (about 15 min), then the replay
     python benchmarks/tune_replay.py                # the replay again on the saved table
+    python benchmarks/tune_replay.py --steps 180 --budget-trials 12 --name tune_replay_steps180
+    python benchmarks/tune_replay.py --steps 180 --lr 1e-5 1 --budget-trials 12 \
+        --name tune_replay_wide                     # the space with lr over five decades
 
 Writes benchmarks/results/archive/tune_replay.{json,md} (`--name`).
 """
@@ -155,8 +160,9 @@ Arm = Callable[[int], tuple[optuna.samplers.BaseSampler, optuna.pruners.BasePrun
 
 def arms(steps: int) -> dict[str, Arm]:
     """The arms replayed: hpcml tune's example search (TPE, 3 random start-up trials, ASHA
-    with rungs at 20 and 40 on 60 steps), its variants, and random search. The model-guided
-    arms' seed is the seed + 1000, as in benchmarks/tune.py."""
+    with rungs from step 20 at the factor `hpcml tune` picks: 2 at 60 steps, 3 at 180), its
+    variants, and random search. The model-guided arms' seed is the seed + 1000, as in
+    benchmarks/tune.py."""
     every = list(range(20, steps + 1, 20))
     sh = optuna.pruners.SuccessiveHalvingPruner
 
