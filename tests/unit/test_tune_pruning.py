@@ -22,12 +22,13 @@ from hpcml.tune.study import make_pruner
 LR = {"optim.lr": FloatDistribution(1e-4, 1e-1, log=True)}
 
 
-def _study_at_rung_0(url: str) -> optuna.Study:
+def _study_at_rung_0(url: str, pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
     """A study whose ASHA (rungs at steps 20 and 60) holds three finished trials at rung 0."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(
         study_name="s", storage=st.open_storage(url), direction="maximize",
-        pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=20, reduction_factor=3),
+        pruner=pruner or optuna.pruners.SuccessiveHalvingPruner(min_resource=20,
+                                                                 reduction_factor=3),
     )  # fmt: skip
     for i, value in enumerate((0.90, 0.91, 0.92)):
         study.add_trial(
@@ -81,6 +82,34 @@ def test_a_retried_trial_is_judged_from_the_first_rung_and_starts_clean(
         assert "completed_rung_0" not in queued[0].system_attrs
 
 
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_a_retry_does_not_compete_with_its_own_dead_attempt(tmp_path: Path, kind: str) -> None:
+    """The dead attempt keeps the rung value it reported (0.95, the best at rung 0): with it
+    among the competitors the retry's 0.93 is second of five, outside the top third, and was
+    pruned; without it, 0.93 is the best of four and goes on. hpcml's asha pruner, on both
+    storages, the attempt failed and queued again by the tuner's dead-worker check."""
+    url = st.default_storage(tmp_path) if kind == "journal" else f"sqlite:///{tmp_path}/s.db"
+    cfg = load_config(None, ["train.eval_every=20", "train.max_steps=180"])
+    pruner = make_pruner(TuneConfig(pruner="asha", reduction_factor=3), cfg, {})
+    study = _study_at_rung_0(url, pruner)
+    dead = study.ask(LR)
+    dead.report(0.95, 20)
+    assert not dead.should_prune()
+    dead.set_user_attr("worker", {"host": os.uname().nodename, "pid": os.getpid(), "started": "0"})
+    st.fail_dead_trials(study)
+    retry = study.ask()
+    assert optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(
+        study._storage.get_trial(retry._trial_id)
+    ) == [dead.number]
+    retry.report(0.93, 20)
+    assert not retry.should_prune()
+    # A new trial still competes with every live trial, the retry's 0.93 among them: 0.915 is
+    # third of five, outside the top third (5 // 3 = 1).
+    other = study.ask(LR)
+    other.report(0.915, 20)
+    assert other.should_prune()
+
+
 def test_the_rungs_act_at_evaluations_before_the_end() -> None:
     """asha's and hyperband's reduction factor: 3, unless 3 leaves one rung that acts before
     the longest trial's end and 2 leaves more (the digits example: rungs 20 and 60, the end,
@@ -88,7 +117,8 @@ def test_the_rungs_act_at_evaluations_before_the_end() -> None:
     warmup = {"optim.warmup_steps": IntDistribution(0, 10, step=5)}
     digits = load_config(None, ["train.eval_every=20", "train.max_steps=60"])
     for name in ("asha", "hyperband"):
-        pruner = make_pruner(TuneConfig(pruner=name), digits, warmup)  # type: ignore[arg-type]
+        made = make_pruner(TuneConfig(pruner=name), digits, warmup)  # type: ignore[arg-type]
+        pruner = getattr(made, "inner", made)  # asha: behind WithoutRetriedAttempts
         assert (pruner._min_resource, pruner._reduction_factor) == (20, 2), name  # type: ignore[attr-defined]
     # Rungs act at the evaluation at or after their step: evaluated at 40 and 60 only, 2's
     # rungs at 20 and 40 both act at 40, so 2 gains nothing and 3 stays.

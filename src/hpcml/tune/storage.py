@@ -17,6 +17,11 @@ Optuna's callback copies the dead attempt's system and user attributes, among th
 pruner's `completed_rung_N` (a retry that inherited rung 0 was first judged at rung 1, so it
 passed the rung where it should have been pruned) and its `heartbeat` (a retry on another host
 looked dead before its own first beat); `Requeue` drops what belonged to that attempt.
+The dead attempt itself keeps its rung values (a finished trial's attributes cannot change),
+and successive halving compares a trial with every trial's rung value, failed ones included:
+the retry would compete with its own dead attempt. `WithoutRetriedAttempts` hides attempts
+that were queued again from successive halving (`asha`). Hyperband's brackets read the
+storage themselves, so there a dead attempt still counts once more at its rungs.
 """
 
 from __future__ import annotations
@@ -98,6 +103,35 @@ class Requeue(RetryHeartbeatStaleTrialCallback):
             k: v for k, v in trial.user_attrs.items() if k not in ATTEMPT_USER_ATTRS
         }
         super().__call__(study, clean)
+
+
+class WithoutRetriedAttempts(optuna.pruners.BasePruner):
+    """`inner` (successive halving) judging each trial against a study without the attempts
+    that were queued again: their retries stand for them."""
+
+    def __init__(self, inner: optuna.pruners.BasePruner) -> None:
+        self.inner = inner
+
+    def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
+        return self.inner.prune(_LiveAttempts(study), trial)  # type: ignore[arg-type]
+
+
+class _LiveAttempts:
+    """A study whose get_trials leaves out attempts queued again (everything else its own)."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._live = study
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._live, name)
+
+    def get_trials(
+        self, deepcopy: bool = True, states: tuple[TrialState, ...] | None = None
+    ) -> list[FrozenTrial]:
+        every = self._live.get_trials(deepcopy=False)
+        retried = {n for t in every for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
+        trials = self._live.get_trials(deepcopy=deepcopy, states=states)
+        return [t for t in trials if t.number not in retried]
 
 
 def _journal(path: Path) -> JournalStorage:

@@ -43,6 +43,7 @@ from hpcml.tune.storage import (
     HEARTBEAT_S,
     MAX_RETRY,
     Requeue,
+    WithoutRetriedAttempts,
     fail_dead_trials,
     heartbeat,
     open_storage,
@@ -174,7 +175,8 @@ def make_pruner(
     eta = budget.reduction_factor(tune, cfg, dists or {})
     p = optuna.pruners
     if tune.pruner == "asha":
-        return p.SuccessiveHalvingPruner(min_resource=first, reduction_factor=eta)
+        inner = p.SuccessiveHalvingPruner(min_resource=first, reduction_factor=eta)
+        return WithoutRetriedAttempts(inner)
     if tune.pruner == "hyperband":
         return p.HyperbandPruner(
             min_resource=first,
