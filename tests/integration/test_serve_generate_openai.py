@@ -120,6 +120,15 @@ def test_lm_eval_loglikelihood_requests_get_the_model_logprobs(
     lps = done.choices[0].logprobs
     assert lps is not None and lps.token_logprobs is not None
     assert len(lps.token_logprobs) == len(ids[0])
+    # A prompt as long as the context (128) cannot be scored: the refusal names what was sent
+    # (max_tokens 0), not the one token the engine computes past it.
+    full = list(range(32, 32 + ARGS["max_seq_len"]))
+    with pytest.raises(openai.BadRequestError, match=r"fills the model's context of 128 .*"
+                       r"max_tokens 0.* shorten it by 1 token") as refused:  # fmt: skip
+        c.completions.create(model="tiny", prompt=full, max_tokens=0, echo=True, logprobs=0)
+    assert "max_tokens (1)" not in str(refused.value)
+    ok = c.completions.create(model="tiny", prompt=full[:-1], max_tokens=0, echo=True, logprobs=0)
+    assert ok.choices[0].logprobs is not None and len(ok.choices[0].logprobs.tokens or []) == 127
 
 
 def test_models_stream_usage_n_and_max_tokens_null(client: tuple[openai.OpenAI, GPT]) -> None:

@@ -5,7 +5,8 @@ The request and answer follow OpenAI's legacy Completions API (what the official
 client's `client.completions.create` sends and reads): a prompt is a string, a list of token
 ids, or a list of several of either (each gets `n` choices, index prompt * n + sample);
 `max_tokens` null generates until the model's context (or the KV cache) is full, 0 with `echo`
-scores the prompt only; `logprobs` k (at most 20) reports each token's log-probability and the
+scores the prompt only (a prompt shorter than the context: one token past it is computed and
+not returned); `logprobs` k (at most 20) reports each token's log-probability and the
 k most likely tokens, for the prompt too with `echo` (what lm-eval-harness's loglikelihood
 reads); presence and frequency penalties as OpenAI defines them. `stream: true` answers with
 server-sent events, one `text_completion` chunk per text delta, a last chunk with `usage` when
@@ -203,6 +204,20 @@ def room(service: GenerationService, prompt: list[int]) -> int:
     return limit - len(prompt)
 
 
+def scoring_fits(service: GenerationService, prompt: list[int]) -> None:
+    """A prompt scored with `echo` and max_tokens 0 is run with one token generated and not
+    returned (the prompt's logprobs come with it), so it takes one position past the prompt:
+    BadRequest, saying so, when the prompt fills the model's context or the KV cache."""
+    limit = min(service.max_seq_len, service.capacity)
+    if len(prompt) >= limit:
+        raise BadRequest(
+            f"the prompt ({len(prompt)} tokens) fills the model's context of {limit} tokens; "
+            "scoring it (echo with max_tokens 0) takes one position more, for a token computed "
+            f"and not returned; shorten it by {len(prompt) - limit + 1} token(s).",
+            "prompt",
+        )
+
+
 def sampling_of(
     req: CompletionRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
 ) -> SamplingParams:
@@ -227,6 +242,8 @@ def checked_choices(service: GenerationService, req: CompletionRequest) -> list[
     prompts = prompts_of(req, service.tokenizer)
     choices = []
     for i, prompt in enumerate(prompts):
+        if req.max_tokens == 0:
+            scoring_fits(service, prompt)
         limit = room(service, prompt) if req.max_tokens is None else max(1, req.max_tokens)
         params = sampling_of(req, limit, req.logprobs, req.logprobs if req.echo else None)
         service.check(prompt, params)
