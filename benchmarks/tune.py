@@ -32,8 +32,9 @@ search's time? Answered per seed from the trace: the arm's time to reach it over
 to finish its search (its last trial's end), and the arm's best after half of random's time
 and after half the budget (the latter free of the machine's load). Then the median and the
 spread (min to max) over the seeds, and, for scale, the same question asked of random search's
-own trace (a seed where luck alone answers yes cannot tell a better search from luck). With --side-by-side every tune (every arm of every seed)
-runs at once, so a change in the machine's load hits every arm alike.
+own trace (a seed where luck alone answers yes cannot tell a better search from luck). With
+--side-by-side every tune (every arm of every seed) runs at once, so a change in the machine's
+load hits every arm alike.
 
     python benchmarks/tune.py --seeds 0 1 2 --side-by-side  # the committed result
     python benchmarks/tune.py [--budget-trials 12] [--steps 180] [--arms ...] [--side-by-side]
