@@ -457,8 +457,13 @@ def test_triton_perf_analyzer_measures_the_server_unchanged(
     # The report's two sections: what it measured, and the server's side of it.
     client, server = re.split(r"\n  Server: *\n", r.stdout)
     assert _number("Request count", client) == sent
-    # The server's side, from the statistics endpoint: every request it sent, each one answered.
-    assert _number("Successful request count", server) == _number("Inference count", server) == sent
+    # The server's side, from the statistics endpoint: what perf_analyzer counts between its two
+    # reads of the model's statistics, each request answered. Its window can miss a request
+    # answered at its edge (39 of 40 seen once on a busy 2-core machine, with the server's own
+    # count exact); it never holds more than it sent. Every request reaching the server is
+    # counted exactly below, by the test's own reads.
+    answered = _number("Successful request count", server)
+    assert answered == _number("Inference count", server) and 0 < answered <= sent
     assert _requests_total(served, protocol) == before + sent  # and none besides
     (row,) = csv.DictReader(report.open())
     assert row["Concurrency"] == "2"
