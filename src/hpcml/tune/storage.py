@@ -40,6 +40,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpcml.errors import ConfigError
 from hpcml.tune import trial as trial_run
+from hpcml.tune.report import retried_numbers
 
 HEARTBEAT_S = 10
 """A running trial's heartbeat (one small write to the storage)."""
@@ -128,10 +129,12 @@ class _LiveAttempts:
     def get_trials(
         self, deepcopy: bool = True, states: tuple[TrialState, ...] | None = None
     ) -> list[FrozenTrial]:
-        every = self._live.get_trials(deepcopy=False)
-        retried = {n for t in every for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
-        trials = self._live.get_trials(deepcopy=deepcopy, states=states)
-        return [t for t in trials if t.number not in retried]
+        every = self._live.get_trials(deepcopy=deepcopy)  # one read: retries name any state
+        retried = retried_numbers(every)
+        return [
+            t for t in every
+            if t.number not in retried and (states is None or t.state in states)
+        ]  # fmt: skip
 
 
 def _journal(path: Path) -> JournalStorage:
